@@ -1,0 +1,5 @@
+"""popart_compiler: the compiler and runtime of the simulated IPU (our PopART).
+
+It never imports ``poptorch``. Graph in (a ``torch.export`` program), outputs out.
+"""
+from .errors import Error, RecoverableError, UnrecoverableError  # noqa: F401

@@ -1,0 +1,96 @@
+"""The backend logger ``poptorch:cpp`` (spec S-90).
+
+Format ``[HH:MM:SS.mmm] [poptorch:cpp] [<level>] <msg>``; destination from
+``POPTORCH_LOG_DEST`` (``stderr`` default, ``stdout`` or a file path); level from
+``POPTORCH_LOG_LEVEL`` (default ``WARN``). ``poptorch.setLogLevel`` changes it together
+with the Python logger.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+__all__ = ["logger", "LEVELS", "level_from_name", "set_level"]
+
+#: PopTorch level names → Python logging levels (S-90).
+LEVELS = {
+    "TRACE": logging.DEBUG,
+    "TRACE_ALL": logging.DEBUG,
+    "DEBUG": logging.DEBUG,
+    "DEBUG_IR": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARN": logging.WARNING,
+    "ERR": logging.ERROR,
+    "OFF": logging.CRITICAL,
+}
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, name: str, lowercase: bool):
+        super().__init__()
+        self._name = name
+        self._lowercase = lowercase
+
+    def format(self, record: logging.LogRecord) -> str:
+        t = time.localtime(record.created)
+        stamp = time.strftime("%H:%M:%S", t) + f".{int(record.msecs):03d}"
+        level = {"WARNING": "warning", "CRITICAL": "critical"}.get(
+            record.levelname, record.levelname.lower())
+        if not self._lowercase:
+            level = level.upper()
+        msg = record.getMessage()
+        if record.exc_info:
+            msg += "\n" + self.formatException(record.exc_info)
+        return f"[{stamp}] [{self._name}] [{level}] {msg}"
+
+
+class _StreamHandler(logging.StreamHandler):
+    """Writes to the *current* ``sys.stderr``/``sys.stdout`` so that pytest's capture works."""
+
+    def __init__(self, dest: str):
+        super().__init__()
+        self._dest = dest
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stdout if self._dest == "stdout" else sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def make_logger(name: str, lowercase: bool, dest: str = "stderr") -> logging.Logger:
+    """A logger with PopTorch's line format, not propagating to the root logger."""
+    log = logging.getLogger(name)
+    if not log.handlers:
+        if dest in ("stderr", "stdout"):
+            handler: logging.Handler = _StreamHandler(dest)
+        else:
+            handler = logging.FileHandler(dest)
+        handler.setFormatter(_Formatter(name, lowercase))
+        log.addHandler(handler)
+        log.propagate = False
+    return log
+
+
+def level_from_name(name: str) -> int:
+    """Python logging level of a PopTorch level name; ``ValueError`` if unknown."""
+    if name not in LEVELS:
+        raise ValueError(f"Unknown log level: {name}. Valid values are DEBUG, ERR, INFO, "
+                         "OFF, TRACE and WARN")
+    return LEVELS[name]
+
+
+logger = make_logger("poptorch:cpp", lowercase=True,
+                     dest=os.environ.get("POPTORCH_LOG_DEST", "stderr") or "stderr")
+
+
+def set_level(name: str) -> None:
+    """Set the backend logger's level from a PopTorch level name."""
+    logger.setLevel(level_from_name(name))
+
+
+set_level(os.environ.get("POPTORCH_LOG_LEVEL", "WARN") or "WARN")
