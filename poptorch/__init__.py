@@ -1,12 +1,127 @@
-"""PopTorch 3.x on a simulated IPU Model (work in progress: this file is extended as the
-package grows)."""
+"""PopTorch 3.x on a simulated IPU Model built from PyTorch's own compiler stack.
+
+``import poptorch`` gives the PopTorch 3.4 public API (spec api §1): wrap a module with
+:func:`trainingModel` or :func:`inferenceModel`, configure with :class:`Options`, feed
+it with :class:`DataLoader`. Programs run unchanged on any machine: the "device" is an
+IPU Model that executes the captured graph with PyTorch kernels.
+"""
+import faulthandler as _faulthandler
 import os as _os
+import sys as _sys
 
 _os.environ.setdefault("RDMAV_FORK_SAFE", "1")
 
 __version__ = "3.4.0"
 
+import torch as _torch  # noqa: E402
+
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError  # noqa: E402
+
+from . import enums  # noqa: E402
 from .enums import *  # noqa: E402,F401,F403
 from ._logging import logger, setLogLevel  # noqa: E402,F401
 from ._custom_parsers import ICustomArgParser, registerCustomArgParser  # noqa: E402,F401
+from ._impl import isRunningOnIpu  # noqa: E402,F401
+from ._execution_strategy import *  # noqa: E402,F401,F403
+from .options import *  # noqa: E402,F401,F403
+from .ops import *  # noqa: E402,F401,F403
+from ._printing import *  # noqa: E402,F401,F403
+from ._capture import registerPreCompileHook, registerPostCompileHook  # noqa: E402,F401
+from ._poplar_executor import PoplarExecutor  # noqa: E402
+from . import optim  # noqa: E402,F401
+from . import profiling  # noqa: E402,F401
+from ._dataloader import DataLoader, AsynchronousDataAccessor  # noqa: E402,F401
+from . import poptorch_core  # noqa: E402,F401
+from . import options, ops  # noqa: E402,F401
+
+
+def _resolve(model):
+    if isinstance(model, PoplarExecutor):
+        return model._user_model
+    return model
+
+
+def trainingModel(model: _torch.nn.Module, options: "Options" = None,
+                  optimizer: _torch.optim.Optimizer = None) -> PoplarExecutor:
+    """Wrap ``model`` for training on the IPU (spec api §2.1).
+
+    Args:
+        model: a ``torch.nn.Module`` or an existing :class:`PoplarExecutor` (its user
+            model is used). Its ``forward`` must return the loss (S-40).
+        options: :class:`Options` (default: a fresh ``Options()``). The object passed is
+            frozen; the executor keeps a clone. Default output mode: ``Final``.
+        optimizer: a supported optimizer (S-50); default ``poptorch.optim.SGD(lr=0.01)``.
+
+    Returns:
+        A :class:`PoplarExecutor`; nothing is compiled until the first call or
+        ``compile()``. The model is instrumented so that reading its weights on the host
+        pulls the trained values from the device (api §6).
+
+    Raises:
+        RuntimeError: the model is already wrapped by a live training executor.
+        poptorch.Error: ``options`` is not an ``Options``; a buffer is not a plain
+            ``torch.Tensor``.
+        AssertionError / ValueError: unsupported optimizer.
+    """
+    from ._poplar_executor import _TRAINING_WRAPPERS
+    from . import _instrument
+    user_model = _resolve(model)
+    if id(user_model) in _TRAINING_WRAPPERS and _instrument.is_instrumented(user_model):
+        raise RuntimeError(
+            "Model has already been wrapped in 'poptorch.trainingModel'. Call "
+            "model.destroy() on the model to unwrap it before wrapping it again.")
+    import copy as _copy
+    with _instrument.syncing():
+        model_copy = _copy.copy(user_model)
+    if _instrument.is_instrumented(model_copy):
+        model_copy.__class__ = _instrument.original_class(model_copy)
+        model_copy.__dict__.pop("_poptorch_executor_ref", None)
+    return PoplarExecutor(model_copy, options, True, __version__, optimizer=optimizer,
+                          user_model=user_model)
+
+
+def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> PoplarExecutor:
+    """Wrap ``model`` for inference on the IPU (spec api §2.2).
+
+    Args:
+        model: a ``torch.nn.Module`` or an existing :class:`PoplarExecutor`.
+        options: :class:`Options` (default: a fresh ``Options()``); frozen, cloned.
+            Default output mode: ``All``.
+
+    Returns:
+        A :class:`PoplarExecutor` (compiled on the first call or ``compile()``).
+
+    Raises:
+        poptorch.Error: ``options`` is not an ``Options``; gradient accumulation is not 1.
+    """
+    import copy as _copy
+    from . import _instrument
+    user_model = _resolve(model)
+    with _instrument.syncing():
+        model_copy = _copy.copy(user_model)
+    if _instrument.is_instrumented(model_copy):
+        model_copy.__class__ = _instrument.original_class(model_copy)
+        model_copy.__dict__.pop("_poptorch_executor_ref", None)
+    return PoplarExecutor(model_copy, options, False, __version__, user_model=user_model)
+
+
+def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
+    """Whether physical IPUs are present: always ``False`` here (the IPU Model is the
+    device; spec api §2.5)."""
+    return False
+
+
+def ipuHardwareVersion() -> int:
+    """The IPU architecture version of the hardware (spec api §2.6).
+
+    Raises:
+        AssertionError: "No IPU hardware available on this system" (always: there is no
+            physical IPU).
+    """
+    raise AssertionError("No IPU hardware available on this system")
+
+
+_faulthandler.enable()
+if not _torch.__version__.startswith("2.13"):
+    logger.warning("poptorch %s was tested with torch 2.13; found torch %s",
+                   __version__, _torch.__version__)

@@ -1,0 +1,109 @@
+"""How a compiled graph executes on the IPU Model.
+
+The ``eager`` backend runs the captured ATen graph (an ``fx.GraphModule``) with PyTorch
+eager kernels. For inference graphs without state, :func:`vectorize` turns the
+per-micro-batch graph into one graph over all the micro-batches of a run with
+``torch.func.vmap`` traced by ``make_fx``: the same arithmetic per micro-batch, batched
+kernels instead of a Python loop.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .logging import logger
+
+__all__ = ["vectorize", "simplify"]
+
+
+def simplify(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove identities that vmap's decompositions leave behind (``x * 1``)."""
+    changed = False
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in (aten.mul.Scalar, aten.mul.Tensor) and len(node.args) == 2 \
+                and not isinstance(node.args[1], fx.Node) and node.args[1] == 1 \
+                and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            src_val, val = src.meta.get("val"), node.meta.get("val")
+            if isinstance(src_val, torch.Tensor) and isinstance(val, torch.Tensor) \
+                    and src_val.dtype == val.dtype and src_val.shape == val.shape:
+                node.replace_all_uses_with(src)
+                gm.graph.erase_node(node)
+                changed = True
+    # add(bias, view(mm(a, b))) → view(addmm(bias, a, b)) when bias broadcasts over rows
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.add.Tensor:
+            continue
+        lhs, rhs = node.args[0], node.args[1]
+        if not (isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node)):
+            continue
+        if rhs.target is not aten._unsafe_view.default:
+            lhs, rhs = rhs, lhs
+        if rhs.target is not aten._unsafe_view.default or len(rhs.users) != 1:
+            continue
+        mm = rhs.args[0]
+        if not isinstance(mm, fx.Node) or mm.target is not aten.mm.default or len(mm.users) != 1:
+            continue
+        bias_val = lhs.meta.get("val")
+        mm_val = mm.meta.get("val")
+        out_val = node.meta.get("val")
+        if not (isinstance(bias_val, torch.Tensor) and isinstance(mm_val, torch.Tensor)
+                and isinstance(out_val, torch.Tensor)):
+            continue
+        if bias_val.dim() != 1 or bias_val.shape[0] != mm_val.shape[1] \
+                or bias_val.dtype != mm_val.dtype or out_val.shape != rhs.meta["val"].shape:
+            continue
+        with gm.graph.inserting_before(node):
+            addmm = gm.graph.call_function(aten.addmm.default, (lhs, mm.args[0], mm.args[1]))
+            addmm.meta["val"] = mm_val
+            view = gm.graph.call_function(aten._unsafe_view.default, (addmm, rhs.args[1]))
+            view.meta["val"] = out_val
+        node.replace_all_uses_with(view)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(rhs)
+        gm.graph.erase_node(mm)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+              slots: int) -> Optional[fx.GraphModule]:
+    """Trace ``fn(*state, *inputs)`` vmapped over ``slots`` micro-batches.
+
+    Args:
+        fn: the per-micro-batch graph.
+        state: parameters, buffers and constants (shared by every micro-batch).
+        inputs: one micro-batch of each user input.
+        slots: number of micro-batches run together.
+
+    Returns:
+        A graph module taking ``(*state, *batched_inputs)`` where every batched input has
+        a leading dimension of ``slots``, returning outputs with that leading dimension;
+        ``None`` if the graph cannot be vectorized (the caller then loops).
+    """
+    in_dims = tuple([None] * len(state) + [0] * len(inputs))
+    vmapped = torch.func.vmap(fn, in_dims=in_dims, randomness="different")
+    examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)
+                for x in inputs]
+    try:
+        with torch.no_grad():
+            gm = make_fx(vmapped, tracing_mode="fake")(*state, *examples)
+    except Exception as e:  # no batching rule, data-dependent op, ...
+        logger.debug("Running micro-batches one by one: vectorization failed (%s)", e)
+        return None
+    return simplify(gm)
+
+
+def graph_outputs(gm: fx.GraphModule) -> List[fx.Node]:
+    """The nodes returned by ``gm``."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return list(out.args[0])

@@ -1,0 +1,294 @@
+"""The compiler: a captured :class:`~popart_compiler.ir.Graph` plus
+:class:`~popart_compiler.session_options.SessionOptions` → an :class:`Executable`.
+
+It applies the IPU's rules (supported dtypes, 32-bit types, static shapes), checks the
+execution strategy and the loss of training graphs, resolves anchors, places the graph
+on the device and prepares the runners of the backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from . import backends
+from .errors import backend_error
+from .ir import Graph
+from .logging import logger
+from .session_options import OUTPUT_MODES, Anchor, SessionOptions
+
+__all__ = ["Compiler", "Executable", "UNSUPPORTED_DTYPES"]
+
+#: dtypes the IPU cannot take as inputs (S-45), with the names PopTorch reports.
+UNSUPPORTED_DTYPES = {
+    torch.bfloat16: "BFloat16",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+    torch.complex32: "ComplexHalf",
+}
+
+_DEMOTE = {torch.float64: torch.float32}
+
+
+@dataclasses.dataclass
+class Executable:
+    """A compiled program, ready to be loaded by a session.
+
+    Attributes:
+        graph: the captured graph (its module is the per-micro-batch runner).
+        options: the session options it was compiled with.
+        training: whether it trains.
+        loss_index: index of the final loss among the user outputs (training).
+        num_ipus: IPUs the program occupies (per replica × replicas).
+        activation_anchors: anchors read from graph outputs appended after the user
+            outputs, in order.
+        state_anchors: anchors on weights, gradients, updated weights or optimizer state.
+        vectorized: for stateless inference, the graph over all micro-batches of a run.
+        tensor_names: every tensor name of the program (S-16).
+        compile_seconds: wall-clock time of the compilation.
+    """
+    graph: Graph
+    options: SessionOptions
+    training: bool
+    loss_index: Optional[int]
+    num_ipus: int
+    activation_anchors: List[Anchor]
+    state_anchors: List[Anchor]
+    vectorized: Optional[fx.GraphModule]
+    tensor_names: List[str]
+    compile_seconds: float = 0.0
+
+    @property
+    def module(self) -> fx.GraphModule:
+        return self.graph.module
+
+    @property
+    def num_user_outputs(self) -> int:
+        return self.graph.num_user_outputs
+
+
+def _replace_in(value, mapping):
+    if isinstance(value, torch.dtype):
+        return mapping.get(value, value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace_in(v, mapping) for v in value)
+    return value
+
+
+def _rewrite_args(gm: fx.GraphModule, mapping) -> bool:
+    """Replace dtypes / devices in every node's arguments; True if anything changed."""
+    changed = False
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            if node.op != "call_function":
+                continue
+            args = _replace_in(node.args, mapping)
+            kwargs = {k: _replace_in(v, mapping) for k, v in node.kwargs.items()}
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                changed = True
+        if changed:
+            sub.recompile()
+    return changed
+
+
+class Compiler:
+    """Compiles graphs for the IPU Model (our PopART ``Session`` preparation)."""
+
+    @staticmethod
+    def compile(graph: Graph, options: SessionOptions, training: bool,
+                progress: Optional[Callable[[int, int], None]] = None) -> Executable:
+        """Compile ``graph``.
+
+        Args:
+            graph: the captured program (one micro-batch).
+            options: session options (batching, output mode, anchors, ...).
+            training: compile forward, backward and weight update.
+            progress: called as ``progress(step, total)`` while compiling.
+
+        Raises:
+            Error: unsupported input dtype or zero-sized tensor; output-mode period
+                inconsistent with ``device_iterations``; gradient accumulation in
+                inference; training graph without exactly one final, returned loss;
+                in-place buffer updates with replicas fed different data while
+                ``broadcast_buffers`` is on; unknown anchor; multi-process training.
+        """
+        start = time.perf_counter()
+        total = 6
+        report = progress or (lambda step, total: None)
+        report(0, total)
+        Compiler._check_options(options, training)
+        Compiler._check_inputs(graph)
+        report(1, total)
+        if _rewrite_args(graph.module, _DEMOTE):
+            logger.warning("[DISPATCHER] Type coerced from Double to Float in the graph: "
+                           "the IPU has no 64-bit floating point type")
+        if options.device != "cpu":
+            _rewrite_args(graph.module, {torch.device("cpu"): torch.device(options.device)})
+        report(2, total)
+        loss_index = Compiler._check_loss(graph) if training else None
+        Compiler._check_buffers(graph, options)
+        report(3, total)
+        activation, state = Compiler._resolve_anchors(graph, options, training)
+        report(4, total)
+        vectorized = None
+        slots = options.device_iterations * options.replication_factor
+        if (not training and slots > 1 and not graph.mutated_buffers
+                and not graph.mutated_inputs and not graph.mutated_constants
+                and not options.synthetic_data and graph.has_device_work()):
+            vectorized = Compiler._vectorize(graph, slots, options.device)
+        report(5, total)
+        if not graph.has_device_work():
+            logger.info("No IPUs are used by this model. This may lead to unexpected "
+                        "behaviour.")
+        names = Compiler._tensor_names(graph, training)
+        exe = Executable(graph, options, training, loss_index,
+                         num_ipus=options.replication_factor,
+                         activation_anchors=activation, state_anchors=state,
+                         vectorized=vectorized, tensor_names=names)
+        exe.compile_seconds = time.perf_counter() - start
+        report(total, total)
+        return exe
+
+    # -- checks -------------------------------------------------------------------
+
+    @staticmethod
+    def _check_options(options: SessionOptions, training: bool) -> None:
+        if options.output_mode not in OUTPUT_MODES:
+            raise backend_error(f"Invalid output mode {options.output_mode}: pick one of "
+                                "All, EveryN, Final, Sum.")
+        if options.output_mode == 1:
+            period, steps = options.output_return_period, options.device_iterations
+            if period > steps:
+                raise backend_error("Return period must be <= to the number of batches "
+                                    f"per step ({period} > {steps}).")
+            if steps % period:
+                raise backend_error("Return period must be a factor of the number of "
+                                    f"batches per step ({steps} % {period} != 0).")
+        for anchor in options.anchors:
+            if anchor.output_mode == 1 and (
+                    anchor.return_period > options.device_iterations
+                    or options.device_iterations % anchor.return_period):
+                raise backend_error(
+                    f"Return period of anchor {anchor.name} must be <= to and a factor of "
+                    "the number of batches per step.")
+        if not training and options.gradient_accumulation != 1:
+            raise backend_error("Gradient accumulation must be 1 for an inference model.")
+        if options.replication_factor < 1 or options.device_iterations < 1 \
+                or options.gradient_accumulation < 1:
+            raise backend_error("deviceIterations, replicationFactor and "
+                                "gradientAccumulation must be positive integers.")
+        if training and options.num_processes > 1:
+            raise backend_error(
+                "Multi-process (distributed) training is not supported by the IPU Model "
+                f"simulator ({options.num_processes} processes requested): run a single "
+                "process with Options.replicationFactor instead.")
+
+    @staticmethod
+    def _check_inputs(graph: Graph) -> None:
+        for node in graph.placeholders:
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            if val.dtype in UNSUPPORTED_DTYPES:
+                raise backend_error("Unsupported tensor input type from pytorch: "
+                                    f"{UNSUPPORTED_DTYPES[val.dtype]}. Convert it with "
+                                    ".float() or .half() before calling the model.")
+            if val.numel() == 0:
+                raise backend_error(f"Zero-sized tensors are unsupported (Got shape "
+                                    f"{list(val.shape)})")
+
+    @staticmethod
+    def _check_loss(graph: Graph) -> int:
+        finals = graph.final_losses()
+        if not finals:
+            raise backend_error(
+                "Couldn't find a loss in graph! A training model must compute its loss "
+                "with a PyTorch loss (e.g. torch.nn.functional.cross_entropy) or "
+                "poptorch.identity_loss and return it from forward.")
+        if len(finals) > 1:
+            raise backend_error(
+                "Multiple independent losses found in graph: "
+                f"{', '.join(n.name for n in finals)}. Graph must have a single final "
+                "loss: wrap the final combined loss in poptorch.identity_loss(loss, "
+                "reduction=...).")
+        loss = finals[0]
+        for i, node in enumerate(graph.output_nodes):
+            if node is loss:
+                return i
+        raise backend_error(
+            "The final loss must be returned by the model's forward (e.g. "
+            "`return output, loss`).")
+
+    @staticmethod
+    def _check_buffers(graph: Graph, options: SessionOptions) -> None:
+        if (graph.mutated_buffers and options.broadcast_buffers
+                and options.replication_factor > options.input_group_size):
+            raise backend_error(
+                "PopTorch does not support broadcasting buffers. If your model is able to "
+                "tolerate buffers becoming out of sync between replicas, you can disable "
+                "buffer broadcasting using poptorch.Options.broadcastBuffers(False). "
+                f"Buffers modified in place: {sorted(graph.mutated_buffers)}.")
+
+    # -- anchors, names, vectorization ------------------------------------------------
+
+    @staticmethod
+    def _tensor_names(graph: Graph, training: bool) -> List[str]:
+        names = list(graph.parameters) + list(graph.buffers)
+        if training:
+            for p, trainable in zip(graph.parameters, graph.trainable):
+                if trainable:
+                    names += [f"Gradient___{p}", f"UpdatedVar___{p}"]
+        names += list(graph.activation_names())
+        return names
+
+    @staticmethod
+    def _resolve_anchors(graph: Graph, options: SessionOptions, training: bool
+                         ) -> Tuple[List[Anchor], List[Anchor]]:
+        activation_names = graph.activation_names()
+        activation: List[Anchor] = []
+        state: List[Anchor] = []
+        weights = set(graph.parameters) | set(graph.buffers)
+        trainable = {p for p, t in zip(graph.parameters, graph.trainable) if t}
+        new_outputs: List[fx.Node] = []
+        for anchor in options.anchors:
+            name = anchor.name
+            prefix, _, base = name.partition("___")
+            if name in weights or (training and base in trainable and prefix in (
+                    "Gradient", "UpdatedVar", "Accl", "Accl1", "Accl2", "Accum", "Step")):
+                state.append(anchor)
+            elif name in activation_names:
+                activation.append(anchor)
+                new_outputs.append(activation_names[name])
+            else:
+                raise backend_error(
+                    f"Anchored tensor {name} not found in the graph. Valid names are listed "
+                    "by PoplarExecutor.getTensorNames().")
+        if new_outputs:
+            out = next(n for n in reversed(graph.module.graph.nodes) if n.op == "output")
+            out.args = (tuple(out.args[0]) + tuple(new_outputs),)
+            graph.module.recompile()
+        return activation, state
+
+    @staticmethod
+    def _vectorize(graph: Graph, slots: int, device: str) -> Optional[fx.GraphModule]:
+        values = graph.state_values()
+        names = graph.parameters + graph.buffers + graph.constants
+        state = [values[n].detach().to(device) for n in names]
+        state = [s.float() if s.dtype == torch.float64 else s for s in state]
+        examples = []
+        for info in graph.user_inputs:
+            if info is None:
+                return None
+            examples.append(torch.empty(info.shape, dtype=info.dtype, device=device))
+        return backends.vectorize(graph.module, state, examples, slots)
+
+
+def output_names(graph: Graph) -> Dict[int, str]:
+    """Graph node name of each user output (debugging aid)."""
+    return {i: n.name for i, n in enumerate(graph.output_nodes) if n is not None}

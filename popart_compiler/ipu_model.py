@@ -1,0 +1,125 @@
+"""The IPU Model: the simulated target and its device.
+
+The figures come from ``shared/spec/ipu-hardware.md``. The model executes programs with
+PyTorch kernels (see :mod:`popart_compiler.session`); this module describes the target,
+selects it the way PopTorch selects a device (spec S-64, S-81, S-82) and acquires it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .errors import backend_error
+from .logging import logger
+
+__all__ = ["IpuTarget", "TARGETS", "IpuModel", "MAX_IPUS", "acquire_device"]
+
+#: Largest number of IPUs one process may request (S-64).
+MAX_IPUS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class IpuTarget:
+    """One IPU's public figures.
+
+    Attributes:
+        name: ``"ipu1"`` (GC2), ``"ipu2"`` (GC200) or ``"ipu21"`` (Bow).
+        tiles: tiles per IPU.
+        sram_per_tile: bytes of SRAM per tile.
+        clock_hz: tile clock in Hz.
+        fp16_flops: peak float16 FLOP/s (float32 accumulate).
+        fp32_flops: peak float32 FLOP/s (the ipu2/ipu21 values are unverified).
+    """
+    name: str
+    tiles: int
+    sram_per_tile: int
+    clock_hz: float
+    fp16_flops: float
+    fp32_flops: float
+
+    @property
+    def memory_bytes(self) -> int:
+        """On-chip memory of one IPU in bytes (``tiles × sram_per_tile``)."""
+        return self.tiles * self.sram_per_tile
+
+
+TARGETS = {
+    "ipu1": IpuTarget("ipu1", 1216, 256 * 1024, 1.6e9, 124.5e12, 31.1e12),
+    "ipu2": IpuTarget("ipu2", 1472, 624 * 1024, 1.33e9, 250e12, 62.5e12),
+    "ipu21": IpuTarget("ipu21", 1472, 624 * 1024, 1.85e9, 350e12, 87e12),
+}
+
+
+@dataclasses.dataclass
+class IpuModel:
+    """An attached, simulated multi-IPU device.
+
+    Attributes:
+        target: the per-IPU description.
+        num_ipus: IPUs of the device (IPUs per replica × replicas).
+        small: the 4-tiles-per-IPU model of ``POPTORCH_SMALL_IPU_MODEL``.
+        torch_device: where kernels run (``"cpu"`` or ``"cuda"``).
+        device_id: the id reported in logs.
+    """
+    target: IpuTarget
+    num_ipus: int = 1
+    small: bool = False
+    torch_device: str = "cpu"
+    device_id: int = 0
+
+    @property
+    def tiles_per_ipu(self) -> int:
+        return 4 if self.small else self.target.tiles
+
+    @property
+    def memory_per_ipu(self) -> int:
+        """Bytes of on-chip memory per IPU."""
+        return self.tiles_per_ipu * self.target.sram_per_tile
+
+
+def acquire_device(num_ipus: int, version: str = "ipu2", *, use_ipu_model: bool = True,
+                   explicit_model_request: Optional[bool] = None, small: bool = False,
+                   offline: bool = False, ipu_id: Optional[int] = None,
+                   torch_device: str = "cpu") -> Optional[IpuModel]:
+    """Select and acquire the device, as PopTorch does (S-64, S-81, S-82).
+
+    Args:
+        num_ipus: IPUs needed (per replica × replication factor).
+        version: IPU Model version, ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
+        use_ipu_model: ``False`` asks for physical IPUs, which this machine never has.
+        explicit_model_request: ``True`` when the IPU Model was explicitly requested
+            (``useIpuModel(True)`` or ``POPTORCH_IPU_MODEL``); used for the offline check.
+        small: use the 4-tile IPU Model.
+        offline: ``ConnectionType.Never``: compile only, no device is returned.
+        ipu_id: a specific device id (``Options.useIpuId``).
+        torch_device: where the kernels run.
+
+    Returns:
+        The attached :class:`IpuModel`, or ``None`` for offline compilation.
+
+    Raises:
+        Error: more than 64 IPUs; offline compilation with the IPU Model explicitly
+            requested; offline targeting of a specific id; physical IPUs requested.
+    """
+    if num_ipus > MAX_IPUS:
+        raise backend_error(
+            f"Too many IPUs requested ({num_ipus}). Experiments that need more than "
+            f"{MAX_IPUS} IPUs require distributed execution (Options.Distributed).")
+    if offline:
+        if explicit_model_request:
+            raise backend_error("ConnectionType.Never / poptorch.Options.useOfflineIpuTarget "
+                                "not supported for the IPU model")
+        if ipu_id is not None:
+            raise backend_error("Offline compilation targeting a specific id not supported")
+        return None
+    if not use_ipu_model:
+        raise backend_error(
+            f"Failed to acquire {num_ipus} IPU(s)\nNo IPU detected in the system: this "
+            "machine only has the IPU Model. Remove Options.useIpuModel(False) to run on it.")
+    if version not in TARGETS:
+        raise backend_error("Invalid IPU model version. Valid versions: ipu1, ipu2, ipu21.")
+    device = IpuModel(TARGETS[version], num_ipus, small, torch_device,
+                      ipu_id if ipu_id is not None else 0)
+    logger.debug("Attached to IPU Model device %d (%s, %d IPU(s))", device.device_id,
+                 version, num_ipus)
+    return device

@@ -1,0 +1,269 @@
+"""The compiler's view of a captured program.
+
+:class:`Graph` wraps a ``torch.export`` program (training IR: ATen ops, parameters,
+buffers and constants lifted to placeholders, in-place mutations kept in place) whose
+user inputs and outputs are flat tensors, and records what the compiler and runtime
+need to know about it: the placeholder layout, which buffers / inputs / constants are
+written in place, random ops, loss markers and the op names used for anchors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+__all__ = ["Graph", "LOSS_OPS", "IDENTITY_LOSS_OP"]
+
+#: ATen ops that mark a loss (spec S-40), by overload packet name.
+LOSS_OPS = frozenset({
+    "l1_loss", "mse_loss", "cross_entropy_loss", "nll_loss", "nll_loss_nd",
+    "nll_loss2d", "nll_loss_forward", "nll_loss2d_forward", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
+    "hinge_embedding_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
+    "cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss",
+    "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
+    "ctc_loss",
+})
+#: Qualified name of the ``poptorch.identity_loss`` custom op.
+IDENTITY_LOSS_OP = "poptorch::identity_loss"
+
+
+def _op_name(node: fx.Node) -> str:
+    """``aten::linear`` → ``linear``; ``poptorch::identity_loss`` → ``identity_loss``."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _qualified_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    return ""
+
+
+def _is_loss_node(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    return (_qualified_name(node) == IDENTITY_LOSS_OP
+            or (_qualified_name(node).startswith("aten::") and _op_name(node) in LOSS_OPS))
+
+
+def _aliased_base(node: fx.Node) -> fx.Node:
+    """Follow view ops (outputs aliasing their first input) back to the base node."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        schema = node.target._schema
+        if not schema.returns or schema.returns[0].alias_info is None:
+            break
+        if schema.returns[0].alias_info.is_write:  # in-place op returns its input
+            pass
+        first = node.args[0] if node.args else None
+        if not isinstance(first, fx.Node):
+            break
+        node = first
+    return node
+
+
+def _written_nodes(graph: fx.Graph) -> List[fx.Node]:
+    """Base nodes written in place by some op of ``graph`` (and its subgraphs)."""
+    written = []
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                if isinstance(v, fx.Node):
+                    written.append(_aliased_base(v))
+    return written
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    """Shape and dtype of a graph value."""
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class Graph:
+    """A captured program prepared for the compiler.
+
+    Args:
+        program: a ``torch.export.ExportedProgram`` (training IR, the default of
+            ``torch.export.export``) whose user inputs and user outputs are flat tensors.
+
+    Attributes:
+        program: the exported program.
+        module: its ``fx.GraphModule``; called with the placeholders in order
+            (parameters, buffers, constants, user inputs) it returns the user outputs.
+        parameters / buffers / constants: state names (``state_dict`` keys or constant
+            names) in placeholder order.
+        trainable: for each parameter, whether it requires a gradient.
+        user_inputs: shapes/dtypes of the user inputs (one micro-batch).
+        user_outputs: shapes/dtypes of the user outputs (one micro-batch).
+        mutated_buffers / mutated_constants: names written in place by the graph.
+        mutated_inputs: indices of user inputs written in place.
+        random: whether the graph draws random numbers.
+        loss_nodes: the loss-marker nodes (S-40).
+    """
+
+    def __init__(self, program: ExportedProgram):
+        self.program = program
+        self.module: fx.GraphModule = program.graph_module
+        sig = program.graph_signature
+        self.parameters: List[str] = []
+        self.buffers: List[str] = []
+        self.constants: List[str] = []
+        self.persistent: Dict[str, bool] = {}
+        user_nodes: List[fx.Node] = []
+        kinds = []
+        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        for spec, node in zip(sig.input_specs, placeholders):
+            kinds.append(spec.kind)
+            if spec.kind == InputKind.PARAMETER:
+                self.parameters.append(spec.target)
+            elif spec.kind == InputKind.BUFFER:
+                self.buffers.append(spec.target)
+                self.persistent[spec.target] = bool(spec.persistent)
+            elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+                self.constants.append(spec.target)
+            elif spec.kind == InputKind.USER_INPUT:
+                user_nodes.append(node)
+            else:  # TOKEN
+                raise ValueError(f"unsupported graph input kind {spec.kind}")
+        order = [InputKind.PARAMETER] * len(self.parameters) + \
+            [InputKind.BUFFER] * len(self.buffers)
+        if kinds[:len(order)] != order or any(
+                k not in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ, InputKind.USER_INPUT)
+                for k in kinds[len(order):]):
+            raise ValueError("unexpected placeholder order in the exported program")
+        self._placeholder_kinds = kinds
+        self.placeholders = placeholders
+        for spec in sig.output_specs:
+            if spec.kind != OutputKind.USER_OUTPUT:
+                raise ValueError(f"the exported program must be in training IR, got an "
+                                 f"output of kind {spec.kind}")
+        state = program.state_dict
+        self.trainable = [bool(state[p].requires_grad) for p in self.parameters]
+        self.user_inputs = [self._info(n) for n in user_nodes]
+        self._user_nodes = user_nodes
+        output_node = next(n for n in reversed(self.module.graph.nodes) if n.op == "output")
+        self.output_nodes: List[Optional[fx.Node]] = list(output_node.args[0])
+        self.user_outputs = [self._info(n) if isinstance(n, fx.Node) else None
+                             for n in self.output_nodes]
+
+        written = set()
+        for gm in self.module.modules():
+            if isinstance(gm, fx.GraphModule):
+                written.update(_written_nodes(gm.graph))
+        name_of = {node: spec.target for spec, node in zip(sig.input_specs, placeholders)}
+        self.mutated_buffers = {name_of[n] for n in written
+                                if n in name_of and name_of[n] in self.buffers}
+        self.mutated_constants = {name_of[n] for n in written
+                                  if n in name_of and name_of[n] in self.constants}
+        self.mutated_inputs = {i for i, n in enumerate(user_nodes) if n in written}
+        self.random = any(
+            n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in n.target.tags
+            for gm in self.module.modules() if isinstance(gm, fx.GraphModule)
+            for n in gm.graph.nodes)
+        self.loss_nodes = [n for n in self.module.graph.nodes if _is_loss_node(n)]
+
+    @staticmethod
+    def _info(node: fx.Node) -> Optional[TensorInfo]:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return TensorInfo(val.shape, val.dtype)
+        return None
+
+    # -- queries --------------------------------------------------------------------
+
+    @property
+    def num_user_inputs(self) -> int:
+        return len(self.user_inputs)
+
+    @property
+    def num_user_outputs(self) -> int:
+        return len(self.user_outputs)
+
+    def state_values(self) -> Dict[str, torch.Tensor]:
+        """Capture-time values of parameters, buffers and constants, by name."""
+        values = dict(self.program.state_dict)
+        values.update(self.program.constants)
+        return values
+
+    def has_device_work(self) -> bool:
+        """False for trivial graphs that only pass inputs or constants through (S-6)."""
+        return any(n.op == "call_function" for n in self.module.graph.nodes)
+
+    def final_losses(self) -> List[fx.Node]:
+        """Loss markers whose value does not feed another loss marker (S-40)."""
+        markers = set(self.loss_nodes)
+        finals = []
+        for node in self.loss_nodes:
+            seen, stack, feeds = set(), list(node.users), False
+            while stack:
+                user = stack.pop()
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user in markers:
+                    feeds = True
+                    break
+                stack.extend(user.users)
+            if not feeds:
+                finals.append(node)
+        return finals
+
+    def activation_names(self) -> Dict[str, fx.Node]:
+        """``<scope>/<OpType>:<index>`` name of every op (spec S-16).
+
+        ``<scope>`` is the ``/``-joined sub-module path taken from the node's
+        ``nn_module_stack`` (plus any ``poptorch.NameScope`` recorded in
+        ``node.meta["custom"]["name_scope"]``); ``<OpType>`` is the ATen op name in
+        CamelCase; ``<index>`` the output index.
+        """
+        names: Dict[str, fx.Node] = {}
+        counts: Dict[str, int] = {}
+        for node in self.module.graph.nodes:
+            if node.op != "call_function" or node.target is __import__("operator").getitem:
+                continue
+            scope = _scope_of(node)
+            op_type = "".join(p.capitalize() for p in _op_name(node).split("_") if p)
+            base = f"{scope}/{op_type}" if scope else op_type
+            index = counts.get(base, 0)
+            counts[base] = index + 1
+            name = f"{base}:{index}" if index else f"{base}:0"
+            names[name] = node
+        return names
+
+
+_MODULE_PATH_RE = re.compile(r"^(?:L\['self'\]|L__self__)\.?")
+
+
+def _scope_of(node: fx.Node) -> str:
+    parts: List[str] = []
+    custom = node.meta.get("custom") or {}
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack and not custom.get("no_module_scope", False):
+        path = list(stack.values())[-1][0]
+        path = _MODULE_PATH_RE.sub("", str(path))
+        parts.extend(p for p in re.split(r"[.\[\]'\"]+", path) if p)
+    scope = custom.get("name_scope")
+    if scope:
+        parts = [scope] + parts if not parts else parts + [scope]
+    return "/".join(parts)
+
+
+def flat_shapes(tensors: Sequence[torch.Tensor]) -> List[torch.Size]:
+    return [t.shape for t in tensors]

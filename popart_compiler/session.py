@@ -1,0 +1,461 @@
+"""Sessions: load an :class:`~popart_compiler.compiler.Executable` on the IPU Model and
+run it (our PopART ``InferenceSession`` / ``TrainingSession``).
+
+A run takes the user inputs of one host call, each with a leading dimension of
+``N × B`` (``N = D × G × A``, spec S-11) laid out as S-13 describes, executes
+``D`` device iterations × ``A`` micro-batches on each of the ``R`` replicas, and returns
+every output reduced according to its output mode (S-12). Training sessions run
+forward, backward (PyTorch autograd) and the optimizer update on the device weights.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import random
+import time
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from .compiler import Executable
+from .errors import backend_error
+from .ipu_model import IpuModel
+from .logging import logger
+from .optimizers import DeviceOptimizer, OptimizerDescription
+from .session_options import Anchor
+
+__all__ = ["InferenceSession", "TrainingSession", "reduce_output", "device_dtype"]
+
+_DEVICE_DTYPES = {torch.float64: torch.float32, torch.int64: torch.int32}
+
+
+def device_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a host dtype has on the device (no 64-bit types, S-44)."""
+    return _DEVICE_DTYPES.get(dtype, dtype)
+
+
+def _merge(t: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
+    """Fold ``k`` results of shape ``shape`` into the leading dimension (S-12)."""
+    if k == 1:
+        return t.reshape(shape)
+    if len(shape) == 0:
+        return t.reshape(k)
+    return t.reshape(k * shape[0], *shape[1:])
+
+
+def reduce_output(t: torch.Tensor, mode: int, period: int = 1) -> torch.Tensor:
+    """Apply an output mode to stacked results.
+
+    Args:
+        t: results of shape ``[D, A, R, *s]`` (device iteration, accumulation step,
+            replica, per-micro-batch shape ``s``).
+        mode: 0 Final, 1 EveryN, 2 All, 3 Sum (``poptorch.OutputMode`` values).
+        period: the ``EveryN`` period.
+
+    Returns:
+        ``s`` with its first dimension multiplied by ``k`` (a 0-d ``s`` becomes ``[k]``
+        unless ``k == 1``): All ``k = D·A·R``, EveryN ``k = (D/P)·A·R`` (iterations
+        ``P−1, 2P−1, …``), Final ``k = R`` (last micro-batch), Sum ``k = R``.
+    """
+    d, a, r = t.shape[:3]
+    shape = t.shape[3:]
+    if mode == 2:
+        return _merge(t, d * a * r, shape)
+    if mode == 1:
+        t = t[period - 1::period]
+        return _merge(t, t.shape[0] * a * r, shape)
+    if mode == 0:
+        return _merge(t[-1, -1], r, shape)
+    if mode == 3:
+        summed = t.sum(dim=(0, 1)) if t.dtype != torch.bool else t.any(dim=1).any(dim=0)
+        return _merge(summed.to(t.dtype), r, shape)
+    raise backend_error(f"Invalid output mode {mode}")
+
+
+class _DeviceRng:
+    """The device's random number generator, independent of the host's (S-95).
+
+    Kernels draw from PyTorch's default generator of the execution device; around a
+    run the session swaps the device state in and the host state back out.
+    """
+
+    def __init__(self, seed: Optional[int], device: str):
+        self.device = device
+        self.seed = seed if seed is not None else random.SystemRandom().randrange(2 ** 63)
+        self.state: Optional[torch.Tensor] = None
+
+    def _get(self) -> torch.Tensor:
+        if self.device.startswith("cuda"):
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def reseed(self, seed: int) -> None:
+        self.seed = int(seed)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.seed)
+        self.state = gen.get_state()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if self.state is None:
+            self.reseed(self.seed)
+        host = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(host)
+
+    def to_list(self) -> List[int]:
+        if self.state is None:
+            self.reseed(self.seed)
+        return [int(self.seed)] + self.state.tolist()
+
+    def from_list(self, values: Sequence[int]) -> None:
+        self.reseed(int(values[0]))
+        if len(values) > 1:
+            self.state = torch.tensor(list(values[1:]), dtype=torch.uint8)
+
+
+class _Weights:
+    """Device copies of parameters, buffers and constants.
+
+    Buffers have one copy per replica when replicas must keep their own
+    (``broadcast_buffers`` off with replicas fed different data, S-36).
+    """
+
+    def __init__(self, exe: Executable, device: str):
+        g = exe.graph
+        values = g.state_values()
+        self.device = device
+        self.names = list(g.parameters) + list(g.buffers)
+        per_replica = (not exe.options.broadcast_buffers
+                       and exe.options.replication_factor > 1)
+        self.replicas = exe.options.replication_factor if per_replica else 1
+        self.params: List[torch.Tensor] = [self._device_copy(values[n]) for n in g.parameters]
+        for p, trainable in zip(self.params, g.trainable):
+            p.requires_grad_(bool(trainable and exe.training))
+        self.buffers: List[List[torch.Tensor]] = [
+            [self._device_copy(values[n]) for n in g.buffers] for _ in range(self.replicas)]
+        self.constants = [self._device_copy(values[n]) for n in g.constants]
+        self.mutated_constants = [n in g.mutated_constants for n in g.constants]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.num_params = len(g.parameters)
+
+    def _device_copy(self, value) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return value.detach().to(device=self.device, dtype=device_dtype(value.dtype)
+                                 if value.dtype == torch.float64 else value.dtype,
+                                 copy=True)
+
+    def state(self, replica: int) -> List[torch.Tensor]:
+        consts = [c.clone() if m else c for c, m in zip(self.constants, self.mutated_constants)]
+        return self.params + self.buffers[replica % self.replicas] + consts
+
+    def write(self, values: Dict[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            i = self.index.get(name)
+            if i is None:
+                continue
+            targets = [self.params[i]] if i < self.num_params else \
+                [bufs[i - self.num_params] for bufs in self.buffers]
+            for t in targets:
+                if tuple(t.shape) != tuple(value.shape):
+                    raise backend_error(f"Cannot write weight {name}: shape "
+                                        f"{list(value.shape)} differs from the device's "
+                                        f"{list(t.shape)}")
+            with torch.no_grad():
+                for t in targets:
+                    t.copy_(value.detach().to(t.dtype))
+
+    def read(self, name: str) -> torch.Tensor:
+        i = self.index[name]
+        t = self.params[i] if i < self.num_params else self.buffers[0][i - self.num_params]
+        return t.detach()
+
+
+class _Session(abc.ABC):
+    """Shared part of inference and training sessions."""
+
+    training = False
+
+    def __init__(self, executable: Executable, device: Optional[IpuModel] = None):
+        self.executable = executable
+        self.options = executable.options
+        self.device = device
+        torch_device = device.torch_device if device is not None else executable.options.device
+        self.torch_device = torch_device
+        self.weights = _Weights(executable, torch_device)
+        self.rng = _DeviceRng(self.options.random_seed, torch_device)
+        self.anchors: Dict[str, torch.Tensor] = {}
+        self.perf_counters: Dict[str, List[List[float]]] = {
+            "input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
+        self.runs = 0
+
+    # -- weights IO -------------------------------------------------------------------
+
+    def writeWeights(self, values: Dict[str, torch.Tensor]) -> None:
+        """Host → device: write parameters / buffers by name (unknown names ignored).
+
+        Raises:
+            Error: a value whose shape differs from the device tensor's.
+        """
+        self.weights.write(values)
+
+    def readWeights(self, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+        """Device → host: parameters and buffers by name (replica 0's buffers)."""
+        names = self.weights.names if names is None else names
+        return {n: self.weights.read(n).to("cpu") for n in names}
+
+    # -- RNG --------------------------------------------------------------------------
+
+    @property
+    def uses_rng(self) -> bool:
+        return self.executable.graph.random
+
+    def getRandomSeed(self) -> int:
+        return self.rng.seed if self.uses_rng else 0
+
+    def getRngState(self) -> List[int]:
+        """``[seed, *state]`` of the device RNG (S-96); ``[0]`` without random ops."""
+        if not self.uses_rng:
+            return [0]
+        return self.rng.to_list()
+
+    def setRngState(self, values: Sequence[int]) -> None:
+        """Restore a state read with :meth:`getRngState` (seed first, then state)."""
+        if not self.uses_rng:
+            return
+        self.rng.from_list(values)
+
+    def setRandomSeed(self, seed: int) -> None:
+        self.rng.reseed(seed)
+
+    # -- running ----------------------------------------------------------------------
+
+    def _split(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """View each input as ``[D, A, R, B, ...]`` (replica-indexed, S-13, S-26)."""
+        o = self.options
+        d, a, r = o.device_iterations, o.gradient_accumulation, o.replication_factor
+        groups = o.input_groups
+        out = []
+        for x in inputs:
+            x = x.to(self.torch_device, non_blocking=True)
+            if x.dim() == 0:
+                out.append(x.expand(d, a, r))
+                continue
+            b = x.shape[0] // (d * a * groups)
+            x = x.reshape(d, a, groups, b, *x.shape[1:])
+            if groups != r:
+                g = o.input_group_size
+                index = torch.tensor([j // g if o.input_group_type != 2 else j % groups
+                                      for j in range(r)], device=x.device)
+                x = x.index_select(2, index)
+            out.append(x)
+        return out
+
+    def _synthetic(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return [torch.randn(x.shape, device=self.torch_device).to(x.dtype)
+                if x.is_floating_point() else torch.zeros_like(x) for x in inputs]
+
+    def _finish(self, stacked: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Apply output modes and the 32-bit output rule to ``[D, A, R, ...]`` results."""
+        o = self.options
+        n_user = self.executable.num_user_outputs
+        outs = []
+        for t in stacked[:n_user]:
+            t = reduce_output(t, o.output_mode, o.output_return_period)
+            if t.dtype in _DEVICE_DTYPES:
+                t = t.to(_DEVICE_DTYPES[t.dtype])
+            if o.synthetic_data:
+                t = torch.zeros_like(t)
+            outs.append(t.to("cpu") if t.device.type != "cpu" else t)
+        for anchor, t in zip(self.executable.activation_anchors, stacked[n_user:]):
+            self.anchors[anchor.key] = reduce_output(t, anchor.output_mode,
+                                                     anchor.return_period).cpu()
+        return outs
+
+    def _record_state_anchors(self, per_iteration: Dict[str, List[torch.Tensor]]) -> None:
+        for anchor in self.executable.state_anchors:
+            values = per_iteration.get(anchor.name)
+            if not values:
+                continue
+            t = torch.stack(values)[:, None, None]
+            self.anchors[anchor.key] = reduce_output(t, anchor.output_mode,
+                                                      anchor.return_period).cpu()
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Run one host call's worth of device iterations.
+
+        Args:
+            inputs: the flat user inputs, each with a leading dimension of ``N × B``
+                (or 0-d when ``N == 1``), already validated by the caller.
+
+        Returns:
+            The flat user outputs after the output mode (S-12) with 64-bit results
+            returned as 32-bit (S-44).
+        """
+        if self.options.synthetic_data:
+            inputs = self._synthetic(inputs)
+        now = time.perf_counter()
+        self.perf_counters = {"input": [[now] for _ in inputs] or [[]],
+                              "input_complete": [[now] for _ in inputs] or [[]],
+                              "output": [[]], "output_complete": [[]]}
+        ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
+        with ctx:
+            outs = self._run(inputs)
+        done = time.perf_counter()
+        self.perf_counters["output"] = [[done] for _ in outs] or [[]]
+        self.perf_counters["output_complete"] = [[time.perf_counter()] for _ in outs] or [[]]
+        self.runs += 1
+        return outs
+
+    @abc.abstractmethod
+    def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Execute the device iterations of one run (inputs as given to :meth:`run`)."""
+
+
+class InferenceSession(_Session):
+    """Runs an inference executable: ``D`` forward passes per replica per call."""
+
+    def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        o = self.options
+        d, r = o.device_iterations, o.replication_factor
+        exe = self.executable
+        gm = exe.module
+        if d * r == 1:
+            x = [t.to(self.torch_device) for t in inputs]
+            with torch.no_grad():
+                outs = gm(*self.weights.state(0), *x)
+            return self._finish([t.detach()[None, None, None] for t in outs])
+        split = self._split(inputs)
+        if exe.vectorized is not None:
+            xs = [t.reshape(d * r, *t.shape[3:]) for t in split]
+            with torch.no_grad():
+                outs = exe.vectorized(*self.weights.state(0), *xs)
+            return self._finish([t.reshape(d, 1, r, *t.shape[1:]) for t in outs])
+        results: List[List[torch.Tensor]] = []
+        with torch.no_grad():
+            for i in range(d):
+                for rep in range(r):
+                    outs = gm(*self.weights.state(rep), *[t[i, 0, rep] for t in split])
+                    results.append([t.detach().clone() for t in outs])
+        stacked = [torch.stack([res[j] for res in results]).reshape(d, 1, r, *results[0][j].shape)
+                   for j in range(len(results[0]))] if results else []
+        return self._finish(stacked)
+
+
+class TrainingSession(_Session):
+    """Runs a training executable: per device iteration, ``A`` forward/backward
+    micro-batches on each replica, the reduction of S-41, then one optimizer step.
+
+    Args:
+        executable: a training executable.
+        device: the attached IPU Model.
+        optimizer: the optimizer to run on the device.
+    """
+
+    training = True
+
+    def __init__(self, executable: Executable, device: Optional[IpuModel],
+                 optimizer: OptimizerDescription):
+        super().__init__(executable, device)
+        g = executable.graph
+        self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params)
+        logger.debug("Updating graph optimizer with %s", optimizer.describe())
+
+    def setOptimizer(self, description: OptimizerDescription) -> None:
+        """Apply new hyper-parameter values (``updateOptimizerFromHost``).
+
+        Raises:
+            Error: a change that needs recompilation (S-52).
+        """
+        self.optimizer.update(description)
+        logger.debug("Updating graph optimizer with %s", description.describe())
+
+    def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        o = self.options
+        d, a, r = o.device_iterations, o.gradient_accumulation, o.replication_factor
+        exe = self.executable
+        gm = exe.module
+        split = self._split(inputs)
+        params = self.weights.params
+        trainable = [p for p in params if p.requires_grad]
+        loss_index = exe.loss_index
+        desc = self.optimizer.description
+        scale = float(desc.loss_scaling)
+        mean = o.reduction_type == 1
+        divisor = a * r * o.num_processes if mean else 1
+        results: List[List[torch.Tensor]] = []
+        state_anchor_names = {anc.name for anc in exe.state_anchors}
+        per_iteration: Dict[str, List[torch.Tensor]] = {n: [] for n in state_anchor_names}
+        for i in range(d):
+            for p in trainable:
+                p.grad = None
+            for step in range(a):
+                for rep in range(r):
+                    outs = gm(*self.weights.state(rep), *[t[i, step, rep] for t in split])
+                    loss = outs[loss_index]
+                    if loss.requires_grad:
+                        if loss.dim() == 0:
+                            (loss * scale).backward()
+                        else:
+                            loss.backward(torch.full_like(loss, scale))
+                    results.append([t.detach() for t in outs])
+            grads = []
+            with torch.no_grad():
+                for p in params:
+                    g = p.grad
+                    if g is not None:
+                        g = g / (scale * divisor) if (scale != 1.0 or divisor != 1) else g
+                    grads.append(g)
+                for name, g in zip(exe.graph.parameters, grads):
+                    key = f"Gradient___{name}"
+                    if key in per_iteration and g is not None:
+                        per_iteration[key].append(g.detach().clone())
+                self.optimizer.step(params, grads)
+            for p in trainable:
+                p.grad = None
+            self._collect_state(per_iteration)
+        stacked = [torch.stack([res[j] for res in results]).reshape(d, a, r, *results[0][j].shape)
+                   for j in range(len(results[0]))] if results else []
+        self._record_state_anchors(per_iteration)
+        return self._finish(stacked)
+
+    def _collect_state(self, per_iteration: Dict[str, List[torch.Tensor]]) -> None:
+        if not per_iteration:
+            return
+        for name in per_iteration:
+            prefix, _, base = name.partition("___")
+            if prefix == "Gradient":
+                continue
+            if prefix == "UpdatedVar" or not base:
+                value = self.weights.read(base if prefix == "UpdatedVar" else name)
+            elif name in self.optimizer.state:
+                value = self.optimizer.state[name]
+            else:
+                value = self.weights.read(name) if name in self.weights.index else None
+            if value is not None:
+                per_iteration[name].append(value.detach().clone())
+
+    # -- optimizer state ----------------------------------------------------------------
+
+    def readOptimizerState(self) -> Dict[str, torch.Tensor]:
+        """Optimizer-state tensors by PopART name (``ipu_state``, S-56)."""
+        return {k: v.cpu() for k, v in self.optimizer.state_dict().items()}
+
+    def writeOptimizerState(self, state: Dict[str, torch.Tensor]) -> None:
+        """Write optimizer-state tensors (missing entries keep their device values)."""
+        self.optimizer.load_state_dict(state)
+
+    def readOptimizerParams(self) -> Dict[str, torch.Tensor]:
+        """Hyper-parameter tensors by PopART name (``ipu_param``, S-56)."""
+        return self.optimizer.hyper_parameters()

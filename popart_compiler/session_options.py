@@ -1,0 +1,275 @@
+"""Session options of the compiler and runtime (our PopART ``SessionOptions``).
+
+``poptorch`` hands the compiler the flat dictionary built by ``Options.toDict()``;
+:func:`SessionOptions.from_dict` validates the backend keys exactly as PopTorch's
+backend does (spec options.md §4.6: "Unknown <category> option <key>", "Unknown value
+type <t> for option <key>") and extracts what the compiler and runtime act on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .errors import backend_error
+from .logging import logger
+
+__all__ = ["SessionOptions", "Anchor", "OUTPUT_MODES"]
+
+#: Output modes, by the integer values of ``poptorch.OutputMode``.
+OUTPUT_MODES = {0: "Final", 1: "EveryN", 2: "All", 3: "Sum"}
+
+_BOOL_KEYS = frozenset("""
+enableExplicitIR enableInplaceAmbiguityChecking enableLoadAndOffloadRNGState
+batchSerializationSettings.concatOnVirtualGraphChange
+batchSerializationSettings.concatOnExecutionPhaseChange
+batchSerializationSettings.concatOnPipelineStageChange strictOpVersions opxAliasChecking
+opxModifyChecking dotOpNames exportPoplarComputationGraph exportPoplarVertexGraph
+separateCallOpPdfs enableOutlining enableOutliningCopyCostPruning rearrangeAnchorsOnHost
+rearrangeStreamsOnHost enablePrefetchDatastreams enableNonStableSoftmax
+enableReplicatedGraphs enableGradientAccumulation instrumentWithHardwareCycleCounter
+enablePipelining disableGradAccumulationTensorStreams disableOptimizerStateTensorStreams
+compileEngine constantWeights enableEngineCaching enableMergeExchange
+enableFloatingPointChecks enableStochasticRounding ensureFp32LossScaleTensor
+explicitRecomputation enableExplicitMainLoops useHostCopyOps aliasZeroCopy delayVarUpdates
+enableFullyConnectedPass enableSerializedMatmuls enableStableNorm decomposeGradSum
+enableDistributedReplicatedGraphs groupHostSync automaticLossScalingSettings.enabled
+enableSupportedDataTypeCasting groupNormStridedChannelGrouping
+scheduleNonWeightUpdateGradientConsumersEarly
+replicatedCollectivesSettings.prepareScheduleForMergingCollectives
+replicatedCollectivesSettings.mergeAllReduceCollectives
+""".split())
+
+_UINT64_KEYS = frozenset("""
+executionPhaseSettings.phases executionPhaseSettings.stages batchSerializationSettings.factor
+firstDotOp finalDotOp numIOTiles mergeVarUpdateMemThreshold looseThresholdAtPeak
+accumulationFactor swapLimitScheduler globalReplicationFactor globalReplicaOffset
+defaultBufferingDepth defaultPrefetchBufferingDepth compilationProgressTotal
+transitiveClosureOptimizationThreshold automaticLossScalingSettings.updatePeriod
+accumulateOuterFragmentSettings.schedule
+""".split())
+
+#: Enum-valued uint64 keys and the number of values each enum has.
+_ENUM_KEYS = {
+    "autodiffSettings.stitchStrategy": ("AutodiffStitchStrategy", 4),
+    "batchSerializationSettings.transformContext": ("BatchSerializationTransformContext", 2),
+    "batchSerializationSettings.method": ("BatchSerializationMethod", 3),
+    "batchSerializationSettings.batchSchedule": ("BatchSerializationBatchSchedule", 3),
+    "autoRecomputation": ("RecomputationType", 5),
+    "mergeVarUpdate": ("MergeVarUpdateType", 4),
+    "virtualGraphMode": ("VirtualGraphMode", 5),
+    "syntheticDataMode": ("SyntheticDataMode", 4),
+    "subgraphCopyingStrategy": ("SubgraphCopyingStrategy", 2),
+    "accumulationAndReplicationReductionType": ("ReductionType", 3),
+    "meanAccumulationAndReplicationReductionStrategy": ("MeanReductionStrategy", 3),
+    "automaticLossScalingSettings.gradientTensorTrackingMethod":
+        ("GradientTensorTrackingMethod", 3),
+}
+
+_FLOAT_KEYS = frozenset("""
+outlineSequenceBreakCost outlineThreshold timeLimitScheduler
+automaticLossScalingSettings.thresholdUpperCountProportion
+automaticLossScalingSettings.binEdgeLocation
+""".split())
+
+_STRING_KEYS = frozenset("""
+logDir cachePath partialsTypeMatMuls customCodeletCompileFlags
+serializedPoprithmsShiftGraphsDir kahnTieBreaker saveInitializersToFile
+""".split())
+
+_SET_KEYS = frozenset("""
+accumulateOuterFragmentSettings.excludedVirtualGraphs dotChecks hardwareInstrumentations
+customCodelets updatableNamedBuffers
+""".split())
+
+_MAP_KEYS = frozenset("engineOptions reportOptions convolutionOptions matmulOptions "
+                      "lstmOptions gclOptions".split())
+
+#: Keys the Python layer consumes itself (never validated as backend options).
+_PYTHON_KEYS = frozenset({"anchored_tensors", "patterns_level", "patterns",
+                          "compilation_progress_bar_fn", "available_memory_proportion"})
+
+#: Top-level / sub-group keys of ``poptorch.Options`` that travel through ``toDict()``.
+_POPTORCH_KEYS = frozenset("""
+device_iterations replication_factor input_group_size input_cgt broadcast_buffers
+output_mode output_return_period random_seed auto_round_num_ipus log_dir max_repeat_logs
+model_name use_model connection_type sync_pattern ipu_id ipu_version
+gradient_accumulation accumulation_and_replication_reduction_type
+meanAccumulationAndReplicationReductionStrategy distributed_process_id
+num_distributed_processes ipuof_configs execution_mode separate_backward_phase
+tensors_liveness serial_phases_execution location_activation location_weight
+location_optimizer location_accumulator numIOTiles
+""".split())
+
+
+def _validate(key: str, value: Any) -> None:
+    """Raise the backend's error for an unknown key or an unsupported value type."""
+    if key in _PYTHON_KEYS or key in _POPTORCH_KEYS or key.startswith("location_"):
+        return
+    if isinstance(value, bool):
+        category, known = "bool", key in _BOOL_KEYS
+    elif isinstance(value, float):
+        category, known = "floating point", key in _FLOAT_KEYS
+    elif isinstance(value, int):
+        category, known = "uint64", key in _UINT64_KEYS or key in _ENUM_KEYS
+        if key in _ENUM_KEYS:
+            enum_name, count = _ENUM_KEYS[key]
+            if not 0 <= int(value) < count:
+                raise backend_error(f"Value for {enum_name} out of range")
+    elif isinstance(value, str):
+        category, known = "string", key in _STRING_KEYS
+    elif isinstance(value, (list, tuple, set)):
+        category, known = "set / vector", key in _SET_KEYS
+    elif isinstance(value, dict):
+        category, known = "map", key in _MAP_KEYS
+    else:
+        raise backend_error(f"Unknown value type {type(value)} for option {key}")
+    if not known:
+        raise backend_error(f"Unknown {category} option {key}")
+
+
+@dataclasses.dataclass
+class Anchor:
+    """An internal tensor to return after every run (S-15).
+
+    Attributes:
+        name: the graph tensor name (S-16), e.g. ``"Gradient___fc.bias"``.
+        output_mode: integer value of ``poptorch.OutputMode`` (not ``Default``).
+        return_period: the ``EveryN`` period (1 otherwise).
+        key: the user's short name (defaults to ``name``).
+    """
+    name: str
+    output_mode: int
+    return_period: int = 1
+    key: str = ""
+
+    def __post_init__(self):
+        if not self.key:
+            self.key = self.name
+
+
+@dataclasses.dataclass
+class SessionOptions:
+    """What the compiler and runtime act on. Defaults are PopTorch's.
+
+    Attributes:
+        device_iterations: ``D``, device iterations per run (S-10).
+        replication_factor: ``R``, local replicas.
+        input_group_size: ``g``, replicas sharing one input stream (S-26).
+        input_group_type: integer ``CommGroupType`` of the input grouping
+            (1 Consecutive, 2 Orthogonal).
+        gradient_accumulation: ``A``, micro-batches per weight update (1 for inference).
+        output_mode: integer ``OutputMode`` (0 Final, 1 EveryN, 2 All, 3 Sum).
+        output_return_period: the ``EveryN`` period.
+        reduction_type: 0 Sum, 1 Mean (S-41).
+        mean_reduction_strategy: 0 Running, 1 Post, 2 PostAndLoss.
+        broadcast_buffers: S-36.
+        random_seed: seed of the device RNG, or ``None`` for an arbitrary one.
+        synthetic_data: feed random inputs, return zero outputs (S-84).
+        fp_exceptions: raise on non-finite results (S-46).
+        anchors: internal tensors returned after each run.
+        num_processes: global replication = ``num_processes × replication_factor``.
+        device: ``"cpu"`` or ``"cuda"``: where the IPU Model's kernels run.
+        backend: ``"eager"`` (FX graph run with PyTorch eager kernels).
+        ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
+        use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).
+        connection_type: 0 Always, 1 OnDemand, 2 Never.
+        raw: the validated option dictionary.
+    """
+    device_iterations: int = 1
+    replication_factor: int = 1
+    input_group_size: int = 1
+    input_group_type: int = 1
+    gradient_accumulation: int = 1
+    output_mode: int = 2
+    output_return_period: int = 1
+    reduction_type: int = 1
+    mean_reduction_strategy: int = 1
+    broadcast_buffers: bool = True
+    random_seed: Optional[int] = None
+    synthetic_data: bool = False
+    fp_exceptions: bool = False
+    anchors: List[Anchor] = dataclasses.field(default_factory=list)
+    num_processes: int = 1
+    device: str = "cpu"
+    backend: str = "eager"
+    ipu_model_version: str = "ipu2"
+    use_ipu_model: bool = True
+    connection_type: int = 0
+    progress_callback: Optional[Callable[[int, int], None]] = None
+    raw: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def input_groups(self) -> int:
+        """``G = R / g``: distinct input streams across replicas."""
+        return self.replication_factor // max(1, self.input_group_size)
+
+    @property
+    def batch_factor(self) -> int:
+        """``N = D × G × A``: combined batch / micro-batch (S-11)."""
+        return self.device_iterations * self.input_groups * self.gradient_accumulation
+
+    @classmethod
+    def from_dict(cls, values: Dict[str, Any], anchors: Optional[List[Anchor]] = None,
+                  **overrides) -> "SessionOptions":
+        """Validate ``values`` (the output of ``poptorch.Options.toDict()``) and build
+        the session options.
+
+        Raises:
+            Error: unknown backend option, unsupported value type or an enum value out
+                of range (spec options.md §4.6), or an invalid
+                ``POPTORCH_IPU_MODEL_VERSION``.
+        """
+        for key, value in values.items():
+            _validate(key, value)
+            if key in _PYTHON_KEYS or callable(value):
+                continue
+            logger.debug("poptorch.Options set %s to value %s", key, _render(value))
+        get = values.get
+        version = os.environ.get("POPTORCH_IPU_MODEL_VERSION", "ipu2") or "ipu2"
+        if version not in ("ipu1", "ipu2", "ipu21"):
+            raise backend_error("Invalid IPU model version. Valid versions: ipu1, ipu2, ipu21.")
+        opts = cls(
+            device_iterations=int(get("device_iterations", 1)),
+            replication_factor=int(get("replication_factor", 1)),
+            input_group_size=int(get("input_group_size", 1)),
+            input_group_type=int(get("input_cgt", 1)),
+            gradient_accumulation=int(get("gradient_accumulation", 1)),
+            output_mode=int(get("output_mode", 2)),
+            output_return_period=int(get("output_return_period", 1)),
+            reduction_type=int(get("accumulation_and_replication_reduction_type", 1)),
+            mean_reduction_strategy=int(
+                get("meanAccumulationAndReplicationReductionStrategy", 1)),
+            broadcast_buffers=bool(get("broadcast_buffers", True)),
+            random_seed=get("random_seed"),
+            synthetic_data=int(get("syntheticDataMode", 0)) != 0,
+            fp_exceptions=bool(get("enableFloatingPointChecks", False)),
+            anchors=list(anchors or []),
+            num_processes=int(get("num_distributed_processes", 1)),
+            ipu_model_version=version,
+            connection_type=int(get("connection_type", 0)),
+            progress_callback=get("compilation_progress_bar_fn"),
+            raw=dict(values),
+        )
+        for k, v in overrides.items():
+            setattr(opts, k, v)
+        return opts
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return str(value)
+
+
+def ipu_model_env() -> Tuple[bool, bool]:
+    """``(POPTORCH_IPU_MODEL != 0, POPTORCH_SMALL_IPU_MODEL != 0)`` with integer parsing."""
+    def flag(name: str) -> bool:
+        try:
+            return int(os.environ.get(name, "0") or "0") != 0
+        except ValueError:
+            return False
+    return flag("POPTORCH_IPU_MODEL"), flag("POPTORCH_SMALL_IPU_MODEL")

@@ -1,0 +1,386 @@
+"""Capture of one micro-batch of a model's ``forward`` with ``torch.export``
+(non-strict) into a :class:`popart_compiler.ir.Graph` (spec S-1…S-6, S-24, S-44).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import traceback
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from popart_compiler.errors import Error, backend_error, py_error
+from popart_compiler.ir import Graph
+
+from . import _impl
+from ._args import BoundArgs, Spec, flatten, unflatten
+from ._logging import logger
+
+__all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
+
+_PRE_HOOKS: Dict[int, Callable[[], None]] = {}
+_POST_HOOKS: Dict[int, Callable[[], None]] = {}
+_next_hook_id = [0]
+
+
+class _Handle:
+    """Removable handle of a compile hook (like ``torch.utils.hooks.RemovableHandle``)."""
+
+    def __init__(self, registry: Dict[int, Callable[[], None]], hook_id: int):
+        self._registry, self.id = registry, hook_id
+
+    def remove(self) -> None:
+        self._registry.pop(self.id, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def _register(registry, hook) -> _Handle:
+    if not callable(hook):
+        raise RuntimeError("The compile hook must be callable")
+    _next_hook_id[0] += 1
+    registry[_next_hook_id[0]] = hook
+    return _Handle(registry, _next_hook_id[0])
+
+
+def registerPreCompileHook(hook: Callable[[], None]) -> _Handle:
+    """Run ``hook()`` right before every model's ``forward`` is captured (api §2.8).
+
+    Returns:
+        A handle whose ``remove()`` unregisters the hook.
+
+    Raises:
+        RuntimeError: ``hook`` is not callable.
+    """
+    return _register(_PRE_HOOKS, hook)
+
+
+def registerPostCompileHook(hook: Callable[[], None]) -> _Handle:
+    """Run ``hook()`` when every capture ends, also when it fails (api §2.9)."""
+    return _register(_POST_HOOKS, hook)
+
+
+# -- device placement inside forward (S-3) -------------------------------------------
+
+_FACTORIES = {
+    torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.linspace,
+    torch.logspace, torch.rand, torch.randn, torch.randint, torch.randperm, torch.tensor,
+    torch.full_like, torch.zeros_like, torch.ones_like, torch.empty_like, torch.rand_like,
+    torch.randn_like, torch.randint_like, torch.normal, torch.eye,
+}
+_LIKE = {torch.full_like, torch.zeros_like, torch.ones_like, torch.empty_like,
+         torch.rand_like, torch.randn_like, torch.randint_like}
+
+
+def _is_ipu(device) -> bool:
+    if isinstance(device, str):
+        return device.split(":")[0] == "ipu"
+    return isinstance(device, torch.device) and device.type == "ipu"
+
+
+class _IpuDeviceMode(TorchFunctionMode):
+    """Maps ``device="ipu"`` / ``.to("ipu")`` to the execution device and logs the
+    "forcing to IPU" warning for factories called without a device (S-3)."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = torch.device(device)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_ipu(kwargs["device"]):
+            kwargs["device"] = self.device
+        elif func in _FACTORIES and func not in _LIKE and "device" not in kwargs and not (
+                func is torch.normal and any(isinstance(a, torch.Tensor) for a in args)):
+            name = getattr(func, "__name__", str(func))
+            logger.warning("No device set in torch.%s(): forcing to IPU", name)
+        if func in (torch.Tensor.to, torch.Tensor.cuda) or getattr(func, "__name__", "") == "to":
+            args = tuple(self.device if _is_ipu(a) else a for a in args)
+        if getattr(func, "__name__", "") == "ipu":  # Tensor.ipu() does not exist in torch
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def _patch_tensor_ipu() -> Callable[[], None]:
+    """Give tensors an ``.ipu()`` method during capture (PopTorch programs use it)."""
+    had = hasattr(torch.Tensor, "ipu")
+    if not had:
+        torch.Tensor.ipu = lambda self, *a, **k: self  # type: ignore[attr-defined]
+
+    def undo():
+        if not had:
+            del torch.Tensor.ipu
+    return undo
+
+
+# -- error translation ------------------------------------------------------------------
+
+_INTERNAL = (os.sep + "torch" + os.sep, os.sep + "poptorch" + os.sep,
+             os.sep + "popart_compiler" + os.sep, os.sep + "contextlib.py",
+             os.sep + "functools.py")
+
+
+def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
+    """The innermost traceback frame in user code (not torch / poptorch)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not any(p in f.filename for p in _INTERNAL)
+            and not f.filename.startswith("<")]
+    return user[-1] if user else None
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException)
+    if isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException,
+                        DynamicOutputShapeException)):
+        return True
+    text = str(exc)
+    return "data-dependent" in text or "data dependent" in text
+
+
+def _data_dependent_error(exc: BaseException) -> Error:
+    frame = _user_frame(exc)
+    where = (f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
+             if frame else "the model's forward")
+    return py_error(
+        f"The model's forward uses the value of a tensor in Python control flow at "
+        f"{where}. PopTorch captures forward once into a static graph, so a value known "
+        "only at run time cannot choose what Python does (if/while on a tensor, .item(), "
+        ".tolist(), bool(tensor), data-dependent shapes). Express the choice on the "
+        "device instead: use poptorch.cond(condition, then_body, then_inputs, else_body, "
+        "else_inputs) for if/else, or tensor ops such as torch.where.")
+
+
+# -- constants, parameters and quiet logs ------------------------------------------------
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    names = ["torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export",
+             "torch._export", "torch.fx.experimental.recording", "torch._functorch"]
+    saved = []
+    for name in names:
+        lg = logging.getLogger(name)
+        saved.append((lg, lg.level))
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*TorchScript.*")
+            yield
+    finally:
+        for lg, level in saved:
+            lg.setLevel(level)
+
+
+def _plain_tensor_attributes(model: torch.nn.Module) -> Dict[int, torch.Tensor]:
+    """id → clone of every tensor attribute that is neither a parameter nor a buffer."""
+    found = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found[id(value)] = value.detach().clone()
+    return found
+
+
+@contextlib.contextmanager
+def _device_weights(model: torch.nn.Module) -> Iterator[None]:
+    """Hold float64 parameters and buffers as float32 during capture (S-44)."""
+    swapped: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.dtype == torch.float64 and all(t is not s for s, _ in swapped):
+            swapped.append((t, t.data))
+            t.data = t.data.float()
+    if swapped:
+        logger.warning("[DISPATCHER] Type coerced from Double to Float for %d model "
+                       "tensor(s): the IPU has no 64-bit floating point type",
+                       len(swapped))
+    try:
+        yield
+    finally:
+        for t, data in swapped:
+            t.data = data
+
+
+def _state_identity(model: torch.nn.Module):
+    params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
+    return params, buffers
+
+
+def _check_state_unchanged(model: torch.nn.Module, before) -> None:
+    """S-5: parameters and buffers must be neither removed nor reassigned."""
+    params0, buffers0 = before
+    params1, buffers1 = _state_identity(model)
+    bn_types = (torch.nn.modules.batchnorm._NormBase,)
+    exempt = {name for name, m in model.named_modules() if isinstance(m, bn_types)}
+
+    def owner(name):
+        return name.rpartition(".")[0]
+
+    for kind, old, new in (("Buffer", buffers0, buffers1), ("Parameter", params0, params1)):
+        for name, tensor in old.items():
+            if kind == "Buffer" and owner(name) in exempt:
+                continue
+            if name not in new:
+                raise py_error(f"{kind} {name} is removed from the model when calling the "
+                               "forward method.")
+            if new[name] is not tensor:
+                attr = name.rpartition(".")[2]
+                raise py_error(
+                    f"{kind} {name} is reassigned within the model when calling the forward "
+                    f"method. This is not supported. Consider using self.{attr}.copy_(src) "
+                    f"to copy data from a source tensor, where src is the name of the "
+                    "source tensor.")
+
+
+def _restore_state(model: torch.nn.Module, before) -> None:
+    params0, buffers0 = before
+    for kind, table in (("_parameters", params0), ("_buffers", buffers0)):
+        for name, tensor in table.items():
+            path, _, attr = name.rpartition(".")
+            module = model.get_submodule(path) if path else model
+            getattr(module, kind)[attr] = tensor
+
+
+@contextlib.contextmanager
+def _no_distribution_validation() -> Iterator[None]:
+    """``torch.distributions`` argument validation is off during capture (S-3)."""
+    previous = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(previous)
+
+
+def _reset_blocks() -> None:
+    from . import _execution_strategy
+    reset = getattr(_execution_strategy, "_reset_block_state", None)
+    if reset is not None:
+        reset()
+
+
+@dataclasses.dataclass
+class Captured:
+    """The result of a capture.
+
+    Attributes:
+        graph: the compiler's graph.
+        output_spec: structure of ``forward``'s return value; tensor leaves index the
+            graph outputs or hold host tensors (``host_outputs``).
+        output_leaves: for each tensor leaf of ``output_spec``, the graph output index,
+            or ``None`` for a host tensor returned as is.
+        host_outputs: host tensors returned by ``forward`` (S-14).
+        returned_none: ``forward`` returned ``None``.
+    """
+    graph: Graph
+    output_spec: Optional[Spec]
+    output_leaves: List[Optional[int]]
+    host_outputs: List[torch.Tensor]
+
+
+def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
+            input_spec: Spec, micro_batch: List[torch.Tensor], training: bool,
+            device: str = "cpu") -> Captured:
+    """Capture ``forward`` of ``model`` (a shallow copy of the user's module) once.
+
+    Args:
+        model: the module whose parameters/buffers are lifted.
+        forward: its original ``forward`` (bound).
+        bound: the bound call arguments (non-tensor values are frozen as constants).
+        input_spec: structure of ``bound.values`` (tensor leaves = graph inputs).
+        micro_batch: one micro-batch of every tensor leaf, in order.
+        training: capture for training (loss ops checked by the compiler).
+        device: where tensors created with ``device="ipu"`` live.
+
+    Raises:
+        poptorch.Error: data-dependent Python control flow (with the user's source
+            line and a pointer to ``poptorch.cond``), parameters/buffers replaced in
+            ``forward`` (S-5), other capture failures. Exceptions raised by the user's
+            own code propagate unchanged. The model's host state is restored first.
+    """
+    out_box: Dict[str, Any] = {}
+
+    def flat_forward(*flat: torch.Tensor):
+        values = unflatten(input_spec, iter(flat))
+        result = bound.call(forward, values)
+        tensors: List[torch.Tensor] = []
+        spec = flatten(result, tensors) if result is not None else None
+        leaves: List[Optional[int]] = []
+        graph_outs: List[torch.Tensor] = []
+        host: List[torch.Tensor] = []
+        for t in tensors:
+            if isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or \
+                    torch._C._is_functional_tensor(t):
+                leaves.append(len(graph_outs))
+                graph_outs.append(t)
+            else:
+                warnings.warn("Output expected to be on the IPU but is on cpu", UserWarning,
+                              stacklevel=2)
+                leaves.append(None)
+                host.append(t)
+        out_box.update(spec=spec, leaves=leaves, host=host)
+        return tuple(graph_outs)
+
+    for hook in list(_PRE_HOOKS.values()):
+        hook()
+    before = _state_identity(model)
+    constants_before = _plain_tensor_attributes(model)
+    had_forward = "forward" in vars(model)
+    saved_forward = vars(model).get("forward")
+    model.forward = flat_forward
+    undo_ipu = _patch_tensor_ipu()
+    try:
+        example = tuple(t.detach() for t in micro_batch)
+        _reset_blocks()
+        with _impl.device_context(training), _quiet_torch_logs(), \
+                _device_weights(model), _IpuDeviceMode(device), \
+                _no_distribution_validation():
+            program = torch.export.export(model, example, strict=False)
+        _check_state_unchanged(model, before)
+    except Error:
+        _restore_state(model, before)
+        raise
+    except Exception as exc:
+        _restore_state(model, before)
+        if _is_data_dependent(exc):
+            raise _data_dependent_error(exc) from None
+        frame = _user_frame(exc)
+        origin = traceback.extract_tb(exc.__traceback__)
+        if frame is not None and origin and origin[-1].filename == frame.filename:
+            raise  # raised by the user's own code
+        if isinstance(exc, (AssertionError, ValueError, TypeError, RuntimeError,
+                            NotImplementedError, KeyError, IndexError)) and frame is None:
+            raise
+        raise backend_error(f"Failed to capture the model's forward: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        undo_ipu()
+        if had_forward:
+            model.forward = saved_forward
+        else:
+            vars(model).pop("forward", None)
+        for hook in list(_POST_HOOKS.values()):
+            hook()
+    _bake_constants(program, constants_before)
+    graph = Graph(program)
+    return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
+                    out_box.get("host", []))
+
+
+def _bake_constants(program, before: Dict[int, torch.Tensor]) -> None:
+    """Constants hold their capture-time values (S-1): undo in-place updates made to
+    plain tensor attributes while capturing, in the program's copies only."""
+    for name, value in list(program.constants.items()):
+        if isinstance(value, torch.Tensor) and id(value) in before:
+            program.constants[name] = before[id(value)]

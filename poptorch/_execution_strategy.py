@@ -1,0 +1,670 @@
+"""Model partitioning annotations and execution strategies (spec api §9, S-60…S-65).
+
+Public names: :class:`Block`, :func:`BeginBlock`, :func:`BlockFunction`,
+:func:`removeBlocks`, :class:`Stage`, :class:`Phase`, :class:`PipelinedExecution`,
+:class:`ShardedExecution`, :class:`SerialPhasedExecution`,
+:class:`ParallelPhasedExecution`. Behaviour follows PopTorch 3.x.
+
+Block annotations only matter while a model is being captured. The capture code
+drives the module-level block state:
+
+* :func:`_reset_block_state` (called before capturing) clears the state and turns
+  tracking on; :func:`_stop_block_tracking` turns it off again (annotations are
+  no-ops while tracking is off, e.g. when the model runs on the CPU).
+  :func:`block_capture` is a context manager doing both.
+* :func:`current_block` returns ``None`` (no block started yet: ops go to IPU 0 /
+  stage 0), a ``(user_id, ipu_id)`` tuple (the active block), or the sentinel
+  :data:`NO_ACTIVE_BLOCK` (a ``with Block`` scope ended and no block is active:
+  creating an op now is the compile ``Error`` "No active Block, all the ops must
+  belong to a Block").
+* :func:`block_history` lists every ``(user_id, ipu_id)`` started since the reset.
+
+Strategies derive the (stage, IPU) of a block with
+``strategy._blockPlacement(user_id, ipu_id)`` after ``strategy._onStartCapture()``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from popart_compiler.errors import py_error
+
+from . import enums
+
+__all__ = [
+    "Block", "BeginBlock", "BlockFunction", "removeBlocks", "Stage", "Phase",
+    "PipelinedExecution", "ShardedExecution", "SerialPhasedExecution",
+    "ParallelPhasedExecution",
+]
+
+# ---------------------------------------------------------------------------
+# Module-level block state
+# ---------------------------------------------------------------------------
+
+
+class _NoActiveBlock:
+    """Type of :data:`NO_ACTIVE_BLOCK` (a ``with Block`` scope ended, none active)."""
+
+    _instance: Optional["_NoActiveBlock"] = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "NO_ACTIVE_BLOCK"
+
+    def __reduce__(self):
+        return (_NoActiveBlock, ())
+
+
+#: Returned by :func:`current_block` after a ``with Block(...)`` scope has ended
+#: and no other block has started.
+NO_ACTIVE_BLOCK = _NoActiveBlock()
+
+BlockInfo = Tuple[Any, Optional[int]]
+
+
+class _BlockState:
+    """The block bookkeeping of the model being captured."""
+
+    def __init__(self) -> None:
+        self.tracking = False
+        self.current: Union[None, BlockInfo, _NoActiveBlock] = None
+        self.next_auto_id = 0
+        self.history: List[BlockInfo] = []
+
+
+_state = _BlockState()
+
+
+def _reset_block_state(tracking: bool = True) -> None:
+    """Clear the block state (no block started, auto-id counter at 0) and turn
+    tracking on (or off with ``tracking=False``). Called before each capture."""
+    _state.tracking = tracking
+    _state.current = None
+    _state.next_auto_id = 0
+    _state.history = []
+
+
+def _stop_block_tracking() -> None:
+    """Turn tracking off: block annotations become no-ops again (state kept)."""
+    _state.tracking = False
+
+
+class block_capture:  # noqa: N801 - used like a function
+    """Context manager: ``_reset_block_state()`` on entry, ``_stop_block_tracking()``
+    on exit (the previous tracking flag is restored)."""
+
+    def __enter__(self) -> "block_capture":
+        self._previous = _state.tracking
+        _reset_block_state(True)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        _state.tracking = self._previous
+        return False
+
+
+def is_tracking_blocks() -> bool:
+    """``True`` while block annotations are being recorded (during a capture)."""
+    return _state.tracking
+
+
+def current_block() -> Union[None, BlockInfo, _NoActiveBlock]:
+    """The active block as ``(user_id, ipu_id)``; ``None`` if no block has started
+    since the reset (or tracking is off); :data:`NO_ACTIVE_BLOCK` if a ``with Block``
+    scope ended and no block is active."""
+    if not _state.tracking:
+        return None
+    return _state.current
+
+
+def no_active_block() -> bool:
+    """``True`` iff :func:`current_block` is :data:`NO_ACTIVE_BLOCK`."""
+    return current_block() is NO_ACTIVE_BLOCK
+
+
+def block_history() -> List[BlockInfo]:
+    """Every ``(user_id, ipu_id)`` started since the last reset, in order."""
+    return list(_state.history)
+
+
+def _next_auto_id() -> str:
+    user_id = str(_state.next_auto_id)
+    _state.next_auto_id += 1
+    return user_id
+
+
+def _start_block(user_id, ipu_id) -> None:
+    if not _state.tracking:
+        return
+    if user_id is None:
+        user_id = _next_auto_id()
+    _state.current = (user_id, ipu_id)
+    _state.history.append((user_id, ipu_id))
+
+
+def _end_block() -> None:
+    if _state.tracking:
+        _state.current = NO_ACTIVE_BLOCK
+
+
+# ---------------------------------------------------------------------------
+# Annotations
+# ---------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    """Context manager assigning the operations created inside it to a block.
+
+    ``with poptorch.Block(user_id=None, ipu_id=None): ...`` — ops created inside
+    belong to block ``user_id`` (``str``; blocks with the same id are the same
+    block; ``None`` takes the next automatic id ``"0"``, ``"1"``, ...) placed on IPU
+    ``ipu_id`` (``int`` or ``None``). After the scope exits no block is active:
+    creating an op before the next block starts is the compile ``Error`` "No
+    active Block, all the ops must belong to a Block". A no-op outside a capture
+    (running on the CPU). Behaviour follows PopTorch.
+    """
+
+    def __init__(self, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+        super().__init__()
+        self._user_id = user_id
+        self._ipu_id = ipu_id
+
+    @staticmethod
+    def useAutoId() -> None:
+        """Reset the automatic id counter: blocks without ``user_id`` get ``"0"``,
+        ``"1"``, ... in order of appearance. Call at the start of ``forward``."""
+        _state.next_auto_id = 0
+
+    @staticmethod
+    def start(user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> None:
+        """Start block ``user_id`` on IPU ``ipu_id`` without a scope: it stays
+        active until the next block starts."""
+        _start_block(user_id, ipu_id)
+
+    def __enter__(self) -> "Block":
+        Block.start(self._user_id, self._ipu_id)
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> bool:
+        _end_block()
+        return False
+
+    def extra_repr(self) -> str:
+        """``user_id=..., ipu_id=...``."""
+        return f"user_id={self._user_id!r}, ipu_id={self._ipu_id!r}"
+
+
+class _BeginBlockHook:
+    """Forward pre-hook installed by :func:`BeginBlock` (starts the block each time
+    the module runs during a capture). A missing ``user_id`` is taken from the
+    auto-id counter the first time it runs and then kept."""
+
+    def __init__(self, user_id, ipu_id):
+        self._user_id = user_id
+        self._ipu_id = ipu_id
+
+    @property
+    def user_id(self):
+        """The block id (``None`` until assigned from the auto-id counter)."""
+        return self._user_id
+
+    @property
+    def ipu_id(self):
+        """The IPU of the block (``None`` if unspecified)."""
+        return self._ipu_id
+
+    def _begin(self) -> None:
+        if not _state.tracking:
+            return
+        if self._user_id is None:
+            self._user_id = _next_auto_id()
+        _start_block(self._user_id, self._ipu_id)
+
+    def __call__(self, module, inputs):
+        self._begin()
+
+    def __repr__(self) -> str:
+        return f"BeginBlock(user_id={self._user_id}, ipu_id={self._ipu_id})"
+
+
+class _BeginBlockFn(_BeginBlockHook):
+    """Callable returned by :func:`BeginBlock` for a non-module callable: starts the
+    block, then calls the wrapped function."""
+
+    def __init__(self, fn: Callable, user_id, ipu_id):
+        super().__init__(user_id, ipu_id)
+        self._fn = fn
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args, **kwargs):
+        self._begin()
+        return self._fn(*args, **kwargs)
+
+
+def BeginBlock(layer_to_call, user_id: Optional[str] = None,
+               ipu_id: Optional[int] = None):
+    """Annotate a module so that a new block starts every time it runs.
+
+    Args:
+        layer_to_call: a ``torch.nn.Module`` (a forward pre-hook is registered and
+            the module itself is returned) or a callable (a wrapper that starts the
+            block before calling it is returned).
+        user_id (str, optional): block id; ``None`` takes the next automatic id the
+            first time the hook runs, then keeps it.
+        ipu_id (int, optional): IPU of the block.
+
+    Everything executed after the block starts (the module, its children and later
+    code) stays in it until another block starts. The hook's ``repr`` is
+    ``BeginBlock(user_id=..., ipu_id=...)``.
+
+    Raises:
+        poptorch.Error: "module is not an instance of torch.nn.Module or function."
+            for any other argument; "module has already been assigned to a block."
+            when the module is already annotated. Same as PopTorch.
+    """
+    if not isinstance(layer_to_call, torch.nn.Module):
+        if callable(layer_to_call):
+            return _BeginBlockFn(layer_to_call, user_id, ipu_id)
+        raise py_error("module is not an instance of torch.nn.Module or function.")
+    if any(isinstance(h, _BeginBlockHook) for h in layer_to_call._forward_pre_hooks.values()):
+        raise py_error("module has already been assigned to a block.")
+    layer_to_call.register_forward_pre_hook(_BeginBlockHook(user_id, ipu_id))
+    return layer_to_call
+
+
+def BlockFunction(user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+    """Decorator: the decorated function's body runs inside
+    ``Block(user_id, ipu_id)``. Behaviour follows PopTorch."""
+
+    def decorator(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            with Block(user_id, ipu_id):
+                return func(*args, **kwargs)
+
+        return wrapper
+
+    return decorator
+
+
+def removeBlocks(module) -> None:
+    """Remove every :func:`BeginBlock` pre-hook from ``module`` and its sub-modules.
+
+    Raises:
+        AssertionError: if ``module`` is not a ``torch.nn.Module``.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise AssertionError("removeBlocks: module must be an instance of torch.nn.Module")
+    for m in module.modules():
+        for key in [k for k, h in m._forward_pre_hooks.items()
+                    if isinstance(h, _BeginBlockHook)]:
+            del m._forward_pre_hooks[key]
+            m._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _begin_block_hooks(module: torch.nn.Module) -> List[_BeginBlockHook]:
+    """The :func:`BeginBlock` hooks registered on ``module`` itself."""
+    return [h for h in module._forward_pre_hooks.values() if isinstance(h, _BeginBlockHook)]
+
+
+# ---------------------------------------------------------------------------
+# Stages and phases
+# ---------------------------------------------------------------------------
+
+
+class Stage:
+    """A set of blocks that run on one IPU.
+
+    Args:
+        *block_ids (str): ids of the blocks in this stage.
+
+    Members: ``blocks`` (tuple of ids), :meth:`ipu`.
+
+    Raises:
+        AssertionError: if a block id is not a ``str``. Same as PopTorch.
+    """
+
+    def __init__(self, *block_ids: str):
+        for block in block_ids:
+            if not isinstance(block, str):
+                raise AssertionError(f"Block ID must be strings: got {block!r} "
+                                     f"of type {type(block)}")
+        self._blocks: Tuple[str, ...] = tuple(block_ids)
+        self._ipu: Optional[int] = None
+        self._stage_id: Optional[int] = None
+        self._phase_id: Optional[int] = None
+
+    @property
+    def blocks(self) -> Tuple[str, ...]:
+        """The block ids of this stage."""
+        return self._blocks
+
+    def ipu(self, ipu: int) -> "Stage":
+        """Force the IPU of all the blocks of this stage (overrides their
+        ``ipu_id``). Returns self. ``AssertionError`` if ``ipu`` is not an int."""
+        if not isinstance(ipu, int):
+            raise AssertionError(f"Stage.ipu: ipu must be an integer, got {type(ipu)}")
+        self._ipu = ipu
+        return self
+
+    def __repr__(self) -> str:
+        text = "Stage(" + ", ".join(repr(b) for b in self._blocks) + ")"
+        if self._ipu is not None:
+            text += f".ipu({self._ipu})"
+        return text
+
+
+class Phase:
+    """A set of stages that run in parallel within phased execution.
+
+    Args:
+        *arg: either all :class:`Stage` objects, or all block-id strings (which
+            then form **one** stage).
+
+    Members: ``stages`` (list), :meth:`stage`, :meth:`ipus`.
+
+    Raises:
+        AssertionError: when the arguments mix stages and strings (or are of any
+            other type). Same as PopTorch.
+    """
+
+    def __init__(self, *arg):
+        if all(isinstance(a, Stage) for a in arg):
+            self.stages: List[Stage] = list(arg)
+        elif all(isinstance(a, str) for a in arg):
+            self.stages = [Stage(*arg)]
+        else:
+            raise AssertionError("All arguments must either be block IDs (strings) or "
+                                 f"Stages: {[type(a) for a in arg]}")
+
+    def stage(self, idx: int) -> Stage:
+        """The stage at position ``idx``."""
+        return self.stages[idx]
+
+    def ipus(self, *ipus: int) -> None:
+        """Assign one IPU per stage (in order). Returns ``None``.
+
+        Raises:
+            AssertionError: if the number of IPUs differs from the number of stages
+                (or an IPU is not an int).
+        """
+        if len(ipus) != len(self.stages):
+            raise AssertionError(f"Phase contains {len(self.stages)} stages but you "
+                                 f"provided {len(ipus)} ipus")
+        for stage, ipu in zip(self.stages, ipus):
+            stage.ipu(ipu)
+
+    def __repr__(self) -> str:
+        return "Phase(" + ", ".join(repr(s) for s in self.stages) + ")"
+
+
+def _to_stage(arg) -> Stage:
+    if isinstance(arg, Stage):
+        return arg
+    if isinstance(arg, str):
+        return Stage(arg)
+    if isinstance(arg, (list, tuple, set, frozenset)) or (
+            hasattr(arg, "__iter__") and not isinstance(arg, (dict, torch.Tensor))):
+        return Stage(*arg)
+    raise AssertionError(f"Invalid stage {arg!r}: each argument must be a "
+                         "poptorch.Stage, a block id (str) or a list of block ids")
+
+
+class _IExecutionStrategy:
+    """Common base of the execution strategies: explicit stages, block → stage map
+    and the (stage, IPU) derivation used at capture time."""
+
+    _execution_mode = 0
+
+    def __init__(self, stages: List[Stage], auto_stage: enums.AutoStage):
+        self._stages = stages
+        self._auto_stage = auto_stage
+        self._block_map: Dict[str, Stage] = {}
+        for stage_id, stage in enumerate(stages):
+            stage._stage_id = stage_id
+            for block in stage.blocks:
+                if block in self._block_map:
+                    raise AssertionError(f"{block} associated with more than one stage")
+                self._block_map[block] = stage
+        self._onStartCapture()
+
+    # -- public ------------------------------------------------------------
+    def stage(self, block_id: str) -> Stage:
+        """The :class:`Stage` containing ``block_id``.
+
+        Raises:
+            AssertionError: "Unknown block <id>".
+        """
+        if block_id not in self._block_map:
+            raise AssertionError(f"Unknown block {block_id}")
+        return self._block_map[block_id]
+
+    def backendOptions(self) -> Dict[str, Any]:
+        """The backend values contributed to ``Options.toDict()`` (options §5)."""
+        return {"execution_mode": self._execution_mode}
+
+    # -- capture-time helpers ------------------------------------------------
+    @property
+    def _explicit(self) -> bool:
+        return bool(self._block_map)
+
+    def _onStartCapture(self) -> None:
+        """Forget the stage ids derived during a previous capture."""
+        self._auto_stage_ids: Dict[Any, int] = {}
+        self._next_stage_id = 0
+
+    def _stageId(self, user_id, ipu_id: Optional[int]) -> int:
+        """The stage id of block ``user_id`` (started with ``ipu_id``).
+
+        Raises:
+            AssertionError: "Unknown Block '<id>' list of expected Blocks: [...]"
+                with explicit stages; "...SameAsIpu was selected but no IPU was
+                specified for block <id>" with ``AutoStage.SameAsIpu``.
+        """
+        if self._explicit:
+            if user_id not in self._block_map:
+                raise AssertionError(f"Unknown Block '{user_id}' list of expected "
+                                     f"Blocks: {list(self._block_map)}")
+            return self._block_map[user_id]._stage_id
+        if self._auto_stage == enums.AutoStage.AutoIncrement:
+            if user_id not in self._auto_stage_ids:
+                self._auto_stage_ids[user_id] = self._next_stage_id
+                self._next_stage_id += 1
+            return self._auto_stage_ids[user_id]
+        if ipu_id is None:
+            raise AssertionError(f"AutoStage.{self._auto_stage.name} was selected but no IPU was "
+                                 f"specified for block {user_id}")
+        return ipu_id
+
+    def _blockPlacement(self, user_id, ipu_id: Optional[int]) -> Tuple[int, int]:
+        """``(stage_id, ipu)`` of block ``user_id``: the IPU is the stage's explicit
+        :meth:`Stage.ipu`, else the block's ``ipu_id``, else the stage id (S-60)."""
+        stage_id = self._stageId(user_id, ipu_id)
+        stage = self._block_map.get(user_id)
+        if stage is not None and stage._ipu is not None:
+            return stage_id, stage._ipu
+        if ipu_id is not None:
+            return stage_id, ipu_id
+        return stage_id, stage_id
+
+
+class PipelinedExecution(_IExecutionStrategy):
+    """Pipelined execution over several IPUs (the default strategy).
+
+    Args:
+        *args: either a single :class:`poptorch.AutoStage` (default
+            ``AutoStage.SameAsIpu``), or a sequence where each element is a
+            :class:`Stage`, a block id (one-block stage) or an iterable of block
+            ids; the position is the stage id.
+
+    With no explicit stages the ``AutoStage`` policy derives stage ids at capture
+    time (``SameAsIpu``: stage = the block's ``ipu_id``; ``AutoIncrement``: each new
+    block gets the next stage id). Backend value ``execution_mode = 0``.
+
+    Raises:
+        AssertionError: "<block> associated with more than one stage" when a block
+            is listed twice; an invalid element. Same as PopTorch.
+    """
+
+    _execution_mode = 0
+
+    def __init__(self, *args):
+        if len(args) == 1 and isinstance(args[0], enums.AutoStage):
+            super().__init__([], args[0])
+            return
+        stages = []
+        for arg in args:
+            if isinstance(arg, enums.AutoStage):
+                raise AssertionError("An AutoStage must be the only argument of "
+                                     f"{type(self).__name__}")
+            stages.append(_to_stage(arg))
+        super().__init__(stages, enums.AutoStage.SameAsIpu)
+
+    def __repr__(self) -> str:
+        if self._stages:
+            return f"{type(self).__name__}(" + ", ".join(map(repr, self._stages)) + ")"
+        return f"{type(self).__name__}(AutoStage.{self._auto_stage.name})"
+
+
+class ShardedExecution(PipelinedExecution):
+    """Sharded execution: same arguments as :class:`PipelinedExecution`, but the
+    stages run one after another with no pipelining. Backend value
+    ``execution_mode = 1``."""
+
+    _execution_mode = 1
+
+
+def _to_phase(arg) -> Phase:
+    if isinstance(arg, Phase):
+        return arg
+    if isinstance(arg, (list, tuple)):
+        return Phase(*arg)
+    return Phase(arg)
+
+
+class _IPhasedExecution(_IExecutionStrategy):
+    """Common base of :class:`SerialPhasedExecution` and
+    :class:`ParallelPhasedExecution`."""
+
+    _execution_mode = 2
+    _serial = True
+
+    def __init__(self, *phases):
+        if not phases:
+            raise AssertionError("There is currently no AutoStage for PhasedExecution, "
+                                 "please explicitly specify the phases")
+        self._phases: List[Phase] = [_to_phase(p) for p in phases]
+        stages = []
+        for phase_id, phase in enumerate(self._phases):
+            for stage in phase.stages:
+                stage._phase_id = phase_id
+                stages.append(stage)
+        super().__init__(stages, enums.AutoStage.SameAsIpu)
+        self._separate_backward_phase = False
+        self._tensors_liveness = enums.Liveness.AlwaysLive
+
+    def phase(self, phase: int) -> Phase:
+        """The :class:`Phase` at index ``phase``.
+
+        Raises:
+            AssertionError: unless ``phase`` is a non-negative int.
+        """
+        if not isinstance(phase, int) or phase < 0:
+            raise AssertionError("Phases are identified by non-negative integers, "
+                                 f"got {phase!r}")
+        return self._phases[phase]
+
+    def useSeparateBackwardPhase(self, use: bool = True):
+        """Start the backward pass in a fresh phase (backward phase of forward phase
+        ``p`` becomes ``2P - p`` instead of ``2(P-1) - p``). Returns self.
+        ``AssertionError`` if ``use`` is not a bool."""
+        if not isinstance(use, bool):
+            raise AssertionError("useSeparateBackwardPhase: use must be a bool")
+        self._separate_backward_phase = use
+        return self
+
+    def backendOptions(self) -> Dict[str, Any]:
+        """``execution_mode = 2``, ``separate_backward_phase``, ``tensors_liveness``
+        (int) and ``serial_phases_execution`` (options §5)."""
+        return {
+            "execution_mode": self._execution_mode,
+            "separate_backward_phase": self._separate_backward_phase,
+            "tensors_liveness": int(self._tensors_liveness),
+            "serial_phases_execution": self._serial,
+        }
+
+    # -- capture-time helpers ------------------------------------------------
+    def _phaseId(self, user_id) -> int:
+        """The forward phase of block ``user_id`` (``AssertionError`` if unknown)."""
+        self._stageId(user_id, None)
+        return self._block_map[user_id]._phase_id
+
+    def _backwardPhase(self, phase: int) -> int:
+        """Backward phase mirroring forward ``phase`` (S-65): ``2(P-1) - p`` by
+        default, ``2P - p`` with :meth:`useSeparateBackwardPhase` (liveness-mode
+        shifts are not applied here)."""
+        num_phases = len(self._phases)
+        if self._separate_backward_phase:
+            return 2 * num_phases - phase
+        return 2 * (num_phases - 1) - phase
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(" + ", ".join(map(repr, self._phases)) + ")"
+
+
+class SerialPhasedExecution(_IPhasedExecution):
+    """Phased execution where the phases run one after another on the same IPUs.
+
+    Args:
+        *phases: each a :class:`Phase`, a list of :class:`Stage`, a list of block
+            ids (one stage), or a single item (treated as a one-element list).
+
+    Backend values: ``execution_mode = 2``, ``separate_backward_phase``,
+    ``tensors_liveness``, ``serial_phases_execution = True``.
+
+    Raises:
+        AssertionError: no phase given ("There is currently no AutoStage for
+            PhasedExecution, please explicitly specify the phases"); a block in
+            several stages. Same as PopTorch.
+    """
+
+    _serial = True
+
+    def setTensorsLiveness(self, liveness: enums.Liveness):
+        """Set the liveness of tensors between phases. Returns self.
+        ``AssertionError`` if ``liveness`` is not a :class:`poptorch.Liveness`."""
+        if not isinstance(liveness, enums.Liveness):
+            raise AssertionError("liveness must be a poptorch.Liveness, got "
+                                 f"{type(liveness)}")
+        self._tensors_liveness = liveness
+        return self
+
+
+class ParallelPhasedExecution(_IPhasedExecution):
+    """Phased execution where consecutive phases run in parallel (even phases on
+    even IPUs, odd phases on odd IPUs, S-65). Same arguments and errors as
+    :class:`SerialPhasedExecution`; backend ``serial_phases_execution = False``."""
+
+    _serial = False
+
+    def sendTensorsOffChipAfterFwd(self, off_chip: bool = True):
+        """Liveness ``OffChipAfterFwd`` (``True``) or ``AlwaysLive`` (``False``).
+        Returns self. ``AssertionError`` if ``off_chip`` is not a bool."""
+        if not isinstance(off_chip, bool):
+            raise AssertionError("sendTensorsOffChipAfterFwd: off_chip must be a bool")
+        self._tensors_liveness = (enums.Liveness.OffChipAfterFwd if off_chip
+                                  else enums.Liveness.AlwaysLive)
+        return self
+
+
+def _iter_begin_block_modules(module: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
+    """``(qualified name, module)`` of every sub-module annotated with BeginBlock."""
+    for name, m in module.named_modules():
+        if _begin_block_hooks(m):
+            yield name, m

@@ -1,0 +1,257 @@
+"""Instrumentation of a model wrapped by ``trainingModel`` (spec api §6, S-31).
+
+The model's class becomes a generated subclass ``Poptorch<Name>``; parameters and
+buffers become subclasses whose ``__torch_function__`` first pulls trained weights from
+the device when the host copy is stale. Anything that reads them (attribute access,
+``state_dict()``, ``torch.equal``, running the module on the CPU, printing, pickling)
+therefore sees the device's latest values.
+"""
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import weakref
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+
+from popart_compiler.errors import py_error
+
+__all__ = ["instrument", "uninstrument", "is_instrumented", "suspended", "syncing",
+           "original_class"]
+
+_guard = {"depth": 0}
+
+
+@contextlib.contextmanager
+def syncing() -> Iterator[None]:
+    """Reads and writes of instrumented tensors inside do not trigger a sync."""
+    _guard["depth"] += 1
+    try:
+        yield
+    finally:
+        _guard["depth"] -= 1
+
+
+def _sync(args) -> None:
+    if _guard["depth"]:
+        return
+    for a in args:
+        ref = getattr(a, "_poptorch_executor", None) if isinstance(a, torch.Tensor) else None
+        if ref is not None:
+            executor = ref()
+            if executor is not None and executor._host_weights_stale:
+                with syncing():
+                    executor._implicitCopyWeightsToHost()
+            return
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.detach()
+
+
+class _InstrumentedParameter(torch.nn.Parameter):
+    """A parameter of a model wrapped for training on the device."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _sync(args)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __reduce_ex__(self, protocol):
+        _sync((self,))
+        data = _plain(self)
+        return (torch._utils._rebuild_parameter,
+                (data, self.requires_grad, collections_ordered_dict()))
+
+    def __deepcopy__(self, memo):
+        _sync((self,))
+        result = torch.nn.Parameter(_plain(self).clone(), self.requires_grad)
+        memo[id(self)] = result
+        return result
+
+
+class _InstrumentedBuffer(torch.Tensor):
+    """A buffer of a model wrapped for training on the device."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _sync(args)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __reduce_ex__(self, protocol):
+        _sync((self,))
+        return _plain(self).clone().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        _sync((self,))
+        result = _plain(self).clone()
+        memo[id(self)] = result
+        return result
+
+
+def collections_ordered_dict():
+    import collections
+    return collections.OrderedDict()
+
+
+_CLASSES: dict = {}
+
+
+def original_class(model: torch.nn.Module) -> type:
+    """The user's class of a possibly instrumented model."""
+    return getattr(type(model), "_poptorch_original_class", type(model))
+
+
+def is_instrumented(model: torch.nn.Module) -> bool:
+    return "_poptorch_original_class" in vars(type(model))
+
+
+def _make_class(cls: type) -> type:
+    if cls in _CLASSES:
+        return _CLASSES[cls]
+
+    def executor_of(self):
+        ref = self.__dict__.get("_poptorch_executor_ref")
+        return ref() if ref is not None else None
+
+    def __getattribute__(self, name: str):
+        if name in ("_parameters", "_buffers", "forward") and not _guard["depth"]:
+            executor = executor_of(self)
+            if executor is not None and executor._host_weights_stale:
+                with syncing():
+                    executor._implicitCopyWeightsToHost()
+        return cls.__getattribute__(self, name)
+
+    def state_dict(self, *args, **kwargs):
+        executor = executor_of(self)
+        if executor is not None and executor._host_weights_stale:
+            with syncing():
+                executor._implicitCopyWeightsToHost()
+        with syncing():
+            result = cls.state_dict(self, *args, **kwargs)
+        copies: dict = {}
+        for key, value in list(result.items()):
+            if isinstance(value, torch.Tensor):
+                if id(value) not in copies:
+                    copies[id(value)] = _plain(value) if not isinstance(
+                        value, torch.nn.Parameter) else torch.nn.Parameter(
+                            _plain(value), value.requires_grad)
+                result[key] = copies[id(value)]
+        return result
+
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        """Pull trained weights from the device if the host copy is stale."""
+        executor = executor_of(self)
+        return executor.copyWeightsToHostIfNeeded() if executor is not None else False
+
+    def destroy(self) -> None:
+        """Destroy the training executor wrapping this model (if still alive)."""
+        executor = executor_of(self)
+        if executor is not None:
+            executor.destroy()
+
+    def _host_weights_version_get(self) -> int:
+        executor = executor_of(self)
+        return executor._host_weights_version if executor is not None else 0
+
+    def __reduce_ex__(self, protocol):
+        executor = executor_of(self)
+        if executor is not None and executor._host_weights_stale:
+            with syncing():
+                executor._implicitCopyWeightsToHost()
+        state = {k: v for k, v in self.__dict__.items() if k != "_poptorch_executor_ref"}
+        return (copyreg.__newobj__, (cls,), state)
+
+    namespace = {
+        "__getattribute__": __getattribute__,
+        "state_dict": state_dict,
+        "copyWeightsToHostIfNeeded": copyWeightsToHostIfNeeded,
+        "destroy": destroy,
+        "_host_weights_version": property(_host_weights_version_get),
+        "__reduce_ex__": __reduce_ex__,
+        "_poptorch_original_class": cls,
+        "__module__": cls.__module__,
+        "__qualname__": f"Poptorch{cls.__qualname__}",
+    }
+    new_cls = type(f"Poptorch{cls.__name__}", (cls,), namespace)
+    _CLASSES[cls] = new_cls
+    return new_cls
+
+
+def _tensors(model: torch.nn.Module) -> List[Tuple[torch.Tensor, bool]]:
+    seen, out = set(), []
+    for module in model.modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for t in table.values():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((t, is_param))
+    return out
+
+
+def instrument(model: torch.nn.Module, executor: Any) -> None:
+    """Instrument ``model`` for lazy device → host weight copies by ``executor``.
+
+    Raises:
+        poptorch.Error: a buffer is not an exact ``torch.Tensor``.
+    """
+    with syncing():
+        for t, is_param in _tensors(model):
+            if not is_param and type(t) not in (torch.Tensor, _InstrumentedBuffer):
+                raise py_error("All buffers must be an instance of torch.Tensor "
+                               f"(Got {type(t)})")
+        ref = weakref.ref(executor)
+        for t, is_param in _tensors(model):
+            t.__class__ = _InstrumentedParameter if is_param else _InstrumentedBuffer
+            t._poptorch_executor = ref
+        if not is_instrumented(model):
+            model.__class__ = _make_class(type(model))
+        model.__dict__["_poptorch_executor_ref"] = ref
+
+
+def uninstrument(model: torch.nn.Module) -> None:
+    """Restore the model's original class and plain parameters / buffers.
+
+    Raises:
+        poptorch.Error: "model was never wrapped" if it is not instrumented.
+    """
+    if not is_instrumented(model):
+        raise py_error("model was never wrapped")
+    with syncing():
+        model.__class__ = original_class(model)
+        model.__dict__.pop("_poptorch_executor_ref", None)
+        for t, is_param in _tensors(model):
+            _restore_tensor(t, is_param)
+
+
+def _restore_tensor(t: torch.Tensor, is_param: bool) -> None:
+    if type(t) in (_InstrumentedParameter, _InstrumentedBuffer):
+        t.__class__ = torch.nn.Parameter if is_param else torch.Tensor
+    t.__dict__.pop("_poptorch_executor", None)
+
+
+@contextlib.contextmanager
+def suspended(model: torch.nn.Module) -> Iterator[None]:
+    """Plain classes for the parameters and buffers while inside (used by capture)."""
+    swapped = []
+    with syncing():
+        for t, is_param in _tensors(model):
+            if type(t) in (_InstrumentedParameter, _InstrumentedBuffer):
+                swapped.append((t, type(t), t.__dict__.get("_poptorch_executor")))
+                _restore_tensor(t, is_param)
+    try:
+        yield
+    finally:
+        with syncing():
+            for t, cls, ref in swapped:
+                t.__class__ = cls
+                if ref is not None:
+                    t._poptorch_executor = ref
+
+
+def executor_ref_of(model: torch.nn.Module) -> Optional[Callable[[], Any]]:
+    return model.__dict__.get("_poptorch_executor_ref")

@@ -1,0 +1,776 @@
+"""``PoplarExecutor``: the object returned by ``trainingModel`` / ``inferenceModel``
+(spec api §5, §6; semantics S-1…S-36, S-44, S-95…S-97).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import sys
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from popart_compiler.compiler import Compiler, Executable
+from popart_compiler.errors import Error, backend_error, py_error
+from popart_compiler.ipu_model import acquire_device
+from popart_compiler.session import InferenceSession, TrainingSession
+from popart_compiler.session_options import Anchor, SessionOptions, ipu_model_env
+
+from . import _instrument, enums
+from ._args import ArgsParser, BoundArgs, Spec, check_batch, flatten, leaf_names, unflatten
+from ._capture import Captured, capture
+from ._logging import logger
+from .options import Options
+
+__all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
+
+#: The message of every method that needs a compiled executable.
+NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
+
+#: Training executors by ``id(user model)`` (live ones only).
+_TRAINING_WRAPPERS: "weakref.WeakValueDictionary[int, PoplarExecutor]" = \
+    weakref.WeakValueDictionary()
+
+
+def _no_backward(*args, **kwargs):
+    raise py_error("backward() cannot be called explicitly on outputs of a PopTorch "
+                   "model. If you're using a trainingModel, the backward pass is "
+                   "performed automatically when invoking the model. If you're using an "
+                   "inferenceModel, you should use a trainingModel instead.")
+
+
+class _ProgressBar:
+    """The "Graph compilation" progress bar (tqdm) and the compilation timer."""
+
+    def __init__(self, show: bool):
+        self.show = show
+        self._bar = None
+        self.start = time.perf_counter()
+        self.elapsed: Optional[float] = None
+
+    def __call__(self, progress: int, total: int) -> None:
+        if self.show and self._bar is None:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, desc="Graph compilation", file=sys.stderr,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} "
+                             "[{elapsed}<{remaining}]", leave=True)
+        if self._bar is not None and progress != self._bar.n:
+            self._bar.n = progress
+            self._bar.refresh()
+        if progress >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.elapsed is None:
+            self.elapsed = time.perf_counter() - self.start
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class PoplarExecutor:
+    """A model wrapped for the (simulated) IPU. Created by :func:`poptorch.trainingModel`,
+    :func:`poptorch.inferenceModel` — not directly.
+
+    Calling it runs ``deviceIterations × gradientAccumulation`` micro-batches on each
+    replica (S-10); the first call (or :meth:`compile`) captures ``forward`` once with
+    ``torch.export`` and compiles it for the IPU Model (S-1). Attributes not defined
+    here are looked up on the wrapped model (api §5.22). Behaviour follows PopTorch.
+    """
+
+    def __init__(self, model: torch.nn.Module, options: Optional[Options], training: bool,
+                 poptorch_version: str, optimizer: Optional[torch.optim.Optimizer] = None,
+                 user_model: Optional[torch.nn.Module] = None):
+        if options is None:
+            options = Options()
+        if not isinstance(options, Options):
+            raise py_error(f"Invalid type: 'options' is of type {type(options)} (Expected "
+                           "poptorch.Options)")
+        options._freeze()
+        opts = options.clone()
+        self._poptorch_version = poptorch_version
+        self._training = training
+        self._user_model = user_model if user_model is not None else model
+        self._model = model
+        if opts.defaultOutputMode():
+            opts.outputMode(enums.OutputMode.Final if training else enums.OutputMode.All)
+        if not training and opts.Training.gradient_accumulation != 1:
+            pipelined = (type(opts._execution_strategy).__name__ == "PipelinedExecution")
+            raise py_error(
+                "You must set poptorch.Options().Training.gradientAccumulation to 1 or "
+                "leave it as its default value (1) when running a poptorch.inferenceModel()."
+                + (" Use poptorch.Options().deviceIterations() to process a larger number "
+                   "of batches simultaneously instead." if pipelined else ""))
+        for short, entry in opts.anchored_tensors.items():
+            if entry[1]:  # the mode was not given: inherit the model's
+                entry[2] = enums.OutputMode(opts.output_mode)
+                entry[3] = opts.output_return_period
+        opts._freeze()
+        self._options = opts
+        self._parser = ArgsParser(model.forward)
+        self._executable: Optional[Executable] = None
+        self._session = None
+        self._device = None
+        self._attached = False
+        self._captured: Optional[Captured] = None
+        self._input_spec: Optional[Spec] = None
+        self._input_names: List[str] = []
+        self._warned_contiguous = False
+        self._warned_requires_grad = False
+        self._progress: Optional[_ProgressBar] = None
+        self._host_weights_stale = False
+        self._host_weights_version = 0
+        self._uploaded_version = -1
+        self._rng_cache: Optional[List[int]] = (
+            [int(opts.random_seed)] if opts.exists("random_seed") else None)
+        self._rng_stale = False
+        self._optimizer = None
+        self._optimizer_description = None
+        self._optimizer_pending = False
+        self._optimizer_state_stale = False
+        self._anchor_values: Dict[str, torch.Tensor] = {}
+        self.per_replica_params: Dict[str, Any] = {}
+        if training:
+            if optimizer is None:
+                from .optim import SGD
+                optimizer = SGD(self._user_model.parameters(), lr=0.01)
+            self.setOptimizer(optimizer)
+            _instrument.instrument(self._user_model, self)
+            _TRAINING_WRAPPERS[id(self._user_model)] = self
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The user's module (instrumented for training executors)."""
+        return self._user_model
+
+    @property
+    def options(self) -> Options:
+        """This executor's private, frozen ``Options`` clone."""
+        return self._options
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_user_model", "_training"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["_user_model"], name)
+
+    def __repr__(self) -> str:
+        from ._printing import module_repr
+        return module_repr(self._user_model)
+
+    # -- state ------------------------------------------------------------------------
+
+    def isCompiled(self) -> bool:
+        """Whether an executable exists (not before the first compile nor after
+        :meth:`destroy`)."""
+        return self._executable is not None
+
+    def isAttachedToDevice(self) -> bool:
+        """Whether the device is attached (``False`` when not compiled)."""
+        return self._executable is not None and self._attached
+
+    def _require_executable(self) -> None:
+        if self._executable is None:
+            raise py_error(NO_EXECUTABLE)
+
+    # -- compilation -------------------------------------------------------------------
+
+    def _bind(self, args, kwargs) -> Tuple[BoundArgs, List[torch.Tensor], Spec]:
+        bound = self._parser.bind(args, kwargs)
+        tensors: List[torch.Tensor] = []
+        spec = flatten(tuple(bound.values), tensors)
+        names = [n for name, child in zip(bound.names, spec.children)
+                 for n in leaf_names(name, child)]
+        o = self._options
+        d, r, g = o.device_iterations, o.replication_factor, o.input_group_size
+        a = o.Training.gradient_accumulation if self._training else 1
+        factor = d * (r // g) * a
+        for name, t in zip(names, tensors):
+            check_batch(name, t, factor, d, r, g, a)
+        return bound, tensors, spec
+
+    def _batch_factor(self) -> int:
+        o = self._options
+        a = o.Training.gradient_accumulation if self._training else 1
+        return o.device_iterations * (o.replication_factor // o.input_group_size) * a
+
+    def _device_inputs(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Contiguous, detached, 32-bit versions of the inputs (S-24, S-44)."""
+        out = []
+        for t in tensors:
+            if t.requires_grad:
+                if not self._warned_requires_grad:
+                    logger.warning("Input tensor has requires_grad=True set. This tensor "
+                                   "will be detached because backward pass via inputs is "
+                                   "not supported.")
+                    self._warned_requires_grad = True
+                t = t.detach()
+            if not t.is_contiguous():
+                if not self._warned_contiguous:
+                    logger.warning("At least one input tensor is not contiguous: non-"
+                                   "contiguous tensors will be converted.")
+                    self._warned_contiguous = True
+                t = t.contiguous()
+            if t.dtype == torch.float64:
+                t = t.float()
+            elif t.dtype == torch.int64:
+                t = t.to(torch.int32).to(torch.int64)  # 32-bit range on the device
+            out.append(t)
+        return out
+
+    def _session_options(self) -> SessionOptions:
+        o = self._options
+        values = o.toDict()
+        values.pop("compilation_progress_bar_fn", None)
+        anchors = []
+        for short, (long_name, _inherit, mode, period) in o.anchored_tensors.items():
+            anchors.append(Anchor(long_name, int(mode), int(period) if int(mode) == 1 else 1,
+                                  key=short))
+        return SessionOptions.from_dict(values, anchors)
+
+    def _model_selection(self) -> Tuple[bool, Optional[bool], bool]:
+        """``(use_ipu_model, explicitly_requested, small)`` as PopTorch decides (S-82)."""
+        env_model, env_small = ipu_model_env()
+        o = self._options
+        if o.exists("use_model"):
+            logger.info("From the user configuration: Ipu model: %s",
+                        "Enabled" if o.use_model else "Disabled")
+            return bool(o.use_model), bool(o.use_model), env_small and not env_model
+        return True, env_model or env_small, env_small and not env_model
+
+    def _compile(self, bound: BoundArgs, tensors: List[torch.Tensor], spec: Spec) -> None:
+        o = self._options
+        if o._Popart.options.get("instrumentWithHardwareCycleCounter", False):
+            raise py_error("Cycle count logging is only supported on actual IPU hardware.")
+        sess_opts = self._session_options()
+        use_model, explicit, small = self._model_selection()
+        connection = int(o.connection_type)
+        offline = connection == int(enums.ConnectionType.Never)
+        self._progress = _ProgressBar(bool(o._show_compilation_progress_bar))
+        factor = self._batch_factor()
+        device_inputs = self._device_inputs(tensors)
+        micro = [t[: t.shape[0] // factor] if t.dim() else t for t in device_inputs]
+
+        def acquire():
+            return acquire_device(sess_opts.replication_factor, sess_opts.ipu_model_version,
+                                  use_ipu_model=use_model, explicit_model_request=explicit,
+                                  small=small, offline=offline,
+                                  ipu_id=o.ipu_id if o.exists("ipu_id") else None,
+                                  torch_device=sess_opts.device)
+
+        device = acquire() if connection == int(enums.ConnectionType.Always) else None
+        progress = self._progress
+        model = self._model
+        suspend = _instrument.suspended(self._user_model) if self._training else _null()
+        try:
+            progress(0, 10)
+            with suspend:
+                captured = capture(model, _forward_of(model), bound, spec, micro,
+                                   self._training, sess_opts.device)
+            progress(4, 10)
+            exe = Compiler.compile(captured.graph, sess_opts, self._training,
+                                   progress=lambda p, t: progress(4 + (5 * p) // t, 10))
+            if device is None and not offline:
+                device = acquire()
+            elif offline:
+                acquire()  # raises for the offline cases the IPU Model rejects
+            progress(10, 10)
+        finally:
+            progress.close()
+        self._captured = captured
+        self._input_spec = spec
+        self._input_names = list(bound.names)
+        self._executable = exe
+        self._device = device
+        if offline:
+            self._session = None
+            self._attached = False
+            return
+        if self._training:
+            self._session = TrainingSession(exe, device, self._optimizer_description)
+        else:
+            self._session = InferenceSession(exe, device)
+        self._attached = True
+        self._uploadState()
+
+    def _uploadState(self) -> None:
+        """Host → device at compile / attach: weights, optimizer, optimizer state, RNG."""
+        self.copyWeightsToDevice()
+        if self._training:
+            self._optimizer_pending = False
+            self._session.setOptimizer(self._optimizer_description)
+            self._writePendingOptimizerState()
+        if self._rng_cache is not None:
+            if len(self._rng_cache) > 1:
+                logger.debug("Setting RNG state")
+                self._session.setRngState(self._rng_cache)
+            else:
+                logger.debug("Setting random seed to: %d", self._rng_cache[0])
+                self._session.setRandomSeed(self._rng_cache[0])
+
+    def compile(self, *args, **kwargs) -> None:
+        """Capture and compile with these example arguments, attach and upload weights,
+        optimizer and RNG state — like the first call, without running (api §5.3).
+
+        Logs a warning and does nothing if already compiled.
+        """
+        if self.isCompiled():
+            logger.warning("Call to compile() ignored: the executable is already compiled")
+            return
+        bound, tensors, spec = self._bind(args, kwargs)
+        self._compile(bound, tensors, spec)
+
+    # -- running ----------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        """Run the model on the device (api §5.2). Takes what ``forward`` takes.
+
+        Returns:
+            The structure ``forward`` returned at capture time, each tensor with its
+            first dimension multiplied per the output mode (S-12…S-14); ``None`` if
+            ``forward`` returned ``None``.
+
+        Raises:
+            AssertionError: bad batch dimension (S-11), bad arguments (S-20), running an
+                offline (``ConnectionType.Never``) model.
+            poptorch.Error: inputs that differ from the compiled ones (S-22), a missing
+                mandatory argument, capture or compile errors.
+        """
+        if int(self._options.connection_type) == int(enums.ConnectionType.Never):
+            raise AssertionError(
+                "Trying to run a model on an offline device (ConnectionType.Never): use "
+                "model.compile(inputs) instead of model(inputs).")
+        bound, tensors, spec = self._bind(args, kwargs)
+        if not self.isCompiled():
+            self._compile(bound, tensors, spec)
+        else:
+            for name, compiled, now in zip(self._input_names, self._input_spec.children,
+                                           spec.children):
+                _validate(name, compiled, now)
+            if len(spec.children) != len(self._input_spec.children):
+                raise py_error(
+                    f"Number of positional arguments mismatch: expected "
+                    f"{len(self._input_spec.children)} arguments but got "
+                    f"{len(spec.children)}.\n" + _RECOMPILE)
+            if not self._attached:
+                self.attachToDevice()
+        if not self._training:
+            self._syncFromTrainer()
+        elif self._optimizer_pending:
+            self._optimizer_pending = False
+            self._session.setOptimizer(self._optimizer_description)
+        if self._training and self._optimizer is not None and \
+                getattr(self._optimizer, "_state_pending", False):
+            self._implicitCopyWeightsToHost() if self._host_weights_stale else None
+            self._writePendingOptimizerState()
+        inputs = self._device_inputs(tensors)
+        outputs = self._session.run(inputs)
+        self._writeBackInputs(tensors, inputs)
+        self._anchor_values = {a.key: self._session.anchors[a.key]
+                               for a in self._executable.options.anchors
+                               if a.key in self._session.anchors}
+        self._rng_stale = True
+        if self._training:
+            self._host_weights_stale = True
+            self._optimizer_state_stale = True
+        return self._buildOutputs(outputs)
+
+    def _writeBackInputs(self, originals: List[torch.Tensor], device_inputs) -> None:
+        """In-place updates of inputs reach the caller's tensors (S-23)."""
+        mutated = self._executable.graph.mutated_inputs if self._executable else ()
+        if not mutated:
+            return
+        mutated_values = self._session.last_inputs if hasattr(self._session, "last_inputs") \
+            else device_inputs
+        for i in mutated:
+            src, dst = mutated_values[i], originals[i]
+            if src.data_ptr() != dst.data_ptr():
+                with torch.no_grad():
+                    dst.copy_(src.to(dst.dtype))
+
+    def _buildOutputs(self, outputs: List[torch.Tensor]):
+        captured = self._captured
+        if captured.output_spec is None:
+            return None
+        host = iter(captured.host_outputs)
+        leaves = [outputs[i] if i is not None else next(host) for i in captured.output_leaves]
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                try:
+                    t.backward = _no_backward  # type: ignore[method-assign]
+                except (AttributeError, TypeError):
+                    pass
+        return unflatten(captured.output_spec, iter(leaves))
+
+    # -- weights ----------------------------------------------------------------------
+
+    def _host_tensors(self) -> Dict[str, torch.Tensor]:
+        model = self._user_model
+        with _instrument.syncing():
+            named = dict(model.named_parameters(remove_duplicate=False))
+            named.update(dict(model.named_buffers(remove_duplicate=False)))
+        return named
+
+    def copyWeightsToHost(self) -> None:
+        """Device → host: every parameter and buffer, in place, keeping host dtypes
+        (api §5.7). Bumps the host weight version (S-31).
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        self._require_executable()
+        if self._session is None:
+            return
+        logger.info("Writing weights from IPU to host.")
+        values = self._session.readWeights()
+        host = self._host_tensors()
+        with _instrument.syncing(), torch.no_grad():
+            for name, value in values.items():
+                target = host.get(name)
+                if target is not None:
+                    target.copy_(value.to(target.dtype))
+        self._host_weights_stale = False
+        self._host_weights_version += 1
+
+    def _implicitCopyWeightsToHost(self) -> None:
+        logger.debug("Implicit copyWeightsToHost()")
+        self.copyWeightsToHost()
+
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        """Copy device → host if a run happened since the last copy; returns whether it
+        copied. Always ``False`` for inference executors (api §5.9)."""
+        if self._executable is None or not self._host_weights_stale:
+            return False
+        self._implicitCopyWeightsToHost()
+        return True
+
+    def copyWeightsToDevice(self) -> None:
+        """Host → device: every parameter and buffer (api §5.8). Does not first pull the
+        device's weights: un-copied training results are overwritten (S-32).
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        self._require_executable()
+        if self._session is None:
+            return
+        if self._training and self._optimizer is not None and self._optimizer_state_stale:
+            self._syncOptimizerStateToHost()
+        logger.info("Writing weights from host to IPU memory.")
+        host = self._host_tensors()
+        with _instrument.syncing():
+            values = {n: t.detach() for n, t in host.items()}
+        self._session.writeWeights(values)
+        self._host_weights_stale = False
+        trainer = _TRAINING_WRAPPERS.get(id(self._user_model))
+        self._uploaded_version = trainer._host_weights_version if trainer is not None \
+            else self._host_weights_version
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Upload only the buffers listed with ``Options.updatableNamedBuffers``.
+
+        Raises:
+            poptorch.Error: not compiled; option not set.
+        """
+        self._require_executable()
+        names = self._options._Popart.options.get("updatableNamedBuffers")
+        if not names:
+            raise py_error("No named buffers marked as updatable via "
+                           "updatableNamedBuffers option")
+        host = self._host_tensors()
+        with _instrument.syncing():
+            self._session.writeWeights({n: host[n].detach() for n in names if n in host})
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
+        """``model.load_state_dict`` then, if attached, :meth:`copyWeightsToDevice`."""
+        result = self._user_model.load_state_dict(state_dict, strict)
+        if self.isAttachedToDevice():
+            self.copyWeightsToDevice()
+        return result
+
+    def _syncFromTrainer(self) -> None:
+        """Inference wrappers of a model being trained see the latest weights (S-31)."""
+        trainer = _TRAINING_WRAPPERS.get(id(self._user_model))
+        if trainer is None or trainer is self:
+            return
+        trainer.copyWeightsToHostIfNeeded()
+        if trainer._host_weights_version != self._uploaded_version:
+            logger.debug("Implicit copyWeightsToDevice()")
+            self.copyWeightsToDevice()
+
+    # -- optimizer --------------------------------------------------------------------
+
+    def _param_names(self) -> Dict[int, str]:
+        with _instrument.syncing():
+            return {id(p): n for n, p in self._user_model.named_parameters()}
+
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Set or update the optimizer (api §5.12, S-50…S-58).
+
+        New hyper-parameter values of variable attributes are pushed to the device
+        immediately if attached (at the next attach otherwise).
+
+        Raises:
+            AssertionError / ValueError: unsupported optimizer or attribute values.
+            poptorch.Error: a change that needs recompilation (S-52).
+        """
+        if not self._training:
+            raise AttributeError("setOptimizer is only supported by training models "
+                                 "(poptorch.trainingModel).")
+        from . import optim
+        auto_ls = bool(self._options._Popart.options.get(
+            "automaticLossScalingSettings.enabled", False))
+        description = optim.to_description(optimizer, self._param_names(), auto_ls)
+        if self.isCompiled() and self._optimizer is not None and \
+                optimizer is not self._optimizer:
+            if isinstance(self._optimizer, optim.Optimizer):
+                self._syncOptimizerStateToHost()
+                self._optimizer._executor_ref = None
+        if self._session is not None:
+            self._session.optimizer.update.__self__  # noqa: B018 - existence check
+            from popart_compiler.optimizers import OptimizerDescription  # noqa: F401
+            if description.compile_signature() != \
+                    self._session.optimizer._signature:
+                self._session.setOptimizer(description)  # raises
+        self._optimizer = optimizer
+        if isinstance(optimizer, optim.Optimizer):
+            optimizer._executor_ref = weakref.ref(self)
+        changed = description != self._optimizer_description
+        self._optimizer_description = description
+        if changed and self._session is not None:
+            if self._attached:
+                self._session.setOptimizer(description)
+            else:
+                self._optimizer_pending = True
+
+    def _syncOptimizerStateToHost(self) -> None:
+        from . import optim
+        opt = self._optimizer
+        if not isinstance(opt, optim.Optimizer) or self._session is None:
+            return
+        if not self._optimizer_state_stale and opt._state_dict.get("ipu_state") is not None:
+            logger.debug("Using cached optimiser state dict")
+            return
+        logger.info("Writing optimiser state tensors from IPU to host.")
+        opt._state_dict = {"ipu_state": self._session.readOptimizerState(),
+                           "ipu_param": self._session.readOptimizerParams()}
+        self._optimizer_state_stale = False
+
+    def _writePendingOptimizerState(self) -> None:
+        from . import optim
+        opt = self._optimizer
+        if not isinstance(opt, optim.Optimizer) or not opt._state_pending:
+            if isinstance(opt, optim.Optimizer) and opt._state_dict.get("ipu_state") is None:
+                self._optimizer_state_stale = True
+            return
+        logger.info("Writing optimiser state tensors from host to IPU memory.")
+        self._session.writeOptimizerState(opt._state_dict["ipu_state"])
+        opt._state_pending = False
+        self._optimizer_state_stale = True
+
+    # -- device attachment ---------------------------------------------------------------
+
+    def detachFromDevice(self) -> None:
+        """Release the device (api §5.13). Training executors first copy weights and
+        optimizer state back; every executor saves its RNG state.
+
+        Raises:
+            poptorch.Error: not compiled, or not attached.
+        """
+        self._require_executable()
+        if not self._attached:
+            raise py_error("Device is not attached")
+        self._readRng()
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
+            self._syncOptimizerStateToHost()
+        self._attached = False
+        logger.debug("Detached from device %d", self._device.device_id if self._device else 0)
+
+    def attachToDevice(self) -> None:
+        """Attach again and re-upload weights, optimizer and RNG state (api §5.13).
+
+        Raises:
+            poptorch.Error: not compiled, or already attached.
+            AssertionError: ``ConnectionType.Never``.
+        """
+        self._require_executable()
+        if int(self._options.connection_type) == int(enums.ConnectionType.Never):
+            raise AssertionError("Trying to attach to an offline device "
+                                 "(ConnectionType.Never)")
+        if self._attached:
+            raise py_error("Device is already attached")
+        self._attached = True
+        if self._training and isinstance(self._optimizer, _optimizer_mixin()) and \
+                self._optimizer.has_state():
+            self._optimizer._state_pending = True
+        self._uploadState()
+
+    def destroy(self) -> None:
+        """Discard the executable (api §5.15). Training executors copy weights and
+        optimizer state back first and remove the model's instrumentation. The executor
+        can be called again afterwards: it recompiles."""
+        if self._executable is None:
+            return
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
+            self._syncOptimizerStateToHost()
+        self._executable = None
+        self._session = None
+        self._attached = False
+        self._captured = None
+        if self._training:
+            if _instrument.is_instrumented(self._user_model):
+                _instrument.uninstrument(self._user_model)
+            if _TRAINING_WRAPPERS.get(id(self._user_model)) is self:
+                del _TRAINING_WRAPPERS[id(self._user_model)]
+
+    # -- RNG --------------------------------------------------------------------------
+
+    def _readRng(self) -> None:
+        if self._session is not None and self._rng_stale:
+            logger.debug("Reading RNG state")
+            self._rng_cache = self._session.getRngState()
+            self._rng_stale = False
+
+    @property
+    def rng_state(self) -> Optional[List[int]]:
+        """``[seed, *state]`` of the device RNG (api §5.16, S-96, S-97).
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        self._require_executable()
+        self._readRng()
+        return None if self._rng_cache is None else list(self._rng_cache)
+
+    @rng_state.setter
+    def rng_state(self, state: List[int]) -> None:
+        self._require_executable()
+        self._rng_cache = state.copy()
+        self._rng_stale = False
+        if self._attached and self._session is not None:
+            logger.debug("Setting RNG state")
+            self._session.setRngState(self._rng_cache)
+
+    # -- inspection ---------------------------------------------------------------------
+
+    def cycleCount(self) -> int:
+        """Device cycles of the last run (hardware only, api §5.17).
+
+        Raises:
+            poptorch.Error: cycle counting disabled, or the model never ran.
+        """
+        if not self._options._Popart.options.get("instrumentWithHardwareCycleCounter"):
+            raise py_error("Cycle count logging is disabled. Please set option "
+                           "logCycleCount to True to enable.")
+        raise py_error("Please run the model at least once before obtaining cycle count.")
+
+    def compilationTime(self) -> datetime.timedelta:
+        """Wall-clock time of the last compilation (api §5.18).
+
+        Raises:
+            poptorch.Error: not compiled, or the progress bar was disabled.
+        """
+        if not self._options._show_compilation_progress_bar:
+            raise py_error("Compilation time is only available if you set "
+                           "showCompilationProgressBar option to True.")
+        if self._executable is None or self._progress is None or \
+                self._progress.elapsed is None:
+            raise py_error("Please compile the model before obtaining compilation time.")
+        return datetime.timedelta(seconds=self._progress.elapsed)
+
+    def getPerfCounters(self) -> Dict[str, List[List[float]]]:
+        """Host timestamps of the transfers of the last run (api §5.19)."""
+        if self._session is None:
+            return {k: [[]] for k in ("input", "input_complete", "output", "output_complete")}
+        return {k: [list(v) for v in vals] for k, vals in self._session.perf_counters.items()}
+
+    def _latency(self, start: str, start_red, end: str, end_red) -> Tuple[float, float, float]:
+        counters = self.getPerfCounters()
+        starts = [start_red(v) for v in zip(*counters[start])] if counters[start][0] else []
+        ends = [end_red(v) for v in zip(*counters[end])] if counters[end][0] else []
+        if not ends or not starts:
+            return (0.0, 0.0, 0.0)
+        if len(starts) != len(ends):
+            if len(starts) % len(ends):
+                raise AssertionError("Mismatched numbers of performance counters")
+            step = len(starts) // len(ends)
+            starts = [min(starts[i:i + step]) for i in range(0, len(starts), step)]
+        lat = [e - s for s, e in zip(starts, ends)]
+        return (min(lat), max(lat), sum(lat) / len(lat))
+
+    def getHostIpuLatency(self):
+        """``(min, max, mean)`` seconds from input start to input complete."""
+        return self._latency("input", min, "input_complete", max)
+
+    def getComputeLatency(self):
+        """``(min, max, mean)`` seconds from input complete to output start."""
+        return self._latency("input_complete", max, "output", max)
+
+    def getIpuHostLatency(self):
+        """``(min, max, mean)`` seconds from output start to output complete."""
+        return self._latency("output", min, "output_complete", max)
+
+    def getLatency(self):
+        """``(min, max, mean)`` seconds from input start to output complete."""
+        return self._latency("input", min, "output_complete", max)
+
+    def getTensorNames(self) -> List[str]:
+        """Names of the tensors of the compiled graph (S-16).
+
+        Raises:
+            AssertionError: not compiled.
+        """
+        if self._executable is None:
+            raise AssertionError("Model must be compiled before calling getTensorNames")
+        names = list(self._executable.tensor_names)
+        if self._training and self._session is not None:
+            names += list(self._session.optimizer.state)
+        return names
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """The value of an anchor (``Options.anchorTensor``) captured by the last run.
+
+        Raises:
+            AssertionError: "No tensor with name <n> found." (unknown name or no run).
+        """
+        if short_name not in self._anchor_values:
+            raise AssertionError(f"No tensor with name {short_name} found.")
+        return self._anchor_values[short_name]
+
+    def _debugGetPopartIR(self) -> str:
+        """A text listing of the compiled graph's operations with their scoped names."""
+        self._require_executable()
+        names = self._executable.graph.activation_names()
+        return "\n".join(f"{name}: {node.format_node()}" for name, node in names.items())
+
+
+_RECOMPILE = ("The inputs given at run time differ from the ones the model was compiled "
+              "with. To run with these inputs, create a new wrapper or call destroy() on "
+              "this one: the next call then recompiles.")
+
+
+def _validate(name: str, compiled: Spec, now: Spec) -> None:
+    from ._args import validate
+    validate(name, compiled, now)
+
+
+def _forward_of(model: torch.nn.Module) -> Callable:
+    return model.forward
+
+
+def _optimizer_mixin():
+    from .optim import Optimizer
+    return Optimizer
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
