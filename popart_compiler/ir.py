@@ -70,12 +70,28 @@ def _aliased_base(node: fx.Node) -> fx.Node:
     return node
 
 
+#: Composite ops that update running statistics in place although their schema does
+#: not say so: op name → (index of the ``training`` flag, indices of the mutated args).
+_RUNNING_STATS_OPS = {
+    "batch_norm": (5, (3, 4)),
+    "instance_norm": (5, (3, 4)),
+    "_batch_norm_impl_index": (5, (3, 4)),
+}
+
+
 def _written_nodes(graph: fx.Graph) -> List[fx.Node]:
     """Base nodes written in place by some op of ``graph`` (and its subgraphs)."""
     written = []
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
+        stats = _RUNNING_STATS_OPS.get(_op_name(node))
+        if stats is not None and _qualified_name(node).startswith("aten::"):
+            flag, indices = stats
+            training = node.args[flag] if len(node.args) > flag else True
+            if training is not False:
+                written.extend(_aliased_base(node.args[i]) for i in indices
+                               if i < len(node.args) and isinstance(node.args[i], fx.Node))
         schema = node.target._schema
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:

@@ -54,8 +54,18 @@ def flatten(value: Any, tensors: List[torch.Tensor]) -> Spec:
         return Spec("list", type(value), None, [flatten(v, tensors) for v in value])
     if isinstance(value, dict):
         keys = list(value.keys())
-        return Spec("dict", type(value), keys, [flatten(value[k], tensors) for k in keys])
+        children = {k: flatten(value[k], tensors) for k in _canonical(keys)}
+        return Spec("dict", type(value), keys, [children[k] for k in keys])
     return Spec("const", type(value), value)
+
+
+def _canonical(keys: List[Any]) -> List[Any]:
+    """Key order in which a dict's tensors are flattened: independent of insertion order
+    (S-22: dict key order does not matter), so equal dicts give the same tensor order."""
+    try:
+        return sorted(keys)
+    except TypeError:
+        return sorted(keys, key=repr)
 
 
 def unflatten(spec: Spec, tensors: Iterator[Any]) -> Any:
@@ -68,6 +78,14 @@ def unflatten(spec: Spec, tensors: Iterator[Any]) -> Any:
     if kind == "custom":
         parser, original = spec.meta
         return parser.reconstruct(original, tensors)
+    if kind == "dict":
+        by_key = dict(zip(spec.meta, spec.children))
+        values = {k: unflatten(by_key[k], tensors) for k in _canonical(spec.meta)}
+        items = [(k, values[k]) for k in spec.meta]
+        try:
+            return spec.pytype(items)
+        except TypeError:
+            return dict(items)
     children = [unflatten(c, tensors) for c in spec.children]
     if kind == "namedtuple":
         return spec.pytype(*children)
@@ -75,12 +93,6 @@ def unflatten(spec: Spec, tensors: Iterator[Any]) -> Any:
         return tuple(children) if spec.pytype is tuple else spec.pytype(children)
     if kind == "list":
         return children if spec.pytype is list else spec.pytype(children)
-    if kind == "dict":
-        items = list(zip(spec.meta, children))
-        try:
-            return spec.pytype(items)
-        except TypeError:
-            return dict(items)
     raise ValueError(f"unknown spec kind {kind}")
 
 
@@ -281,7 +293,8 @@ def leaf_names(name: str, spec: Spec) -> List[str]:
     if spec.kind == "custom":
         return [f"{name}[{i}]" for i in range(len(spec.children))]
     if spec.kind == "dict":
-        return [n for key, c in zip(spec.meta, spec.children)
-                for n in leaf_names(f"{name}[{key}]", c)]
+        by_key = dict(zip(spec.meta, spec.children))
+        return [n for key in _canonical(spec.meta)
+                for n in leaf_names(f"{name}[{key}]", by_key[key])]
     return [n for i, c in enumerate(spec.children) for n in leaf_names(f"{name}[{i}]", c)]
 

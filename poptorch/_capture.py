@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import io
 import os
+import sys
 import traceback
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -14,6 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+import popart_compiler
 from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 
@@ -124,15 +127,19 @@ def _patch_tensor_ipu() -> Callable[[], None]:
 
 # -- error translation ------------------------------------------------------------------
 
-_INTERNAL = (os.sep + "torch" + os.sep, os.sep + "poptorch" + os.sep,
-             os.sep + "popart_compiler" + os.sep, os.sep + "contextlib.py",
-             os.sep + "functools.py")
+def _package_dir(module) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+#: Directories whose frames are not the user's (torch, the standard library, ours).
+_INTERNAL = tuple(_package_dir(m) for m in (torch, popart_compiler, contextlib)) + (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
     """The innermost traceback frame in user code (not torch / poptorch)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not any(p in f.filename for p in _INTERNAL)
+    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_INTERNAL)
             and not f.filename.startswith("<")]
     return user[-1] if user else None
 
@@ -165,6 +172,9 @@ def _data_dependent_error(exc: BaseException) -> Error:
 
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
+    """Silence torch's own diagnostics while capturing: its loggers, its warnings and
+    the partial graph ``torch.export`` prints to stderr when it fails (PopTorch reports
+    capture errors itself). Anything else written to stderr is passed through."""
     names = ["torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export",
              "torch._export", "torch.fx.experimental.recording", "torch._functorch"]
     saved = []
@@ -172,11 +182,22 @@ def _quiet_torch_logs() -> Iterator[None]:
         lg = logging.getLogger(name)
         saved.append((lg, lg.level))
         lg.setLevel(logging.CRITICAL)
+    real_stderr = sys.stderr
+    buffer = io.StringIO()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stderr(buffer):
             warnings.filterwarnings("ignore", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*TorchScript.*")
             yield
+    except BaseException as exc:
+        text = buffer.getvalue()
+        partial = getattr(exc, "partial_fx_graph", None)
+        if partial is not None:
+            text = text.replace(f"{partial}\n", "").replace(str(partial), "")
+        real_stderr.write(text)
+        raise
+    else:
+        real_stderr.write(buffer.getvalue())
     finally:
         for lg, level in saved:
             lg.setLevel(level)
@@ -313,15 +334,16 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
 
     def flat_forward(*flat: torch.Tensor):
         values = unflatten(input_spec, iter(flat))
+        state = _state_identity(model)
         result = bound.call(forward, values)
+        _check_state_unchanged(model, state)
         tensors: List[torch.Tensor] = []
         spec = flatten(result, tensors) if result is not None else None
         leaves: List[Optional[int]] = []
         graph_outs: List[torch.Tensor] = []
         host: List[torch.Tensor] = []
         for t in tensors:
-            if isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or \
-                    torch._C._is_functional_tensor(t):
+            if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
                 leaves.append(len(graph_outs))
                 graph_outs.append(t)
             else:
@@ -348,11 +370,13 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
                 _no_distribution_validation():
             program = torch.export.export(model, example, strict=False)
         _check_state_unchanged(model, before)
-    except Error:
-        _restore_state(model, before)
-        raise
     except Exception as exc:
-        _restore_state(model, before)
+        try:
+            _check_state_unchanged(model, before)  # S-5 explains most failures
+        finally:
+            _restore_state(model, before)
+        if isinstance(exc, Error):
+            raise
         if _is_data_dependent(exc):
             raise _data_dependent_error(exc) from None
         frame = _user_frame(exc)

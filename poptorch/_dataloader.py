@@ -254,9 +254,7 @@ class _Fetcher:
                 pass
 
     def source(self):
-        if isinstance(self.dataset, DataLoader):
-            return self.dataset._sync_iter()  # pylint: disable=protected-access
-        return iter(self.dataset)
+        return _iterate_source(self.dataset)
 
     def run_pass(self, pass_id: int) -> None:
         fill = 0
@@ -379,6 +377,18 @@ class _Fetcher:
         return fill
 
 
+def _iterate_source(dataset):
+    """One pass over what the accessor wraps: a poptorch DataLoader's synchronous
+    pipeline, a map-style dataset with a length but no ``__iter__`` (indices
+    ``0..len-1``), or any other iterable."""
+    if isinstance(dataset, DataLoader):
+        return dataset._sync_iter()  # pylint: disable=protected-access
+    if (not hasattr(type(dataset), "__iter__") and hasattr(dataset, "__getitem__")
+            and hasattr(dataset, "__len__")):
+        return (dataset[i] for i in range(len(dataset)))
+    return iter(dataset)
+
+
 def _safe_send(conn, msg) -> None:
     try:
         conn.send(msg)
@@ -466,7 +476,8 @@ class AsynchronousDataAccessor:
 
     Args:
         dataset: any iterable, usually a :class:`poptorch.DataLoader` (mode ``Sync``) or a
-            ``torch.utils.data.DataLoader``. Each element must be a tensor, a flat
+            ``torch.utils.data.DataLoader``; a map-style dataset with ``__len__`` and no
+            ``__iter__`` is read at indices ``0 .. len-1``. Each element must be a tensor, a flat
             list/tuple of tensors, a dict of tensors (same keys every time) or an object
             with a registered custom arg parser; every element must keep the shapes and
             dtypes of the first one (the leading dimension may shrink, e.g. a final short

@@ -8,6 +8,7 @@ therefore sees the device's latest values.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copyreg
 import weakref
@@ -64,7 +65,7 @@ class _InstrumentedParameter(torch.nn.Parameter):
         _sync((self,))
         data = _plain(self)
         return (torch._utils._rebuild_parameter,
-                (data, self.requires_grad, collections_ordered_dict()))
+                (data, self.requires_grad, collections.OrderedDict()))
 
     def __deepcopy__(self, memo):
         _sync((self,))
@@ -91,11 +92,6 @@ class _InstrumentedBuffer(torch.Tensor):
         result = _plain(self).clone()
         memo[id(self)] = result
         return result
-
-
-def collections_ordered_dict():
-    import collections
-    return collections.OrderedDict()
 
 
 _CLASSES: dict = {}
@@ -164,7 +160,7 @@ def _make_class(cls: type) -> type:
             with syncing():
                 executor._implicitCopyWeightsToHost()
         state = {k: v for k, v in self.__dict__.items() if k != "_poptorch_executor_ref"}
-        return (copyreg.__newobj__, (cls,), state)
+        return (copyreg._reconstructor, (cls, object, None), state)
 
     namespace = {
         "__getattribute__": __getattribute__,

@@ -19,7 +19,8 @@ from popart_compiler.session import InferenceSession, TrainingSession
 from popart_compiler.session_options import Anchor, SessionOptions, ipu_model_env
 
 from . import _instrument, enums
-from ._args import ArgsParser, BoundArgs, Spec, check_batch, flatten, leaf_names, unflatten
+from ._args import (ArgsParser, BoundArgs, Spec, check_batch, flatten, leaf_names,
+                    unflatten, validate)
 from ._capture import Captured, capture
 from ._logging import logger
 from .options import Options
@@ -117,6 +118,7 @@ class PoplarExecutor:
         self._captured: Optional[Captured] = None
         self._input_spec: Optional[Spec] = None
         self._input_names: List[str] = []
+        self._num_positional = 0
         self._warned_contiguous = False
         self._warned_requires_grad = False
         self._progress: Optional[_ProgressBar] = None
@@ -283,6 +285,7 @@ class PoplarExecutor:
         self._captured = captured
         self._input_spec = spec
         self._input_names = list(bound.names)
+        self._num_positional = bound.num_positional
         self._executable = exe
         self._device = device
         if offline:
@@ -347,14 +350,7 @@ class PoplarExecutor:
         if not self.isCompiled():
             self._compile(bound, tensors, spec)
         else:
-            for name, compiled, now in zip(self._input_names, self._input_spec.children,
-                                           spec.children):
-                _validate(name, compiled, now)
-            if len(spec.children) != len(self._input_spec.children):
-                raise py_error(
-                    f"Number of positional arguments mismatch: expected "
-                    f"{len(self._input_spec.children)} arguments but got "
-                    f"{len(spec.children)}.\n" + _RECOMPILE)
+            self._validateInputs(bound, spec)
             if not self._attached:
                 self.attachToDevice()
         if not self._training:
@@ -377,6 +373,24 @@ class PoplarExecutor:
             self._host_weights_stale = True
             self._optimizer_state_stale = True
         return self._buildOutputs(outputs)
+
+    def _validateInputs(self, bound: BoundArgs, spec: Spec) -> None:
+        """S-22: the inputs must match those of the compilation."""
+        if bound.num_positional != self._num_positional:
+            raise py_error(
+                f"Number of positional arguments mismatch: expected {self._num_positional} "
+                f"arguments but got {bound.num_positional}.\n{_RECOMPILE}")
+        compiled = dict(zip(self._input_names, self._input_spec.children))
+        for name, now in zip(bound.names, spec.children):
+            if name not in compiled:
+                raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: "
+                               f"['{name}']. Missing arguments: "
+                               f"{sorted(set(compiled) - set(bound.names))}.\n{_RECOMPILE}")
+            validate(name, compiled[name], now)
+        missing = [n for n in self._input_names if n not in bound.names]
+        if missing:
+            raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: []. "
+                           f"Missing arguments: {missing}.\n{_RECOMPILE}")
 
     def _writeBackInputs(self, originals: List[torch.Tensor], device_inputs) -> None:
         """In-place updates of inputs reach the caller's tensors (S-23)."""
@@ -752,11 +766,6 @@ class PoplarExecutor:
 _RECOMPILE = ("The inputs given at run time differ from the ones the model was compiled "
               "with. To run with these inputs, create a new wrapper or call destroy() on "
               "this one: the next call then recompiles.")
-
-
-def _validate(name: str, compiled: Spec, now: Spec) -> None:
-    from ._args import validate
-    validate(name, compiled, now)
 
 
 def _forward_of(model: torch.nn.Module) -> Callable:

@@ -1,0 +1,187 @@
+"""Tests of ``examples/digits.py``.
+
+* PopTorch training (deviceIterations × gradientAccumulation, Mean reduction, Adam) must
+  give the same weights as a plain PyTorch loop over the same micro-batches (S-10, S-13,
+  S-41, S-43, S-54).
+* The example's command-line path trains to a reasonable accuracy.
+"""
+import copy
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "digits.py"
+
+pytestmark = pytest.mark.timeout(120)
+
+#: Tolerance of the weight comparison. Both sides run the same float32 CPU kernels on
+#: the same micro-batches; only the order of floating-point operations may differ
+#: (PopTorch sums the micro-batch gradients and divides by gradientAccumulation, the
+#: reference back-propagates loss / gradientAccumulation). Adam divides by
+#: sqrt(second moment), which can amplify such last-bit differences for tiny gradients,
+#: hence a tolerance a little looser than float32 epsilon.
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("digits_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """The example module, imported from its file."""
+    return _load_example()
+
+
+@pytest.fixture(scope="module")
+def data(digits):
+    """``(train_set, test_set)`` of the example."""
+    return digits.load_data()
+
+
+def _subset(dataset, n):
+    return torch.utils.data.Subset(dataset, range(n))
+
+
+def _reference_training(model, batches, lr, micro_batch, device_iterations,
+                        gradient_accumulation):
+    """Plain PyTorch equivalent of the PopTorch training calls on ``batches``.
+
+    Each combined batch is split into device_iterations × gradientAccumulation
+    micro-batches; row block ``d × A + a`` is micro-batch ``a`` of device iteration
+    ``d`` (S-13). Each device iteration is one optimizer step on the mean of its ``A``
+    micro-batch gradients (Mean reduction, S-41).
+
+    Returns:
+        The loss of every micro-batch, in order (weights before each step, S-43).
+    """
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for images, labels in batches:
+        xs = images.split(micro_batch)
+        ys = labels.split(micro_batch)
+        assert len(xs) == device_iterations * gradient_accumulation
+        for d in range(device_iterations):
+            optimizer.zero_grad()
+            for a in range(gradient_accumulation):
+                i = d * gradient_accumulation + a
+                _, loss = model(xs[i], ys[i])
+                (loss / gradient_accumulation).backward()
+                losses.append(loss.detach())
+            optimizer.step()
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("epochs, num_samples", [(1, 1437), (2, 600)])
+def test_weights_match_plain_pytorch(digits, data, epochs, num_samples):
+    """PopTorch's trained weights equal a plain PyTorch loop's (rtol 1e-5, atol 1e-6).
+
+    The reference replays the very combined batches the poptorch.DataLoader yielded
+    (recorded through ``train``'s ``on_step`` callback), so the shuffled order is the
+    same by construction.
+    """
+    train_set, _ = data
+    dataset = _subset(train_set, num_samples)
+    seed, lr = 1234, digits.LEARNING_RATE
+    micro_batch, device_iterations, gradient_accumulation = 8, 4, 3
+
+    torch.manual_seed(seed)
+    model = digits.DigitsCNN()
+    reference = copy.deepcopy(model)  # same initial weights, never wrapped
+
+    batches, poptorch_losses = [], []
+
+    def record(epoch, images, labels, logits, losses):
+        batches.append((images.clone(), labels.clone()))
+        poptorch_losses.append(losses.clone())
+
+    trained = digits.train(model, dataset, epochs=epochs, seed=seed, lr=lr,
+                           micro_batch=micro_batch, device_iterations=device_iterations,
+                           gradient_accumulation=gradient_accumulation, verbose=False,
+                           on_step=record)
+    assert trained is model
+
+    combined = micro_batch * device_iterations * gradient_accumulation
+    assert len(batches) == epochs * (num_samples // combined)
+    for images, labels in batches:
+        assert images.shape == (combined, 1, 8, 8) and labels.shape == (combined, )
+    # The loader shuffles: the first batch is not the first samples in order.
+    assert not torch.equal(batches[0][1], train_set.tensors[1][:combined])
+
+    reference_losses = _reference_training(reference, batches, lr, micro_batch,
+                                           device_iterations, gradient_accumulation)
+
+    # One loss per micro-batch (OutputMode.All), computed with the pre-update weights.
+    torch.testing.assert_close(torch.cat(poptorch_losses), reference_losses,
+                               rtol=RTOL, atol=ATOL)
+    trained_state = trained.state_dict()
+    reference_state = reference.state_dict()
+    assert trained_state.keys() == reference_state.keys()
+    initial = digits.DigitsCNN()
+    for name, value in reference_state.items():
+        torch.testing.assert_close(trained_state[name], value, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    # The weights did move.
+    assert not torch.allclose(trained_state["classifier.weight"],
+                              initial.state_dict()["classifier.weight"])
+
+
+def test_same_seed_same_weights(digits, data):
+    """Two runs with the same seed (same initial weights, same shuffling) agree exactly."""
+    train_set, _ = data
+    dataset = _subset(train_set, 512)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        model = digits.train(digits.DigitsCNN(), dataset, epochs=2, seed=7, verbose=False)
+        results.append(model.state_dict())
+    for name, value in results[0].items():
+        assert torch.equal(value, results[1][name]), name
+
+
+def test_evaluate_covers_every_sample(digits, data):
+    """evaluate() scores each of the 360 test images once; bad arrangements are refused."""
+    _, test_set = data
+    assert len(test_set) == 360
+    torch.manual_seed(0)
+    model = digits.DigitsCNN()
+    accuracy = digits.evaluate(model, test_set)
+    # Compare with the CPU: the same model evaluated eagerly.
+    with torch.no_grad():
+        images, labels = test_set[:]
+        expected = int((model(images).argmax(dim=1) == labels).sum()) / len(test_set)
+    assert accuracy == expected
+    with pytest.raises(ValueError, match="cannot be split"):
+        digits.evaluate(model, test_set, micro_batch=7, device_iterations=4)
+
+
+def test_main_reduced_epochs(digits, capsys):
+    """The main path, 3 epochs: prints one line per epoch and a reasonable accuracy."""
+    accuracy = digits.main(["--epochs", "3", "--seed", "0"])
+    out = capsys.readouterr().out
+    assert out.count("epoch ") == 3
+    assert "test accuracy:" in out
+    assert accuracy >= 0.85
+
+
+def test_full_run_reaches_95_percent():
+    """``python examples/digits.py`` (default 20 epochs) reaches ≥ 95 % test accuracy.
+
+    Runs as a subprocess, exactly as a user would (about 5–10 s on 2 CPU cores).
+    """
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--quiet"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=110, check=True)
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("test accuracy:"), result.stdout
+    accuracy = float(last.split()[2].rstrip("%")) / 100
+    assert accuracy >= 0.95, last
