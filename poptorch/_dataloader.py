@@ -653,7 +653,11 @@ class AsynchronousDataAccessor:
         child_conn.close()
         self._process = process
         self._conn = parent_conn
-        self._wait_started()
+        try:
+            self._wait_started()
+        except BaseException:  # includes KeyboardInterrupt: never leave a stray worker
+            self._shutdown_worker()
+            raise
 
     def _wait_started(self) -> None:
         while True:
@@ -728,6 +732,7 @@ class AsynchronousDataAccessor:
         self._shutdown_worker()
 
     def __del__(self):
+        """Stop the worker when the accessor is garbage collected."""
         try:
             self.terminate()
         except Exception:  # pylint: disable=broad-except
@@ -1285,6 +1290,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
+        """Pickled state (sent to a spawned asynchronous worker): without the internal
+        accessor and torch's persistent worker iterator."""
         state = self.__dict__.copy()
         state["_accessor"] = None
         state["_iterator"] = None
@@ -1373,6 +1380,7 @@ class DataLoader(torch.utils.data.DataLoader):
             accessor.terminate()
 
     def __del__(self):
+        """Stop the asynchronous worker when the loader is garbage collected."""
         try:
             self.terminate()
         except Exception:  # pylint: disable=broad-except

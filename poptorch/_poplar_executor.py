@@ -642,6 +642,21 @@ class PoplarExecutor:
             if _TRAINING_WRAPPERS.get(id(self._user_model)) is self:
                 del _TRAINING_WRAPPERS[id(self._user_model)]
 
+    def __del__(self):
+        """A training executor that goes away hands its trained weights to the host model
+        and removes the instrumentation, so nothing trained is lost."""
+        try:
+            if not self.__dict__.get("_training") or "_user_model" not in self.__dict__:
+                return
+            if self._executable is not None and self._host_weights_stale:
+                self.copyWeightsToHost()
+            model = self._user_model
+            ref = _instrument.executor_ref_of(model)
+            if ref is not None and ref() in (None, self):
+                _instrument.uninstrument(model)
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
+
     # -- RNG --------------------------------------------------------------------------
 
     def _readRng(self) -> None:

@@ -19,14 +19,18 @@ EXAMPLE = ROOT / "examples" / "digits.py"
 
 pytestmark = pytest.mark.timeout(120)
 
-#: Tolerance of the weight comparison. Both sides run the same float32 CPU kernels on
-#: the same micro-batches; only the order of floating-point operations may differ
-#: (PopTorch sums the micro-batch gradients and divides by gradientAccumulation, the
-#: reference back-propagates loss / gradientAccumulation). Adam divides by
-#: sqrt(second moment), which can amplify such last-bit differences for tiny gradients,
-#: hence a tolerance a little looser than float32 epsilon.
+#: Tolerance of the weight comparison: |poptorch - reference| <= ATOL + RTOL * |reference|
+#: element-wise (torch.testing.assert_close). Both sides run the same float32 CPU
+#: kernels on the same micro-batches and the reference reduces gradients in the same
+#: order as PopTorch (sum over the micro-batches, then divide by gradientAccumulation),
+#: so today the weights are bit-identical. The tolerance leaves room for a backend that
+#: orders floating-point operations differently: back-propagating loss / A instead of
+#: dividing the summed gradient already moves some weights by ~1e-6 after 56 Adam steps
+#: (Adam divides by sqrt(second moment), which amplifies last-bit differences of tiny
+#: gradients). Real mistakes are far outside it: swapping the device-iteration and
+#: accumulation order moves weights by ~0.5, forgetting the 1/A by ~0.03.
 RTOL = 1e-5
-ATOL = 1e-6
+ATOL = 1e-5
 
 
 def _load_example():
@@ -59,7 +63,8 @@ def _reference_training(model, batches, lr, micro_batch, device_iterations,
     Each combined batch is split into device_iterations × gradientAccumulation
     micro-batches; row block ``d × A + a`` is micro-batch ``a`` of device iteration
     ``d`` (S-13). Each device iteration is one optimizer step on the mean of its ``A``
-    micro-batch gradients (Mean reduction, S-41).
+    micro-batch gradients (Mean reduction, S-41): the gradients are summed by
+    ``backward`` and divided by ``A`` before the step.
 
     Returns:
         The loss of every micro-batch, in order (weights before each step, S-43).
@@ -76,15 +81,17 @@ def _reference_training(model, batches, lr, micro_batch, device_iterations,
             for a in range(gradient_accumulation):
                 i = d * gradient_accumulation + a
                 _, loss = model(xs[i], ys[i])
-                (loss / gradient_accumulation).backward()
+                loss.backward()  # accumulates (sums) into .grad
                 losses.append(loss.detach())
+            for param in model.parameters():
+                param.grad /= gradient_accumulation
             optimizer.step()
     return torch.stack(losses)
 
 
 @pytest.mark.parametrize("epochs, num_samples", [(1, 1437), (2, 600)])
 def test_weights_match_plain_pytorch(digits, data, epochs, num_samples):
-    """PopTorch's trained weights equal a plain PyTorch loop's (rtol 1e-5, atol 1e-6).
+    """PopTorch's trained weights equal a plain PyTorch loop's (rtol 1e-5, atol 1e-5).
 
     The reference replays the very combined batches the poptorch.DataLoader yielded
     (recorded through ``train``'s ``on_step`` callback), so the shuffled order is the
@@ -98,6 +105,7 @@ def test_weights_match_plain_pytorch(digits, data, epochs, num_samples):
     torch.manual_seed(seed)
     model = digits.DigitsCNN()
     reference = copy.deepcopy(model)  # same initial weights, never wrapped
+    initial_state = copy.deepcopy(model.state_dict())
 
     batches, poptorch_losses = [], []
 
@@ -127,13 +135,12 @@ def test_weights_match_plain_pytorch(digits, data, epochs, num_samples):
     trained_state = trained.state_dict()
     reference_state = reference.state_dict()
     assert trained_state.keys() == reference_state.keys()
-    initial = digits.DigitsCNN()
     for name, value in reference_state.items():
         torch.testing.assert_close(trained_state[name], value, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, n=name: f"{n}: {m}")
-    # The weights did move.
-    assert not torch.allclose(trained_state["classifier.weight"],
-                              initial.state_dict()["classifier.weight"])
+    # Training did move every weight.
+    for name, value in initial_state.items():
+        assert not torch.allclose(trained_state[name], value), name
 
 
 def test_same_seed_same_weights(digits, data):

@@ -95,6 +95,14 @@ class Unpicklable(IndexDataset):
         self.fn = lambda: None
 
 
+class RangeIterable(torch.utils.data.IterableDataset):
+    def __init__(self, size):
+        self.size = size
+
+    def __iter__(self):
+        return iter(torch.arange(self.size).unbind(0))
+
+
 class EmptyIterable(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter([])
@@ -210,11 +218,24 @@ def test_values_equal_sync_with_shuffle_and_workers():
     loader.terminate()
 
 
+def test_iterable_dataset_async():
+    loader = DataLoader(opts(D=2, R=2), RangeIterable(19), batch_size=2,
+                        mode=DataLoaderMode.Async, async_options=FORK)
+    assert [b.tolist() for b in loader] == [list(range(0, 8)), list(range(8, 16))]
+    loader.terminate()
+    loader = DataLoader(opts(D=2, R=2), RangeIterable(19), batch_size=2, drop_last=False,
+                        mode=DataLoaderMode.Async, async_options=FORK)
+    assert [b.tolist() for b in loader][-1] == [16, 17, 18]
+    loader.terminate()
+
+
 @pytest.mark.parametrize("strategy", list(SharingStrategy))
 def test_each_sharing_strategy(strategy):
+    # Shuffled with a seed: the sampler's generator must reach the worker intact.
     data = IndexDataset(20)
-    sync = cloned(DataLoader(opts(D=2), data, batch_size=2))
-    loader = DataLoader(opts(D=2), data, batch_size=2, mode=DataLoaderMode.Async,
+    sync = cloned(DataLoader(opts(D=2, seed=3), data, batch_size=2, shuffle=True))
+    loader = DataLoader(opts(D=2, seed=3), data, batch_size=2, shuffle=True,
+                        mode=DataLoaderMode.Async,
                         async_options={"sharing_strategy": strategy})
     assert_same(cloned(loader), sync)
     temp_file = loader._accessor._temp_file  # pylint: disable=protected-access
