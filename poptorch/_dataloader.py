@@ -150,10 +150,12 @@ def _flatten(element) -> tuple:
 class _DatasetPayload:
     """Carries the dataset to the worker according to the sharing strategy.
 
-    ``fork``: the object itself (inherited). ``pickle``: pickled by
-    ``ForkingPickler`` while the process starts (tensors move to shared memory), loaded
-    in the worker inside a ``try`` so failures are reported. ``file``: pickled to a
-    temporary file by the training process, loaded and deleted by the worker.
+    ``obj``: the object itself (fork: inherited, never pickled). ``data``: bytes produced
+    by ``ForkingPickler`` in the training process *before* the worker starts (tensors move
+    to shared memory; their file descriptors are duplicated by multiprocessing's resource
+    sharer, so tensors created only while pickling stay valid), unpickled by the worker
+    inside a ``try`` so failures are reported. ``path``: a temporary file holding the
+    dataset pickled by value, loaded and deleted by the worker.
     """
 
     def __init__(self, obj=None, data: Optional[bytes] = None, path: Optional[str] = None):
@@ -162,11 +164,8 @@ class _DatasetPayload:
         self.path = path
 
     def __reduce__(self):
-        if self.path is not None:
-            return (_DatasetPayload, (None, None, self.path))
-        if self.data is not None:
-            return (_DatasetPayload, (None, self.data, None))
-        return (_DatasetPayload, (None, bytes(ForkingPickler.dumps(self.obj)), None))
+        assert self.obj is None, "only a 'data' or 'path' payload can be pickled"
+        return (_DatasetPayload, (None, self.data, self.path))
 
     def load(self):
         if self.path is not None:
@@ -620,7 +619,7 @@ class AsynchronousDataAccessor:
                     pickle.dump(dataset, f, protocol=pickle.HIGHEST_PROTOCOL)
                 payload = _DatasetPayload(path=path)
             else:
-                payload = _DatasetPayload(obj=dataset)
+                payload = _DatasetPayload(data=bytes(ForkingPickler.dumps(dataset)))
             if method != "fork":
                 # User parsers registered at run time do not exist in a fresh interpreter.
                 for arg_type, parser in _custom_parsers._PARSERS.items():  # pylint: disable=protected-access
