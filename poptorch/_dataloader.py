@@ -22,7 +22,16 @@ Worker / shared-memory protocol (see :class:`AsynchronousDataAccessor`):
 
 The worker fills slots in ring order (single producer, single consumer); the training
 process reads them in the same order, releases the previous slot on each ``__next__`` and
-skips slots whose ``TAG`` belongs to an abandoned pass.
+skips slots whose ``TAG`` belongs to an abandoned pass. Each ``iter()`` requests the next
+pass id (unless nothing of the current pass was consumed yet); the worker abandons an
+older pass as soon as it sees the request, and with ``load_indefinitely`` it starts the
+following pass on its own. Slots are published by writing the data, then ``TAG``, then
+``STATE`` (stores are not reordered on x86-64's TSO memory model, which the IPU Model
+hosts use).
+
+The shared storages use torch's default ``file_descriptor`` strategy: the segments are
+unlinked from ``/dev/shm`` at creation and freed when the last process releases them, so
+neither a crash nor ``KeyboardInterrupt`` can leave a segment behind.
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ import tempfile
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.multiprocessing as torch_mp  # noqa: F401  registers torch's tensor reductions

@@ -1,0 +1,138 @@
+"""Logging, environment variables and package-level helpers (spec api §1.2, §2.7, S-90,
+options.md §8)."""
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import poptorch
+
+
+def run_python(code, **env):
+    full_env = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=full_env)
+
+
+@pytest.mark.parametrize("level,python_level", [
+    ("TRACE", logging.DEBUG), ("DEBUG", logging.DEBUG), ("INFO", logging.INFO),
+    ("WARN", logging.WARNING), ("ERR", logging.ERROR), ("OFF", logging.CRITICAL),
+    (0, logging.DEBUG), (2, logging.INFO), (4, logging.ERROR), (6, logging.CRITICAL),
+])
+def test_set_log_level(level, python_level):
+    try:
+        poptorch.setLogLevel(level)
+        assert poptorch.logger.level == python_level
+        assert logging.getLogger("poptorch:cpp").level == python_level
+    finally:
+        poptorch.setLogLevel("WARN")
+
+
+def test_set_log_level_errors():
+    with pytest.raises(ValueError, match="Invalid log level integer"):
+        poptorch.setLogLevel(5)
+    with pytest.raises(ValueError, match="Unknown log level: LOUD. Valid values are DEBUG, "
+                                         "ERR, INFO, OFF, TRACE and WARN"):
+        poptorch.setLogLevel("LOUD")
+
+
+def test_log_level_from_environment():
+    code = "import poptorch, logging; print(poptorch.logger.level)"
+    assert run_python(code, POPTORCH_LOG_LEVEL="INFO").stdout.strip() == str(logging.INFO)
+    assert run_python(code).stdout.strip() == str(logging.WARNING)
+    bad = run_python(code, POPTORCH_LOG_LEVEL="CHATTY")
+    assert bad.returncode != 0 and "Unknown log level: CHATTY" in bad.stderr
+
+
+def test_log_line_format_and_debug_messages():
+    code = ("import torch, poptorch\n"
+            "m = poptorch.inferenceModel(torch.nn.Linear(2, 2),\n"
+            "    poptorch.Options().showCompilationProgressBar(False))\n"
+            "m(torch.ones(1, 2))\n")
+    out = run_python(code, POPTORCH_LOG_LEVEL="DEBUG").stderr
+    assert "[poptorch::python] [info] Writing weights from host to IPU memory." in out
+    assert "[poptorch:cpp] [debug] poptorch.Options set device_iterations to value 1" in out
+    quiet = run_python(code).stderr
+    assert "Writing weights" not in quiet
+
+
+def test_import_side_effects():
+    out = run_python("import os, poptorch; print(os.environ['RDMAV_FORK_SAFE'])",
+                     RDMAV_FORK_SAFE="")
+    assert out.returncode == 0
+    assert "poptorch.testing" not in run_python(
+        "import sys, poptorch; print([m for m in sys.modules if m == 'poptorch.testing'])"
+    ).stdout.replace("[]", "")
+
+
+def test_ipu_model_environment_variables():
+    code = ("import torch, poptorch\n"
+            "m = poptorch.inferenceModel(torch.nn.Linear(2, 2),\n"
+            "    poptorch.Options().showCompilationProgressBar(False))\n"
+            "print(m(torch.ones(1, 2)).shape)\n"
+            "print(poptorch.ipuHardwareIsAvailable())\n")
+    for env in ({"POPTORCH_IPU_MODEL": "1"}, {"POPTORCH_SMALL_IPU_MODEL": "1"}, {}):
+        result = run_python(code, **env)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == ["torch.Size([1,", "2])", "False"]
+    bad = run_python(code, POPTORCH_IPU_MODEL_VERSION="ipu3")
+    assert bad.returncode != 0 and "Invalid IPU model version" in bad.stderr
+
+
+def test_testing_allclose():
+    import poptorch.testing as testing
+    assert testing.allclose(torch.ones(2), torch.ones(2))
+    assert testing.allclose((torch.ones(2), [torch.zeros(1)]), (torch.ones(2), [torch.zeros(1)]))
+    assert not testing.allclose((torch.ones(2),), [torch.ones(2)])
+    assert not testing.allclose(torch.ones(2), torch.zeros(2))
+
+
+def test_version_and_public_names():
+    assert poptorch.__version__ == "3.4.0"
+    for name in ["trainingModel", "inferenceModel", "PoplarExecutor", "isRunningOnIpu",
+                 "Options", "TensorLocationSettings", "ConfigFileError", "Block",
+                 "BeginBlock", "BlockFunction", "removeBlocks", "Stage", "Phase",
+                 "PipelinedExecution", "ShardedExecution", "SerialPhasedExecution",
+                 "ParallelPhasedExecution", "identity_loss", "cond", "DataLoader",
+                 "AsynchronousDataAccessor", "OutputMode", "ConnectionType", "ReductionType",
+                 "MeanReductionStrategy", "DataLoaderMode", "SharingStrategy",
+                 "CommGroupType", "VariableRetrievalMode", "Error", "RecoverableError",
+                 "UnrecoverableError", "ipuHardwareIsAvailable", "ipuHardwareVersion",
+                 "setLogLevel", "registerPreCompileHook", "registerPostCompileHook",
+                 "ICustomArgParser", "registerCustomArgParser", "print", "module_repr",
+                 "optim", "profiling", "enums", "ops", "options", "poptorch_core"]:
+        assert hasattr(poptorch, name), name
+    assert poptorch.poptorch_core.Error is poptorch.Error
+    assert not hasattr(poptorch, "AnchorMode") or poptorch.AnchorMode is not None
+
+
+def test_custom_arg_parser():
+    class Box:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+    class BoxParser(poptorch.ICustomArgParser):
+        def yieldTensors(self, struct):
+            yield struct.a
+            yield struct.b
+
+        def reconstruct(self, original, tensors):
+            return Box(next(tensors), next(tensors))
+
+    with pytest.raises(poptorch.Error, match="arg_parser must inherit from ICustomArgParser"):
+        poptorch.registerCustomArgParser(Box, object())
+    poptorch.registerCustomArgParser(Box, BoxParser())
+    try:
+        class M(torch.nn.Module):
+            def forward(self, box):
+                return Box(box.a + 1, box.b * 2)
+
+        out = poptorch.inferenceModel(M())(Box(torch.ones(2), torch.ones(2)))
+        assert isinstance(out, Box)
+        assert out.a.tolist() == [2.0, 2.0] and out.b.tolist() == [2.0, 2.0]
+    finally:
+        poptorch.registerCustomArgParser(Box, None)
+    poptorch.registerCustomArgParser(Box, None)  # removing twice is fine
