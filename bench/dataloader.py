@@ -8,12 +8,15 @@ the next batches while the loop computes, so an epoch takes about
 
 Two variants:
 
-* ``sleep``: loading and compute are sleeps (I/O-bound loading, compute on the device);
-* ``cpu``: loading and compute burn CPU (needs 2 free cores to overlap).
+* ``sleep`` (the target scenario): loading and compute are sleeps (I/O-bound loading,
+  compute on the device);
+* ``cpu`` (informational): loading and compute burn CPU, so they only overlap when two
+  cores are idle; other load on the machine lowers its speed-up.
 
 Run: ``python bench/dataloader.py [--steps 60] [--sample-ms 2.5] [--compute-ms 20]
 [--variants sleep,cpu] [--progress]``. Construction (worker start-up) is reported
-separately and excluded from the epoch times. Target: Async >= 1.8x faster than Sync.
+separately and excluded from the epoch times. Target (``sleep`` variant): the
+asynchronous modes >= 1.8x faster than Sync; the exit status is 1 if it is missed.
 """
 import argparse
 import os
@@ -110,7 +113,8 @@ def main(argv=None):
 
     combined = args.batch_size * args.device_iterations
     load_ms = combined * args.sample_ms
-    print(f"cores={os.cpu_count()} steps/epoch={args.steps} combined batch={combined} "
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"cores={os.cpu_count()} load average={load} steps/epoch={args.steps} combined batch={combined} "
           f"load/step={load_ms:.1f} ms compute/step={args.compute_ms:.1f} ms "
           f"epochs={args.epochs}")
     print(f"ideal: sync {args.steps * (load_ms + args.compute_ms) / 1000:.2f} s/epoch, "
@@ -127,10 +131,11 @@ def main(argv=None):
             speedup = sync_time / mean
             print(f"[{variant}] {name:<15} {construct:>11.2f} {each:>22} {mean:>8.2f} "
                   f"{speedup:>8.2f}x")
-            if name != "Sync" and speedup < TARGET:
+            if variant == "sleep" and name != "Sync" and speedup < TARGET:
                 ok = False
-    print(f"\ntarget: asynchronous modes >= {TARGET}x faster than Sync: "
-          f"{'met' if ok else 'NOT met'}")
+    if "sleep" in args.variants.split(","):
+        print(f"\ntarget (sleep variant): asynchronous modes >= {TARGET}x faster than Sync: "
+              f"{'met' if ok else 'NOT met'}")
     return 0 if ok else 1
 
 

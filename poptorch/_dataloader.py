@@ -29,7 +29,7 @@ following pass on its own. Slots are published by writing the data, then ``TAG``
 ``STATE`` (stores are not reordered on x86-64's TSO memory model, which the IPU Model
 hosts use).
 
-The shared storages use torch's default ``file_descriptor`` strategy: the segments are
+With torch's default ``file_descriptor`` sharing strategy the shared segments are
 unlinked from ``/dev/shm`` at creation and freed when the last process releases them, so
 neither a crash nor ``KeyboardInterrupt`` can leave a segment behind.
 """
