@@ -177,7 +177,14 @@ def train(model: torch.nn.Module, dataset: torch.utils.data.Dataset, epochs: int
     Returns:
         ``model`` itself, holding the trained weights (the training wrapper is
         destroyed, which copies the weights back to the host).
+
+    Raises:
+        ValueError: ``epochs`` < 1, or ``dataset`` smaller than one combined batch.
     """
+    combined = micro_batch * device_iterations * gradient_accumulation
+    if epochs < 1 or len(dataset) < combined:
+        raise ValueError(f"need epochs >= 1 (got {epochs}) and at least one combined "
+                         f"batch of {combined} samples (got {len(dataset)})")
     opts = training_options(seed, device_iterations, gradient_accumulation,
                             show_progress=verbose)
     loader = make_train_loader(opts, dataset, micro_batch)

@@ -52,6 +52,19 @@ def data(digits):
     return digits.load_data()
 
 
+@pytest.fixture
+def one_thread():
+    """Run on one intra-op thread (restored afterwards).
+
+    The models are tiny: a second thread brings nothing, and on a busy machine
+    OpenMP's thread synchronisation can make each small kernel much slower.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _subset(dataset, n):
     return torch.utils.data.Subset(dataset, range(n))
 
@@ -90,7 +103,7 @@ def _reference_training(model, batches, lr, micro_batch, device_iterations,
 
 
 @pytest.mark.parametrize("epochs, num_samples", [(1, 1437), (2, 600)])
-def test_weights_match_plain_pytorch(digits, data, epochs, num_samples):
+def test_weights_match_plain_pytorch(digits, data, epochs, num_samples, one_thread):
     """PopTorch's trained weights equal a plain PyTorch loop's (rtol 1e-5, atol 1e-5).
 
     The reference replays the very combined batches the poptorch.DataLoader yielded
@@ -123,8 +136,11 @@ def test_weights_match_plain_pytorch(digits, data, epochs, num_samples):
     assert len(batches) == epochs * (num_samples // combined)
     for images, labels in batches:
         assert images.shape == (combined, 1, 8, 8) and labels.shape == (combined, )
-    # The loader shuffles: the first batch is not the first samples in order.
+    # The loader shuffles, with a new permutation every epoch.
     assert not torch.equal(batches[0][1], train_set.tensors[1][:combined])
+    per_epoch = num_samples // combined
+    for e in range(1, epochs):
+        assert not torch.equal(batches[0][0], batches[e * per_epoch][0])
 
     reference_losses = _reference_training(reference, batches, lr, micro_batch,
                                            device_iterations, gradient_accumulation)
@@ -143,7 +159,7 @@ def test_weights_match_plain_pytorch(digits, data, epochs, num_samples):
         assert not torch.allclose(trained_state[name], value), name
 
 
-def test_same_seed_same_weights(digits, data):
+def test_same_seed_same_weights(digits, data, one_thread):
     """Two runs with the same seed (same initial weights, same shuffling) agree exactly."""
     train_set, _ = data
     dataset = _subset(train_set, 512)
@@ -172,7 +188,7 @@ def test_evaluate_covers_every_sample(digits, data):
         digits.evaluate(model, test_set, micro_batch=7, device_iterations=4)
 
 
-def test_main_reduced_epochs(digits, capsys):
+def test_main_reduced_epochs(digits, capsys, one_thread):
     """The main path, 3 epochs: prints one line per epoch and a reasonable accuracy."""
     accuracy = digits.main(["--epochs", "3", "--seed", "0"])
     out = capsys.readouterr().out
