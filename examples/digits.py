@@ -140,23 +140,27 @@ def training_options(seed: int, device_iterations: int = DEVICE_ITERATIONS,
 
 
 def make_train_loader(options: poptorch.Options, dataset: torch.utils.data.Dataset,
-                      micro_batch: int = MICRO_BATCH) -> poptorch.DataLoader:
+                      micro_batch: int = MICRO_BATCH,
+                      progress_bar: bool = False) -> poptorch.DataLoader:
     """A shuffling ``poptorch.DataLoader`` yielding combined training batches.
 
     Each element has ``micro_batch × deviceIterations × gradientAccumulation`` rows
     (``loader.combinedBatchSize``). ``drop_last`` keeps its default ``True``: the
     training model is compiled for that exact batch size. With a random seed in
     ``options`` the shuffling is reproducible, and the images dropped each epoch
-    change from epoch to epoch.
+    change from epoch to epoch. ``progress_bar=True`` draws a tqdm bar for each epoch
+    (the library's default is off).
     """
-    return poptorch.DataLoader(options, dataset, batch_size=micro_batch, shuffle=True)
+    return poptorch.DataLoader(options, dataset, batch_size=micro_batch, shuffle=True,
+                               progress_bar=progress_bar)
 
 
 def train(model: torch.nn.Module, dataset: torch.utils.data.Dataset, epochs: int = EPOCHS,
           seed: int = 0, lr: float = LEARNING_RATE, micro_batch: int = MICRO_BATCH,
           device_iterations: int = DEVICE_ITERATIONS,
           gradient_accumulation: int = GRADIENT_ACCUMULATION, verbose: bool = True,
-          on_step: Optional[Callable[..., None]] = None) -> torch.nn.Module:
+          on_step: Optional[Callable[..., None]] = None,
+          progress_bar: bool = False) -> torch.nn.Module:
     """Train ``model`` on ``dataset`` with ``poptorch.trainingModel``.
 
     Args:
@@ -173,6 +177,7 @@ def train(model: torch.nn.Module, dataset: torch.utils.data.Dataset, epochs: int
         on_step: optional callback, called after every call of the training model as
             ``on_step(epoch, images, labels, logits, losses)`` with the combined batch
             and the outputs of all its micro-batches (useful for custom metrics).
+        progress_bar: draw a tqdm progress bar while iterating each epoch.
 
     Returns:
         ``model`` itself, holding the trained weights (the training wrapper is
@@ -187,7 +192,7 @@ def train(model: torch.nn.Module, dataset: torch.utils.data.Dataset, epochs: int
                          f"batch of {combined} samples (got {len(dataset)})")
     opts = training_options(seed, device_iterations, gradient_accumulation,
                             show_progress=verbose)
-    loader = make_train_loader(opts, dataset, micro_batch)
+    loader = make_train_loader(opts, dataset, micro_batch, progress_bar)
     # PopTorch never calls train()/eval(): set the mode before wrapping.
     model.train()
     # Passing lr explicitly makes it a *variable* hyper-parameter (it could be changed
@@ -281,6 +286,8 @@ def main(argv=None) -> float:
                         help=f"Adam learning rate (default {LEARNING_RATE})")
     parser.add_argument("--quiet", action="store_true",
                         help="only print the final test accuracy")
+    parser.add_argument("--progress", action="store_true",
+                        help="show a tqdm progress bar while iterating each epoch")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -293,7 +300,7 @@ def main(argv=None) -> float:
               f"micro-batch {MICRO_BATCH}, deviceIterations {DEVICE_ITERATIONS}, "
               f"gradientAccumulation {GRADIENT_ACCUMULATION}")
     model = train(model, train_set, epochs=args.epochs, seed=args.seed, lr=args.lr,
-                  verbose=not args.quiet)
+                  verbose=not args.quiet, progress_bar=args.progress)
     accuracy = evaluate(model, test_set)
     print(f"test accuracy: {accuracy:.2%} ({len(test_set)} images, "
           f"{time.perf_counter() - start:.1f} s)")

@@ -1,17 +1,42 @@
-"""Optimizers of the simulated device (PopART semantics, spec S-50…S-58).
+"""Optimizers of the simulated device (PopART semantics, spec S-41, S-50…S-58).
 
 The runtime updates device weights itself; the host optimizer's ``step()`` never runs.
+One weight update of a training session goes through :class:`DeviceOptimizer`:
+
+1. :meth:`DeviceOptimizer.begin_step`;
+2. :meth:`DeviceOptimizer.accumulate` once per micro-batch and replica with the
+   *loss-scaled* gradients of that micro-batch (S-51);
+3. :meth:`DeviceOptimizer.finish_step`: reduction over accumulation steps and replicas
+   (S-41), removal of the loss scaling, gradient clipping, the update (S-54) and the
+   automatic-loss-scaling rule (S-57).
+
+Precision model (what the IPU Model does):
+
+* gradients are produced by PyTorch autograd in the dtype of their parameter;
+* the gradient accumulator (``Accum___<p>``, only with gradient accumulation) is stored
+  in ``accum_type``; velocities and moments in ``velocity_accum_type`` /
+  ``first_order_momentum_accum_type`` / ``second_order_momentum_accum_type``; the
+  velocity of the combined SGD variant in the parameter's dtype;
+* the ``Mean`` division happens after all micro-batches (``Post``) or as a running
+  mean ``acc ← acc·k/(k+1) + g/(k+1)`` per micro-batch (``Running``), per replica,
+  followed by the cross-replica sum divided by the global replication factor;
+* the update arithmetic itself runs in float32 (``torch.optim``'s functional kernels
+  on float32 working copies); results are rounded to nearest into the parameters' and
+  states' storage dtypes.
+
 SGD, Adam, AdamW and RMSprop use ``torch.optim``'s functional implementations (so the
-updates equal ``torch.optim``'s for the same hyper-parameters); LAMB follows the formula
-of S-54. State tensors carry PopART's names (S-56): ``Accl___<p>`` (SGD velocity /
-RMSprop momentum), ``Accl1___<p>`` / ``Accl2___<p>`` (first / second moments),
-``Step___<p>``, ``Accum___<p>`` (gradient accumulator of the separate SGD variant).
+updates equal ``torch.optim``'s for the same hyper-parameters); LAMB and the TensorFlow
+RMSprop variant follow the formulas of S-54. State tensors carry PopART's names (S-56):
+``Accl___<p>`` (SGD velocity / RMSprop momentum), ``Accl1___<p>`` / ``Accl2___<p>``
+(first / second moments), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and
+``lossScaleUpdateFactor`` (automatic loss scaling).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.optim.adam as _adam
@@ -22,7 +47,8 @@ import torch.optim.sgd as _sgd
 from .errors import backend_error
 from .logging import logger
 
-__all__ = ["OptimizerDescription", "DeviceOptimizer", "HYPER_PARAMETERS"]
+__all__ = ["OptimizerDescription", "DeviceOptimizer", "StepSettings", "HYPER_PARAMETERS",
+           "ACCUMULATION_TYPES", "FLOAT16_MAX"]
 
 #: Per-group hyper-parameters of each optimizer type.
 HYPER_PARAMETERS = {
@@ -33,13 +59,29 @@ HYPER_PARAMETERS = {
     "LAMB": ("lr", "betas", "eps", "weight_decay", "max_weight_norm"),
 }
 
-#: PopART names of hyper-parameters, used in logs (S-91) and ``ipu_param`` (S-56).
+#: Storage dtypes accepted for gradient accumulators, velocities and moments.
+ACCUMULATION_TYPES = (torch.float32, torch.float16)
+
+#: Largest finite float16 value.
+FLOAT16_MAX = 65504.0
+#: Smallest normal float16 value (lower bound of the automatic loss scale).
+_FLOAT16_MIN_NORMAL = 2.0 ** -14
+
+#: Hyper-parameters whose value decides the shape of the optimizer state; they are
+#: always fixed at compile time.
+_STRUCTURAL = ("centered",)
+
+#: PopART names of hyper-parameters, used in logs (S-91).
 _POPART_NAMES = {
     "lr": "LearningRate", "momentum": "Momentum", "dampening": "Dampening",
     "weight_decay": "WeightDecay", "velocity_scaling": "VelocityScaling",
     "eps": "Eps", "alpha": "Alpha", "max_weight_norm": "MaxWeightNorm",
     "betas": "Betas", "nesterov": "Nesterov", "centered": "Centered",
 }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 @dataclasses.dataclass
@@ -56,7 +98,7 @@ class OptimizerDescription:
         use_combined_accum: SGD combined variant.
         accum_type / velocity_accum_type / first_order_type / second_order_type:
             storage dtypes of the gradient accumulator, SGD velocity, first and second
-            moments (S-54).
+            moments (S-54); ``torch.float32`` or ``torch.float16``.
         max_grad_norm: clip the global gradient norm to this (``inf``: off).
         bias_correction: Adam-family bias correction (LAMB; AdamW always corrects).
         use_tf_variant: TensorFlow-style RMSprop.
@@ -76,107 +118,263 @@ class OptimizerDescription:
     bias_correction: bool = True
     use_tf_variant: bool = False
 
+    def validate(self) -> None:
+        """Check what the device cannot run.
+
+        Raises:
+            Error: unknown optimizer type, accumulation dtype other than float32 /
+                float16, ``NaN`` maximum gradient norm, non-positive loss scaling.
+        """
+        if self.type not in HYPER_PARAMETERS:
+            raise backend_error(f"Unsupported optimizer type {self.type}: pick one of "
+                                f"{sorted(HYPER_PARAMETERS)}")
+        for field in ("accum_type", "velocity_accum_type", "first_order_type",
+                      "second_order_type"):
+            if getattr(self, field) not in ACCUMULATION_TYPES:
+                raise backend_error(f"Optimizer {field} must be torch.float32 or "
+                                    f"torch.float16, got {getattr(self, field)}")
+        if math.isnan(self.max_grad_norm):
+            raise backend_error("Maximum norm of gradients cannot be NaN")
+        if not (self.loss_scaling > 0 and math.isfinite(self.loss_scaling)):
+            raise backend_error(f"Loss scaling must be a positive finite number, got "
+                                f"{self.loss_scaling}")
+
     def hyper(self, name: str) -> Dict[str, Any]:
         """Hyper-parameters applying to parameter ``name``."""
         index = self.group_of.get(name)
         return self.defaults if index is None else self.groups[index]
 
-    def compile_signature(self):
-        """What may not change after compilation (S-52): type, dtypes, constants."""
-        consts = {}
-        for attr in sorted(self.constant):
-            if attr == "loss_scaling":
-                consts[attr] = self.loss_scaling
-                continue
-            consts[attr] = (self.defaults.get(attr),
-                            tuple(g.get(attr) for g in self.groups))
-        return (self.type, self.use_combined_accum, self.accum_type,
-                self.velocity_accum_type, self.first_order_type, self.second_order_type,
-                self.use_tf_variant, tuple(sorted(self.constant)), tuple(consts.items()))
+    def values_of(self, attr: str) -> Tuple[Any, Tuple[Any, ...]]:
+        """``(default value, value in each group)`` of a hyper-parameter."""
+        if attr == "loss_scaling":
+            return self.loss_scaling, ()
+        return self.defaults.get(attr), tuple(g.get(attr) for g in self.groups)
 
-    def describe(self) -> str:
-        """``Updating graph optimizer with SGD, defaultLearningRate=0.01 (const), ...``"""
-        parts = [self.type]
-        for key, value in self.defaults.items():
-            const = " (const)" if key in self.constant else ""
-            parts.append(f"default{_POPART_NAMES.get(key, key)}={value}{const}")
+    def is_variable(self, attr: str) -> bool:
+        """Whether ``attr`` may change after compilation."""
+        return attr not in self.constant and attr not in _STRUCTURAL
+
+    def compile_signature(self) -> Dict[str, Any]:
+        """What may not change after compilation (S-52): type, variant, dtypes,
+        clipping, which attributes are constant and the values of the constants."""
+        sig: Dict[str, Any] = {
+            "optimizer type": self.type,
+            "use_combined_accum": self.use_combined_accum,
+            "accum_type": self.accum_type,
+            "velocity_accum_type": self.velocity_accum_type,
+            "first_order_momentum_accum_type": self.first_order_type,
+            "second_order_momentum_accum_type": self.second_order_type,
+            "use_tf_variant": self.use_tf_variant,
+            "bias_correction": self.bias_correction,
+            "max_grad_norm": self.max_grad_norm,
+            "set of constant attributes": tuple(sorted(self.constant)),
+        }
+        attrs = set(self.constant) | set(_STRUCTURAL)
+        for attr in sorted(attrs):
+            if attr == "loss_scaling" or attr in HYPER_PARAMETERS[self.type]:
+                sig[f"constant attribute {attr}"] = self.values_of(attr)
+        return sig
+
+    def describe(self) -> List[str]:
+        """The lines logged when the optimizer is pushed to the device (S-91):
+        ``SGD, defaultLearningRate=0.01 (const), ..., lossScaling=1.0 (const)`` and one
+        ``learningRate=…`` line per group."""
+        def fmt(prefix: str, values: Dict[str, Any]) -> List[str]:
+            out = []
+            for key, value in values.items():
+                const = " (const)" if key in self.constant else ""
+                name = _POPART_NAMES.get(key, key)
+                name = prefix + name if prefix else name[0].lower() + name[1:]
+                out.append(f"{name}={value}{const}")
+            return out
         const = " (const)" if "loss_scaling" in self.constant else ""
-        parts.append(f"lossScaling={self.loss_scaling}{const}")
-        return ", ".join(parts)
+        lines = [", ".join([self.type] + fmt("default", self.defaults)
+                           + [f"lossScaling={self.loss_scaling}{const}"])]
+        for group in self.groups:
+            lines.append(", ".join(fmt("", group)))
+        return lines
 
 
-def _bias_corrections(step: float, beta1: float, beta2: float):
-    return 1 - beta1 ** step, 1 - beta2 ** step
+@dataclasses.dataclass
+class StepSettings:
+    """How the gradients of one weight update are combined (S-41, S-27, S-57).
+
+    Attributes:
+        accumulation: ``A``, micro-batches per weight update.
+        replicas: ``R``, local replicas.
+        global_replicas: ``R_total`` (the ``Mean`` divisor is ``A × R_total``).
+        mean: ``ReductionType.Mean`` (else ``Sum``).
+        running: ``MeanReductionStrategy.Running`` (else ``Post``).
+        replica_groups: parameter name → group index of each replica, for
+            replica-grouped weights whose device tensor has a leading group dimension.
+        auto_loss_scaling: automatic loss scaling (S-57).
+        als_update_period: weight updates between two adjustments of the factor.
+        als_threshold: proportion of float16 gradient elements in the top histogram
+            bin above which the factor is halved.
+        als_bin_edge: lower edge of the top bin as a fraction of the float16 maximum.
+    """
+    accumulation: int = 1
+    replicas: int = 1
+    global_replicas: int = 1
+    mean: bool = True
+    running: bool = False
+    replica_groups: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+    auto_loss_scaling: bool = False
+    als_update_period: int = 1
+    als_threshold: float = 1e-7
+    als_bin_edge: float = 0.125
+
+
+@contextlib.contextmanager
+def _float32(tensors: Sequence[Optional[torch.Tensor]]
+             ) -> Iterator[List[Optional[torch.Tensor]]]:
+    """float32 working copies of ``tensors`` (the tensors themselves when already
+    float32); on exit the copies are rounded back into the originals."""
+    work = [t if t is None or t.dtype == torch.float32 else t.float() for t in tensors]
+    yield work
+    for t, w in zip(tensors, work):
+        if t is not None and w is not t:
+            t.copy_(w)
+
+
+def _norms(t: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """L2 norm of ``t`` (per slice of the leading group dimension when ``grouped``)."""
+    if grouped:
+        return torch.linalg.vector_norm(t.float().reshape(t.shape[0], -1), dim=1).reshape(
+            (t.shape[0],) + (1,) * (t.dim() - 1))
+    return torch.linalg.vector_norm(t.float())
 
 
 class DeviceOptimizer:
     """The optimizer state and update of one training session.
 
     Args:
-        description: the optimizer to run.
-        names: device parameter names, aligned with the ``params`` given to :meth:`step`.
-        params: device parameters (used to allocate state of the right shape).
+        description: the optimizer to run (validated here).
+        names: device parameter names, aligned with the ``params`` given to
+            :meth:`finish_step` / :meth:`step`.
+        params: device parameters (used to allocate state of the right shape / dtype;
+            replica-grouped parameters have their group dimension).
+        settings: reduction, replication and loss-scaling settings (defaults: one
+            replica, no accumulation).
+
+    Raises:
+        Error: an invalid description (:meth:`OptimizerDescription.validate`).
     """
 
     def __init__(self, description: OptimizerDescription, names: Sequence[str],
-                 params: Sequence[torch.Tensor]):
+                 params: Sequence[torch.Tensor], settings: Optional[StepSettings] = None):
+        description.validate()
         self.description = description
+        self.settings = settings or StepSettings()
         self.names = list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
         self.state: Dict[str, torch.Tensor] = {}
         # SGD velocities that hold a value (torch starts the velocity from the first
         # gradient rather than from zero).
         self._started_names: Set[str] = set()
         self._signature = description.compile_signature()
+        self._params = list(params)
         self._allocate(params)
+        if self.settings.auto_loss_scaling:
+            device = params[0].device if params else "cpu"
+            self.state["lossScaleUpdateFactor"] = torch.ones((), device=device)
+        self._als = [0, 0]  # [elements in the top bin, elements seen] this period
+        self._updates = 0
+        self._step: Optional[Dict[str, Any]] = None
 
     # -- state ------------------------------------------------------------------------
 
+    def _has_velocity(self, name: str) -> bool:
+        d = self.description
+        return d.hyper(name).get("momentum", 0.0) != 0.0 or d.is_variable("momentum")
+
     def _allocate(self, params: Sequence[torch.Tensor]) -> None:
         d = self.description
+        accumulating = self.settings.accumulation > 1
         for name, p in zip(self.names, params):
+            zeros = lambda dtype: torch.zeros_like(p, dtype=dtype)  # noqa: E731
             if d.type == "SGD":
-                if d.hyper(name).get("momentum", 0.0) != 0.0 or d.use_combined_accum:
-                    self.state[f"Accl___{name}"] = torch.zeros_like(
-                        p, dtype=p.dtype if d.use_combined_accum else d.velocity_accum_type)
+                if d.use_combined_accum:
+                    if self._has_velocity(name) or accumulating:
+                        self.state[f"Accl___{name}"] = zeros(p.dtype)
+                    continue
+                if self._has_velocity(name):
+                    self.state[f"Accl___{name}"] = zeros(d.velocity_accum_type)
             elif d.type in ("Adam", "AdamW", "LAMB"):
-                self.state[f"Accl1___{name}"] = torch.zeros_like(p, dtype=d.first_order_type)
-                self.state[f"Accl2___{name}"] = torch.zeros_like(p, dtype=d.second_order_type)
-                self.state[f"Step___{name}"] = torch.zeros((), dtype=torch.float32,
-                                                           device=p.device)
+                self.state[f"Accl1___{name}"] = zeros(d.first_order_type)
+                self.state[f"Accl2___{name}"] = zeros(d.second_order_type)
+                self.state[f"Step___{name}"] = torch.zeros((), device=p.device)
             elif d.type == "RMSprop":
                 h = d.hyper(name)
                 init = torch.ones_like if d.use_tf_variant else torch.zeros_like
                 self.state[f"Accl2___{name}"] = init(p, dtype=d.second_order_type)
                 if h.get("centered", False):
-                    self.state[f"Accl1___{name}"] = torch.zeros_like(
-                        p, dtype=d.first_order_type)
-                if h.get("momentum", 0.0) != 0.0:
-                    self.state[f"Accl___{name}"] = torch.zeros_like(p, dtype=d.accum_type)
-                self.state[f"Step___{name}"] = torch.zeros((), dtype=torch.float32,
-                                                           device=p.device)
+                    self.state[f"Accl1___{name}"] = zeros(d.first_order_type)
+                if self._has_velocity(name):
+                    self.state[f"Accl___{name}"] = zeros(d.accum_type)
+                self.state[f"Step___{name}"] = torch.zeros((), device=p.device)
+            if accumulating:
+                self.state[f"Accum___{name}"] = zeros(d.accum_type)
+
+    @property
+    def loss_scale(self) -> float:
+        """The effective loss scale of the next weight update: ``loss_scaling`` times
+        ``lossScaleUpdateFactor`` with automatic loss scaling (S-57)."""
+        factor = self.state.get("lossScaleUpdateFactor")
+        scale = float(self.description.loss_scaling)
+        return scale * float(factor) if factor is not None else scale
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Copies of the optimizer-state tensors by PopART name (``ipu_state``, S-56)."""
         return {k: v.detach().clone() for k, v in self.state.items()}
 
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        """Write state tensors; missing entries keep their values (with a warning).
+    def check_state(self, state: Any) -> None:
+        """Validate state tensors for :meth:`load_state_dict` without writing anything.
 
         Raises:
-            Error: a tensor whose shape differs from the device state's; nothing is
-                written in that case.
+            Error: ``state`` is not a dict of tensors, or a tensor's shape differs from
+                the device state's, or its dtype is not a real number type.
         """
+        if not isinstance(state, dict):
+            raise backend_error(f"The optimizer state (ipu_state) must be a dict of "
+                                f"tensors, got {type(state).__name__}")
         for name, value in state.items():
-            if name in self.state and tuple(value.shape) != tuple(self.state[name].shape):
+            if not isinstance(value, torch.Tensor):
+                raise backend_error(f"Optimizer state {name} must be a torch.Tensor, got "
+                                    f"{type(value).__name__}")
+            if value.dtype == torch.bool or value.is_complex():
+                raise backend_error(f"Optimizer state {name} has dtype {value.dtype}: "
+                                    "expected a floating point tensor")
+            current = self.state.get(name)
+            if current is not None and tuple(value.shape) != tuple(current.shape):
                 raise backend_error(
                     f"Optimizer state {name} has shape {list(value.shape)} but the device "
-                    f"expects {list(self.state[name].shape)}")
+                    f"expects {list(current.shape)}")
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        """Write state tensors; missing entries keep their values (with a warning),
+        unknown entries are ignored (with a warning).
+
+        Raises:
+            Error: see :meth:`check_state`; nothing is written in that case.
+        """
+        self.check_state(state)
+        for name in state:
+            if name not in self.state:
+                logger.warning("ignoring unexpected state %s", name)
         for name, current in self.state.items():
             if name not in state:
                 logger.warning("ignoring missing state %s", name)
                 continue
-            current.copy_(state[name].to(current.dtype))
-        self._started_names.update(n.split("___", 1)[1] for n in state if n.startswith("Accl___"))
+            current.copy_(state[name].detach().to(device=current.device,
+                                                  dtype=current.dtype))
+        for name in state:
+            if name.startswith("Accl___") and name in self.state:
+                base = name.split("___", 1)[1]
+                if bool(self.state[name].any()):
+                    self._started_names.add(base)
+                else:
+                    self._started_names.discard(base)
 
     def hyper_parameters(self) -> Dict[str, torch.Tensor]:
         """Hyper-parameter tensors by PopART name (``ipu_param``, S-56)."""
@@ -186,66 +384,299 @@ class DeviceOptimizer:
 
         def put(kind: str, name: str, h: Dict[str, Any]):
             lr = float(h.get("lr", 0.0))
+            suffix = f"___{kind}___{name}" if name else f"___{kind}___FLOAT"
             if d.type == "SGD":
                 damp = float(h.get("dampening", 0.0))
                 wd = float(h.get("weight_decay", 0.0))
-                out[f"scaledLearningRate0___{kind}___{name}"] = torch.tensor(
-                    lr * (1 - damp) / scale)
-                out[f"weightDecayScaleFactor0___{kind}___{name}"] = torch.tensor(
+                out["scaledLearningRate0" + suffix] = torch.tensor(lr * (1 - damp) / scale)
+                out["weightDecayScaleFactor0" + suffix] = torch.tensor(
                     1 - lr * (1 - damp) * wd)
+                if "momentum" in h:
+                    out["momentum0" + suffix] = torch.tensor(float(h["momentum"]))
+                if d.use_combined_accum:
+                    out["velocityScaling" + suffix] = torch.tensor(
+                        float(h.get("velocity_scaling", 1.0)))
             else:
-                out[f"learningRate___{kind}___{name}"] = torch.tensor(lr)
-                out[f"weightDecay___{kind}___{name}"] = torch.tensor(
-                    float(h.get("weight_decay", 0.0)))
+                out["learningRate" + suffix] = torch.tensor(lr)
+                out["weightDecay" + suffix] = torch.tensor(float(h.get("weight_decay", 0.0)))
+                if "eps" in h:
+                    out["eps" + suffix] = torch.tensor(float(h["eps"]))
         put("default", "", d.defaults)
         for name in self.names:
             put("specific", name, d.hyper(name))
         out["lossScaling_FLOAT"] = torch.tensor(float(scale))
-        return {k.replace("______", "___"): v for k, v in out.items()}
+        return out
 
-    # -- updates ----------------------------------------------------------------------
+    # -- hyper-parameter updates ------------------------------------------------------
+
+    def check_update(self, description: OptimizerDescription) -> None:
+        """Raise if ``description`` cannot replace the compiled one (no side effects).
+
+        Raises:
+            Error: invalid description, or a change that needs recompilation: optimizer
+                type, variant, accumulation types, clipping, constant values or
+                const/variable status (S-52). The message names what changed.
+        """
+        description.validate()
+        new = description.compile_signature()
+        changed = [k for k in sorted(set(new) | set(self._signature))
+                   if new.get(k) != self._signature.get(k)]
+        if changed:
+            details = "; ".join(f"{k}: {self._signature.get(k)!r} -> {new.get(k)!r}"
+                                for k in changed)
+            raise backend_error(
+                "The compiled optimizer cannot be changed this way: the optimizer type, "
+                "the accumulation types, which attributes are constant and the values of "
+                "constant attributes are fixed at compile time. Changed: " + details +
+                ". Mark the attribute as variable (pass it explicitly to the optimizer's "
+                "constructor or call optimizer.variable_attrs.markAsVariable(<name>)) "
+                "before compiling, or create a new wrapper.")
 
     def update(self, description: OptimizerDescription) -> None:
         """Apply new hyper-parameter values (``setOptimizer``).
 
         Raises:
-            Error: a change that needs recompilation: optimizer type, accumulation
-                types, constant values or const/variable status (S-52).
+            Error: see :meth:`check_update`; nothing changes in that case.
         """
-        if description.compile_signature() != self._signature:
-            raise backend_error(
-                "The compiled optimizer cannot be changed this way: the optimizer type, "
-                "the accumulation types, which attributes are constant and the values of "
-                "constant attributes are fixed at compile time. Mark the attribute as "
-                "variable (pass it explicitly to the optimizer's constructor or call "
-                "optimizer.variable_attrs.markAsVariable(<name>)) before compiling.")
+        self.check_update(description)
         self.description = description
+
+    # -- one weight update -------------------------------------------------------------
+
+    def _grouped(self, name: str) -> bool:
+        return name in self.settings.replica_groups
+
+    def _slice(self, t: torch.Tensor, name: str, replica: int) -> torch.Tensor:
+        groups = self.settings.replica_groups.get(name)
+        return t if groups is None else t[groups[replica]]
+
+    def _combined_factor(self, name: str) -> float:
+        """Dampening factor of this update's gradients in the combined variant: the
+        first update with momentum starts the velocity from the gradient (like torch)."""
+        h = self.description.hyper(name)
+        momentum = float(h.get("momentum", 0.0))
+        if momentum != 0.0 and name not in self._started_names:
+            return 1.0
+        return 1.0 - float(h.get("dampening", 0.0))
+
+    def begin_step(self) -> None:
+        """Start a weight update: clear the accumulators (and, for the combined SGD
+        variant, remember the velocity the update starts from)."""
+        d, s = self.description, self.settings
+        scale = self.loss_scale
+        divisor = s.accumulation * s.global_replicas if s.mean else 1
+        step: Dict[str, Any] = {"acc": {}, "scale": scale, "divisor": divisor}
+        if d.type == "SGD" and d.use_combined_accum:
+            accl, start, factor = {}, {}, {}
+            for name, p in zip(self.names, self._params):
+                h = d.hyper(name)
+                buf = self.state.get(f"Accl___{name}")
+                if buf is None:  # no momentum, no accumulation: a transient velocity
+                    buf = torch.zeros_like(p)
+                accl[name] = buf
+                start[name] = buf.detach().float().clone()
+                f = self._combined_factor(name)
+                factor[name] = (f, float(h.get("velocity_scaling", 1.0)) * f / (scale * divisor))
+            step.update(accl=accl, start=start, factor=factor, touched=set())
+        self._step = step
+
+    def accumulate(self, replica: int, micro_batch: int,
+                   grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Add the loss-scaled gradients of one micro-batch of one replica.
+
+        Args:
+            replica: replica index ``0 ≤ replica < R``.
+            micro_batch: index ``0 ≤ micro_batch < A`` within the weight update.
+            grads: one entry per parameter (``None``: no gradient), each of the shape
+                the replica sees (one slice of a replica-grouped parameter).
+        """
+        d, s, st = self.description, self.settings, self._step
+        if st is None:
+            self.begin_step()
+            st = self._step
+        with torch.no_grad():
+            for name, g in zip(self.names, grads):
+                if g is not None and s.auto_loss_scaling and g.dtype == torch.float16:
+                    top = (g.abs() >= s.als_bin_edge * FLOAT16_MAX) | ~torch.isfinite(g)
+                    self._als[0] += int(top.sum())
+                    self._als[1] += g.numel()
+                if d.type == "SGD" and d.use_combined_accum:
+                    if g is not None:
+                        st["touched"].add(name)
+                        view = self._slice(st["accl"][name], name, replica)
+                        view.add_(g.to(view.dtype), alpha=st["factor"][name][1])
+                    continue
+                key = (replica, name)
+                acc = st["acc"].get(key)
+                if s.running and s.mean:
+                    if g is None and acc is None:
+                        continue
+                    if acc is None:
+                        dtype = d.accum_type if s.accumulation > 1 else g.dtype
+                        acc = torch.zeros_like(g, dtype=dtype)
+                        st["acc"][key] = acc
+                    k = micro_batch
+                    acc.mul_(k / (k + 1.0))
+                    if g is not None:
+                        acc.add_(g.to(acc.dtype), alpha=1.0 / (k + 1.0))
+                elif g is not None:
+                    if acc is None:
+                        dtype = d.accum_type if s.accumulation > 1 else g.dtype
+                        st["acc"][key] = g.to(dtype, copy=True) if dtype != g.dtype \
+                            or s.accumulation > 1 else g
+                    else:
+                        acc.add_(g.to(acc.dtype))
+
+    def _reduced_gradients(self) -> List[Optional[torch.Tensor]]:
+        """Cross-replica reduction of the accumulators, unscaled, in float32."""
+        s, st = self.settings, self._step
+        per_name: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+        for (replica, name), acc in st["acc"].items():
+            per_name.setdefault(name, []).append((replica, acc))
+        divisor = s.global_replicas if (s.running and s.mean) else st["divisor"]
+        factor = 1.0 / (st["scale"] * divisor)
+        out: List[Optional[torch.Tensor]] = []
+        for name, p in zip(self.names, self._params):
+            items = sorted(per_name.get(name, []), key=lambda x: x[0])
+            if not items:
+                out.append(None)
+                continue
+            groups = s.replica_groups.get(name)
+            if groups is None:
+                total = items[0][1].clone() if len(items) > 1 else items[0][1]
+                for _, acc in items[1:]:
+                    total.add_(acc)
+            else:
+                total = torch.zeros_like(p, dtype=items[0][1].dtype)
+                for replica, acc in items:
+                    total[groups[replica]].add_(acc)
+            out.append(total.float() * factor)
+        return out
+
+    def finish_step(self, params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """Reduce, unscale, clip and apply the accumulated gradients; adjust the
+        automatic loss scale.
+
+        Returns:
+            The gradient applied to each parameter (reduced and unscaled, before
+            clipping, float32), ``None`` where a parameter received none.
+        """
+        d = self.description
+        if self._step is None:
+            self.begin_step()
+        with torch.no_grad():
+            if d.type == "SGD" and d.use_combined_accum:
+                grads = self._finish_combined(params)
+            else:
+                grads = self._reduced_gradients()
+                self.step(params, grads)
+            self._adjust_loss_scale()
+        self._step = None
+        return grads
+
+    def _clip_factor(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        max_norm = self.description.max_grad_norm
+        if math.isnan(max_norm):
+            raise backend_error("Maximum norm of gradients cannot be NaN")
+        present = [g for g in grads if g is not None]
+        if not math.isfinite(max_norm) or not present:
+            return None
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in present]))
+        return torch.where(norm > max_norm, max_norm / norm, torch.ones_like(norm))
+
+    def _finish_combined(self, params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """End of an update of the combined SGD variant: the velocity tensor already
+        holds ``velocity_scaling × (momentum × v + dampening-scaled gradients)``."""
+        d, st = self.description, self._step
+        grads: List[Optional[torch.Tensor]] = []
+        for name in self.names:
+            if name not in st["touched"]:
+                grads.append(None)
+                continue
+            f, _ = st["factor"][name]
+            vs = float(d.hyper(name).get("velocity_scaling", 1.0))
+            delta = st["accl"][name].float() - st["start"][name]
+            grads.append(delta / (vs * f) if f != 0 else torch.zeros_like(delta))
+        clip = self._clip_factor(grads)
+        for name, p in zip(self.names, params):
+            if name not in st["touched"]:  # no gradient: not updated (like torch)
+                continue
+            h = d.hyper(name)
+            f, _ = st["factor"][name]
+            vs = float(h.get("velocity_scaling", 1.0))
+            momentum, lr = float(h.get("momentum", 0.0)), float(h["lr"])
+            wd = float(h.get("weight_decay", 0.0))
+            buf = st["accl"][name]
+            start = st["start"][name]
+            acc = buf.float()
+            if clip is not None:
+                acc = start + (acc - start) * clip
+            with _float32([p]) as (w,):
+                if wd:
+                    acc = acc + (vs * f * wd) * w
+                velocity = acc / vs
+                if bool(h.get("nesterov", False)):
+                    step = (acc - start) / vs + momentum * velocity
+                else:
+                    step = velocity
+                w.sub_(step * lr)
+            buf.copy_(acc * momentum)
+            if momentum != 0.0:
+                self._started_names.add(name)
+        if clip is not None:
+            grads = [None if g is None else g * clip for g in grads]
+        return grads
+
+    def _adjust_loss_scale(self) -> None:
+        """S-57 rule, every ``als_update_period`` updates: halve the factor if the
+        proportion of float16 gradient elements at or above ``als_bin_edge × 65504``
+        (or non-finite) exceeds ``als_threshold``, else double it; the effective scale
+        stays within ``[2^-14, 65504]``. float32 gradients are not looked at; without
+        float16 gradients the factor does not change."""
+        s = self.settings
+        factor = self.state.get("lossScaleUpdateFactor")
+        if factor is None:
+            return
+        self._updates += 1
+        if self._updates % max(1, s.als_update_period):
+            return
+        upper, total = self._als
+        self._als = [0, 0]
+        if total == 0:
+            return
+        scale = float(self.description.loss_scaling)
+        value = float(factor)
+        if upper / total > s.als_threshold:
+            if scale * value / 2 >= _FLOAT16_MIN_NORMAL:
+                value /= 2
+        elif scale * value * 2 <= FLOAT16_MAX:
+            value *= 2
+        factor.fill_(value)
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
              ) -> None:
-        """Update ``params`` in place from their reduced, unscaled gradients.
+        """Update ``params`` in place from their reduced, unscaled gradients (clipped
+        here when ``max_grad_norm`` is finite). Parameters whose gradient is ``None``
+        are not updated.
 
-        Parameters whose gradient is ``None`` are not updated.
+        Raises:
+            Error: ``max_grad_norm`` is NaN.
         """
         d = self.description
-        if math.isnan(d.max_grad_norm):
-            raise backend_error("Maximum norm of gradients cannot be NaN")
-        present = [(n, p, g) for n, p, g in zip(self.names, params, grads) if g is not None]
+        clip = self._clip_factor(grads)
+        present = [(n, p, g if clip is None else g * clip)
+                   for n, p, g in zip(self.names, params, grads) if g is not None]
         if not present:
             return
-        if math.isfinite(d.max_grad_norm):
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g.float()) for _, _, g in present]))
-            factor = torch.clamp(d.max_grad_norm / (norm + 1e-6), max=1.0)
-            present = [(n, p, g * factor.to(g.dtype)) for n, p, g in present]
-        # Group parameters sharing the same hyper-parameters: one fused call per group.
+        # Parameters sharing the same hyper-parameters: one call per group.
         buckets: Dict[int, List] = {}
         for n, p, g in present:
-            index = d.group_of.get(n, -1)
-            buckets.setdefault(index, []).append((n, p, g))
-        for index, items in buckets.items():
-            h = d.defaults if index < 0 else d.groups[index]
-            getattr(self, f"_step_{d.type}")(h, items)
+            buckets.setdefault(d.group_of.get(n, -1), []).append((n, p, g.float()))
+        with torch.no_grad():
+            for index, items in buckets.items():
+                h = d.defaults if index < 0 else d.groups[index]
+                getattr(self, f"_step_{d.type}")(h, items)
 
     def _step_SGD(self, h: Dict[str, Any], items) -> None:
         momentum = float(h.get("momentum", 0.0))
@@ -254,41 +685,34 @@ class DeviceOptimizer:
         if momentum == 0.0:
             # PopART scales the step by (1 - dampening) even without momentum (S-54).
             lr = lr * (1.0 - dampening)
-        bufs = [self.state.get(f"Accl___{n}") for n, _, _ in items]
-        if momentum != 0.0:
-            # torch's functional SGD starts the velocity from the first gradient when the
-            # buffer is None; our buffers are pre-allocated, so emulate its first step.
-            first = [not self._started(n) for n, _, _ in items]
-            lists = [None if f else b for f, b in zip(first, bufs)]
-        else:
-            first, lists = [False] * len(items), [None] * len(items)
-        params = [p for _, p, _ in items]
-        _sgd.sgd(params, [g.to(p.dtype) for _, p, g in items], lists,
-                 weight_decay=float(h.get("weight_decay", 0.0)), momentum=momentum,
-                 lr=lr, dampening=dampening, nesterov=bool(h.get("nesterov", False)),
-                 maximize=False, foreach=False)
-        if momentum != 0.0:
-            for (n, _, _), f, new in zip(items, first, lists):
-                if f and new is not None:
-                    self.state[f"Accl___{n}"].copy_(new)
-                self._mark_started(n)
-
-    def _started(self, name: str) -> bool:
-        return name in self._started_names
-
-    def _mark_started(self, name: str) -> None:
-        self._started_names.add(name)
+        names = [n for n, _, _ in items]
+        bufs = [self.state.get(f"Accl___{n}") if momentum != 0.0 else None for n in names]
+        with _float32([p for _, p, _ in items]) as params, _float32(bufs) as work:
+            # torch's functional SGD starts the velocity from the first gradient when
+            # the buffer is None; our buffers are pre-allocated, so emulate that.
+            lists = [None if momentum == 0.0 or n not in self._started_names else b
+                     for n, b in zip(names, work)]
+            _sgd.sgd(params, [g for _, _, g in items], lists,
+                     weight_decay=float(h.get("weight_decay", 0.0)), momentum=momentum,
+                     lr=lr, dampening=dampening, nesterov=bool(h.get("nesterov", False)),
+                     maximize=False, foreach=False)
+            if momentum != 0.0:
+                for n, w, new in zip(names, work, lists):
+                    if w is not None and new is not None and new is not w:
+                        w.copy_(new)
+                    self._started_names.add(n)
 
     def _adam_like(self, h: Dict[str, Any], items, fn, **extra) -> None:
         beta1, beta2 = (float(b) for b in h.get("betas", (0.9, 0.999)))
-        params = [p for _, p, _ in items]
-        fn(params, [g.to(p.dtype) for _, p, g in items],
-           [self.state[f"Accl1___{n}"] for n, _, _ in items],
-           [self.state[f"Accl2___{n}"] for n, _, _ in items], [],
-           [self.state[f"Step___{n}"] for n, _, _ in items],
-           foreach=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=float(h["lr"]),
-           weight_decay=float(h.get("weight_decay", 0.0)), eps=float(h.get("eps", 1e-8)),
-           maximize=False, **extra)
+        names = [n for n, _, _ in items]
+        with _float32([p for _, p, _ in items]) as params, \
+                _float32([self.state[f"Accl1___{n}"] for n in names]) as m, \
+                _float32([self.state[f"Accl2___{n}"] for n in names]) as v:
+            fn(params, [g for _, _, g in items], m, v, [],
+               [self.state[f"Step___{n}"] for n in names],
+               foreach=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=float(h["lr"]),
+               weight_decay=float(h.get("weight_decay", 0.0)),
+               eps=float(h.get("eps", 1e-8)), maximize=False, **extra)
 
     def _step_Adam(self, h, items) -> None:
         self._adam_like(h, items, _adam.adam)
@@ -298,71 +722,75 @@ class DeviceOptimizer:
         self._adam_like(h, items, _adamw.adamw)
 
     def _step_RMSprop(self, h, items) -> None:
-        d = self.description
-        if d.use_tf_variant:
+        if self.description.use_tf_variant:
             self._step_RMSprop_tf(h, items)
             return
-        params = [p for _, p, _ in items]
+        names = [n for n, _, _ in items]
         momentum = float(h.get("momentum", 0.0))
         centered = bool(h.get("centered", False))
-        _rmsprop.rmsprop(
-            params, [g.to(p.dtype) for _, p, g in items],
-            [self.state[f"Accl2___{n}"] for n, _, _ in items],
-            [self.state[f"Accl1___{n}"] for n, _, _ in items] if centered else [],
-            [self.state[f"Accl___{n}"] for n, _, _ in items] if momentum != 0 else [],
-            [self.state[f"Step___{n}"] for n, _, _ in items],
-            foreach=False, lr=float(h["lr"]), alpha=float(h.get("alpha", 0.99)),
-            eps=float(h.get("eps", 1e-8)), weight_decay=float(h.get("weight_decay", 0.0)),
-            momentum=momentum, centered=centered)
+        with _float32([p for _, p, _ in items]) as params, \
+                _float32([self.state[f"Accl2___{n}"] for n in names]) as sq, \
+                _float32([self.state[f"Accl1___{n}"] for n in names] if centered
+                         else []) as avg, \
+                _float32([self.state[f"Accl___{n}"] for n in names] if momentum != 0
+                         else []) as mom:
+            _rmsprop.rmsprop(
+                params, [g for _, _, g in items], sq, avg, mom,
+                [self.state[f"Step___{n}"] for n in names],
+                foreach=False, lr=float(h["lr"]), alpha=float(h.get("alpha", 0.99)),
+                eps=float(h.get("eps", 1e-8)),
+                weight_decay=float(h.get("weight_decay", 0.0)),
+                momentum=momentum, centered=centered)
 
     def _step_RMSprop_tf(self, h, items) -> None:
+        """TensorFlow RMSprop: squared average starting at one, ``eps`` inside the
+        square root, learning rate folded into the momentum buffer (S-54)."""
         lr, alpha = float(h["lr"]), float(h.get("alpha", 0.99))
         eps, wd = float(h.get("eps", 1e-8)), float(h.get("weight_decay", 0.0))
         momentum = float(h.get("momentum", 0.0))
         centered = bool(h.get("centered", False))
-        with torch.no_grad():
-            for n, p, g in items:
-                g = g.to(p.dtype)
+        for n, p, g in items:
+            states = [self.state[f"Accl2___{n}"], self.state.get(f"Accl1___{n}"),
+                      self.state.get(f"Accl___{n}") if momentum else None]
+            with _float32([p]) as (w,), _float32(states) as (sq, avg, buf):
                 if wd:
-                    g = g + wd * p
-                sq = self.state[f"Accl2___{n}"]
+                    g = g + wd * w
                 sq.mul_(alpha).addcmul_(g, g, value=1 - alpha)
                 denom = sq
                 if centered:
-                    avg = self.state[f"Accl1___{n}"]
                     avg.mul_(alpha).add_(g, alpha=1 - alpha)
                     denom = sq - avg * avg
                 denom = (denom + eps).sqrt()
-                if momentum:
-                    buf = self.state[f"Accl___{n}"]
+                if buf is not None:
                     buf.mul_(momentum).addcdiv_(g, denom, value=lr)
-                    p.sub_(buf)
+                    w.sub_(buf)
                 else:
-                    p.addcdiv_(g, denom, value=-lr)
-                self.state[f"Step___{n}"].add_(1)
+                    w.addcdiv_(g, denom, value=-lr)
+            self.state[f"Step___{n}"].add_(1)
 
     def _step_LAMB(self, h, items) -> None:
+        """LAMB per S-54; the trust ratio of a replica-grouped weight is per group."""
         d = self.description
         beta1, beta2 = (float(b) for b in h.get("betas", (0.9, 0.999)))
         lr, eps = float(h["lr"]), float(h.get("eps", 1e-8))
         wd = float(h.get("weight_decay", 1e-2))
         max_norm = h.get("max_weight_norm", 65500.0)
         max_norm = 65500.0 if max_norm is None else float(max_norm)
-        with torch.no_grad():
-            for n, p, g in items:
-                m, v = self.state[f"Accl1___{n}"], self.state[f"Accl2___{n}"]
-                step = self.state[f"Step___{n}"]
-                step.add_(1)
-                g = g.to(m.dtype)
+        for n, p, g in items:
+            grouped = self._grouped(n)
+            step = self.state[f"Step___{n}"]
+            step.add_(1)
+            with _float32([p]) as (w,), _float32([self.state[f"Accl1___{n}"],
+                                                  self.state[f"Accl2___{n}"]]) as (m, v):
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 if d.bias_correction:
-                    c1, c2 = _bias_corrections(float(step), beta1, beta2)
-                    m_hat, v_hat = m / c1, v / c2
+                    t = float(step)
+                    m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
                 else:
                     m_hat, v_hat = m, v
-                u = m_hat / (v_hat.sqrt() + eps) + wd * p.to(m.dtype)
-                r1 = torch.linalg.vector_norm(p.float()).clamp(max=max_norm)
-                r2 = torch.linalg.vector_norm(u.float())
+                u = m_hat / (v_hat.sqrt() + eps) + wd * w
+                r1 = _norms(w, grouped).clamp(max=max_norm)
+                r2 = _norms(u, grouped)
                 trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
-                p.sub_((lr * trust * u).to(p.dtype))
+                w.sub_(lr * trust * u)
