@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .errors import backend_error
 from .logging import logger
 
-__all__ = ["SessionOptions", "Anchor", "OUTPUT_MODES"]
+__all__ = ["SessionOptions", "Anchor", "OUTPUT_MODES", "ReplicaGrouping"]
 
 #: Output modes, by the integer values of ``poptorch.OutputMode``.
 OUTPUT_MODES = {0: "Final", 1: "EveryN", 2: "All", 3: "Sum"}
@@ -150,6 +150,56 @@ class Anchor:
 
 
 @dataclasses.dataclass
+class ReplicaGrouping:
+    """A weight that holds different values on different replica groups (S-27).
+
+    Attributes:
+        comm_group_type: integer ``CommGroupType``: 0 All (one group), 1 Consecutive
+            (replica ``r`` in group ``r // shards``), 2 Orthogonal (group
+            ``r % (R / shards)``), 3 NoGrouping (every replica its own group).
+        shards: replicas per group (ignored by All and NoGrouping).
+        retrieval_mode: integer ``VariableRetrievalMode``: 0 OnePerGroup (the host
+            holds one value per group), 2 AllReplicas (one value per replica).
+    """
+    comm_group_type: int
+    shards: int
+    retrieval_mode: int = 0
+
+    def validate(self, name: str, replicas: int) -> None:
+        """Raise an ``Error`` if the grouping does not fit ``replicas`` replicas."""
+        if self.comm_group_type not in (0, 1, 2, 3):
+            raise backend_error(f"Invalid CommGroupType {self.comm_group_type} for "
+                                f"per-replica weight {name}")
+        if self.retrieval_mode not in (0, 2):
+            raise backend_error(f"Invalid VariableRetrievalMode {self.retrieval_mode} "
+                                f"for per-replica weight {name}")
+        if self.comm_group_type in (1, 2):
+            if self.shards < 1 or replicas % self.shards:
+                raise backend_error(
+                    f"Per-replica weight {name}: the replication factor ({replicas}) must "
+                    f"be a multiple of the group size (shards={self.shards})")
+
+    def num_groups(self, replicas: int) -> int:
+        """Number of distinct values (groups) for ``replicas`` replicas."""
+        if self.comm_group_type == 0:
+            return 1
+        if self.comm_group_type == 3:
+            return replicas
+        return replicas // self.shards
+
+    def groups(self, replicas: int) -> List[int]:
+        """Group index of each replica."""
+        n = self.num_groups(replicas)
+        if self.comm_group_type == 0:
+            return [0] * replicas
+        if self.comm_group_type == 3:
+            return list(range(replicas))
+        if self.comm_group_type == 1:
+            return [r // self.shards for r in range(replicas)]
+        return [r % n for r in range(replicas)]
+
+
+@dataclasses.dataclass
 class SessionOptions:
     """What the compiler and runtime act on. Defaults are PopTorch's.
 
@@ -168,6 +218,11 @@ class SessionOptions:
         random_seed: seed of the device RNG, or ``None`` for an arbitrary one.
         synthetic_data: feed random inputs, return zero outputs (S-84).
         fp_exceptions: raise on non-finite results (S-46).
+        auto_loss_scaling: automatic loss scaling (S-57), with its ``als_*`` settings
+            (``automaticLossScalingSettings.updatePeriod`` default 1,
+            ``.thresholdUpperCountProportion`` default 1e-7, ``.binEdgeLocation``
+            default 0.125).
+        replica_groupings: parameter name → :class:`ReplicaGrouping` (S-27).
         anchors: internal tensors returned after each run.
         num_processes: global replication = ``num_processes × replication_factor``.
         device: ``"cpu"`` or ``"cuda"``: where the IPU Model's kernels run.
@@ -190,6 +245,11 @@ class SessionOptions:
     random_seed: Optional[int] = None
     synthetic_data: bool = False
     fp_exceptions: bool = False
+    auto_loss_scaling: bool = False
+    als_update_period: int = 1
+    als_threshold: float = 1e-7
+    als_bin_edge: float = 0.125
+    replica_groupings: Dict[str, ReplicaGrouping] = dataclasses.field(default_factory=dict)
     anchors: List[Anchor] = dataclasses.field(default_factory=list)
     num_processes: int = 1
     device: str = "cpu"
@@ -245,6 +305,11 @@ class SessionOptions:
             random_seed=get("random_seed"),
             synthetic_data=int(get("syntheticDataMode", 0)) != 0,
             fp_exceptions=bool(get("enableFloatingPointChecks", False)),
+            auto_loss_scaling=bool(get("automaticLossScalingSettings.enabled", False)),
+            als_update_period=int(get("automaticLossScalingSettings.updatePeriod", 1)),
+            als_threshold=float(get(
+                "automaticLossScalingSettings.thresholdUpperCountProportion", 1e-7)),
+            als_bin_edge=float(get("automaticLossScalingSettings.binEdgeLocation", 0.125)),
             anchors=list(anchors or []),
             num_processes=int(get("num_distributed_processes", 1)),
             ipu_model_version=version,

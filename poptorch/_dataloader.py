@@ -1242,10 +1242,9 @@ class DataLoader(torch.utils.data.DataLoader):
                          persistent_workers=persistent_workers,
                          **kwargs)
 
-        if progress_bar is True:
-            progress_bar = {}
-        self._progress_bar: Optional[Dict[str, Any]] = (dict(progress_bar)
-                                                        if progress_bar else None)
+        self._progress_bar: Optional[Dict[str, Any]] = (
+            None if progress_bar in (False, None)
+            else {} if progress_bar is True else dict(progress_bar))
 
         # Rule 9.
         if mode == DataLoaderMode.Async:

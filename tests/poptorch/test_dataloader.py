@@ -356,3 +356,12 @@ def test_progress_bar_off_by_default_and_optional(capsys):
     assert len(list(loader)) == 3
     err = capsys.readouterr().err
     assert "train" in err and "3/3" in err
+
+
+def test_progress_bar_true_draws_a_bar_per_epoch(capsys):
+    """``progress_bar=True`` (no tqdm arguments) once produced no bar at all."""
+    loader = DataLoader(make_opts(), IndexDataset(3), progress_bar=True)
+    for epoch in (1, 2):
+        assert len(list(loader)) == 3
+        err = capsys.readouterr().err
+        assert f"Epoch {epoch}" in err and "3/3" in err
