@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import random
 import time
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
+import torch.fx as fx
 
 from .compiler import Executable
 from .errors import backend_error
 from .ipu_model import IpuModel
 from .logging import logger
-from .optimizers import DeviceOptimizer, OptimizerDescription
+from .optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
 from .session_options import Anchor
 
 __all__ = ["InferenceSession", "TrainingSession", "reduce_output", "device_dtype"]
@@ -128,18 +130,31 @@ class _Weights:
     """Device copies of parameters, buffers and constants.
 
     Buffers have one copy per replica when replicas must keep their own
-    (``broadcast_buffers`` off with replicas fed different data, S-36).
+    (``broadcast_buffers`` off with replicas fed different data, S-36). A
+    replica-grouped parameter (S-27) has a leading group dimension on the device; each
+    replica sees its group's slice.
     """
 
     def __init__(self, exe: Executable, device: str):
         g = exe.graph
+        o = exe.options
         values = g.state_values()
         self.device = device
         self.names = list(g.parameters) + list(g.buffers)
-        per_replica = (not exe.options.broadcast_buffers
-                       and exe.options.replication_factor > 1)
-        self.replicas = exe.options.replication_factor if per_replica else 1
-        self.params: List[torch.Tensor] = [self._device_copy(values[n]) for n in g.parameters]
+        self.replication = o.replication_factor
+        per_replica = (not o.broadcast_buffers and o.replication_factor > 1)
+        self.replicas = o.replication_factor if per_replica else 1
+        #: parameter index → (grouping, group index of each replica)
+        self.grouped: Dict[int, tuple] = {}
+        self.params: List[torch.Tensor] = []
+        for i, n in enumerate(g.parameters):
+            value = self._device_copy(values[n])
+            grouping = o.replica_groupings.get(n)
+            if grouping is not None:
+                groups = grouping.num_groups(self.replication)
+                value = value.unsqueeze(0).expand(groups, *value.shape).clone()
+                self.grouped[i] = (grouping, grouping.groups(self.replication))
+            self.params.append(value)
         for p, trainable in zip(self.params, g.trainable):
             p.requires_grad_(bool(trainable and exe.training))
         self.buffers: List[List[torch.Tensor]] = [
@@ -156,30 +171,143 @@ class _Weights:
                                  if value.dtype == torch.float64 else value.dtype,
                                  copy=True)
 
-    def state(self, replica: int) -> List[torch.Tensor]:
-        consts = [c.clone() if m else c for c, m in zip(self.constants, self.mutated_constants)]
-        return self.params + self.buffers[replica % self.replicas] + consts
+    def replica_groups(self) -> Dict[str, List[int]]:
+        """Parameter name → group index of each replica, for replica-grouped ones."""
+        return {self.names[i]: groups for i, (_, groups) in self.grouped.items()}
 
-    def write(self, values: Dict[str, torch.Tensor]) -> None:
+    def state(self, replica: int) -> List[torch.Tensor]:
+        """What replica ``replica`` passes to the graph: parameters (its group's slice
+        of grouped ones), its buffers, constants (fresh copies of mutated ones)."""
+        consts = [c.clone() if m else c for c, m in zip(self.constants, self.mutated_constants)]
+        params = self.params
+        if self.grouped:
+            params = list(params)
+            for i, (_, groups) in self.grouped.items():
+                params[i] = params[i][groups[replica]]
+        return params + self.buffers[replica % self.replicas] + consts
+
+    def _grouped_value(self, name: str, i: int, value: torch.Tensor,
+                       target: torch.Tensor) -> torch.Tensor:
+        """A host value of a grouped weight in the device layout (one slice per group):
+        ``[G, ...]`` as is, or ``[R, ...]`` (AllReplicas) → the first replica of each
+        group."""
+        grouping, groups = self.grouped[i]
+        slice_shape = tuple(target.shape[1:])
+        if value.dim() >= 1 and tuple(value.shape[1:]) == slice_shape:
+            if value.shape[0] == target.shape[0]:
+                return value
+            if value.shape[0] == self.replication:
+                first = [groups.index(k) for k in range(target.shape[0])]
+                return value[torch.tensor(first, device=value.device)]
+        expected = [target.shape[0]] + list(slice_shape)
+        raise backend_error(
+            f"Cannot write per-replica weight {name}: shape {list(value.shape)} differs "
+            f"from the {expected} expected (one value per replica group stacked on "
+            f"dimension 0{', or one per replica' if grouping.retrieval_mode == 2 else ''})")
+
+    def check(self, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Validate host values for :meth:`write` (device layout, known names only).
+
+        Raises:
+            Error: a value whose shape differs from the device tensor's.
+        """
+        out = {}
         for name, value in values.items():
             i = self.index.get(name)
             if i is None:
                 continue
-            targets = [self.params[i]] if i < self.num_params else \
-                [bufs[i - self.num_params] for bufs in self.buffers]
-            for t in targets:
-                if tuple(t.shape) != tuple(value.shape):
-                    raise backend_error(f"Cannot write weight {name}: shape "
-                                        f"{list(value.shape)} differs from the device's "
-                                        f"{list(t.shape)}")
-            with torch.no_grad():
+            target = self.params[i] if i < self.num_params else \
+                self.buffers[0][i - self.num_params]
+            if i in self.grouped:
+                value = self._grouped_value(name, i, value, target)
+            elif tuple(target.shape) != tuple(value.shape):
+                raise backend_error(f"Cannot write weight {name}: shape "
+                                    f"{list(value.shape)} differs from the device's "
+                                    f"{list(target.shape)}")
+            out[name] = value
+        return out
+
+    def write(self, values: Dict[str, torch.Tensor]) -> None:
+        """Host → device by name; unknown names are ignored. Nothing is written if any
+        value is invalid (:meth:`check`)."""
+        values = self.check(values)
+        with torch.no_grad():
+            for name, value in values.items():
+                i = self.index[name]
+                targets = [self.params[i]] if i < self.num_params else \
+                    [bufs[i - self.num_params] for bufs in self.buffers]
                 for t in targets:
                     t.copy_(value.detach().to(t.dtype))
 
     def read(self, name: str) -> torch.Tensor:
+        """Device → host value of ``name``: replica 0's buffer; a grouped weight in its
+        retrieval layout (one slice per group, or per replica for AllReplicas)."""
         i = self.index[name]
-        t = self.params[i] if i < self.num_params else self.buffers[0][i - self.num_params]
-        return t.detach()
+        if i >= self.num_params:
+            return self.buffers[0][i - self.num_params].detach()
+        t = self.params[i].detach()
+        if i in self.grouped:
+            grouping, groups = self.grouped[i]
+            if grouping.retrieval_mode == 2:
+                t = t[torch.tensor(groups, device=t.device)]
+        return t
+
+
+class _FloatingPointChecker(fx.Interpreter):
+    """Runs a graph op by op and raises ``Error`` on a floating-point exception
+    (S-46): an op whose floating-point result holds a NaN although none of its inputs
+    did (invalid operation: ``inf − inf``, ``0 × inf``, ``sqrt(-1)``, ``0/0``), or an
+    infinity although all its inputs were finite (overflow, division by zero,
+    ``log(0)``), or a comparison reading a NaN."""
+
+    _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "equal", "isclose"})
+
+    def run_node(self, n: fx.Node):
+        result = super().run_node(n)
+        if n.op != "call_function":
+            return result
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        inputs = _leaves((args, kwargs))
+        floats = [a for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        scalars = [a for a in inputs if isinstance(a, float)]
+        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if name in self._COMPARISONS and (any(bool(t.isnan().any()) for t in floats)
+                                          or any(math.isnan(x) for x in scalars)):
+            raise _fp_error(n, "a comparison read a NaN")
+        outputs = [t for t in _leaves(result)
+                   if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not outputs:
+            return result
+        in_nan = any(bool(t.isnan().any()) for t in floats) or \
+            any(math.isnan(x) for x in scalars)
+        in_finite = all(bool(torch.isfinite(t).all()) for t in floats) and \
+            all(math.isfinite(x) for x in scalars)
+        for t in outputs:
+            if not in_nan and bool(t.isnan().any()):
+                raise _fp_error(n, "invalid operation (NaN result)")
+            if in_finite and bool(torch.isinf(t).any()):
+                raise _fp_error(n, "overflow or division by zero (infinite result)")
+        return result
+
+
+def _leaves(value) -> List:
+    out: List = []
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            out.extend(_leaves(v))
+    elif isinstance(value, dict):
+        for v in value.values():
+            out.extend(_leaves(v))
+    else:
+        out.append(value)
+    return out
+
+
+def _fp_error(node: fx.Node, what: str):
+    return backend_error(
+        f"Floating point exception: {what} in {node.name} ({node.target}). Disable "
+        "poptorch.Options().Precision.enableFloatingPointExceptions to let non-finite "
+        "values through.", type="poplar_application_runtime_error")
 
 
 class _Session(abc.ABC):
@@ -194,6 +322,9 @@ class _Session(abc.ABC):
         torch_device = device.torch_device if device is not None else executable.options.device
         self.torch_device = torch_device
         self.weights = _Weights(executable, torch_device)
+        self._graph = executable.module
+        self._runner = (_FloatingPointChecker(self._graph).run
+                        if executable.options.fp_exceptions else self._graph)
         self.rng = _DeviceRng(self.options.random_seed, torch_device)
         self.anchors: Dict[str, torch.Tensor] = {}
         self.perf_counters: Dict[str, List[List[float]]] = {
@@ -206,7 +337,8 @@ class _Session(abc.ABC):
         """Host → device: write parameters / buffers by name (unknown names ignored).
 
         Raises:
-            Error: a value whose shape differs from the device tensor's.
+            Error: a value whose shape differs from the device tensor's (nothing is
+                written then).
         """
         self.weights.write(values)
 

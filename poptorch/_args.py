@@ -222,25 +222,8 @@ class ArgsParser:
                                      f"Allowed values are {allowed}")
         names: List[str] = []
         values: List[Any] = []
-        for i, p in enumerate(positional):
-            if i < len(args):
-                if p.name in kwargs:
-                    raise AssertionError(f"Parameter {p.name} was passed more than once")
-                value = args[i]
-            elif p.name in kwargs:
-                value = kwargs[p.name]
-            elif p.default is not inspect.Parameter.empty:
-                value = p.default
-            else:
-                raise py_error(f"Mandatory parameter {p.name} missing")
-            names.append(p.name)
-            values.append(value)
-        if var_pos is not None:
-            for i, value in enumerate(args[len(positional):]):
-                names.append(f"*{var_pos.name}[{i}]")
-                values.append(value)
-        num_positional = len(values)
-        for p in kw_only:
+
+        def take(p: inspect.Parameter) -> None:
             if p.name in kwargs:
                 value = kwargs[p.name]
             elif p.default is not inspect.Parameter.empty:
@@ -249,6 +232,22 @@ class ArgsParser:
                 raise py_error(f"Mandatory parameter {p.name} missing")
             names.append(p.name)
             values.append(value)
+
+        for i, p in enumerate(positional):
+            if i < len(args):
+                if p.name in kwargs:
+                    raise AssertionError(f"Parameter {p.name} was passed more than once")
+                names.append(p.name)
+                values.append(args[i])
+            else:
+                take(p)
+        if var_pos is not None:
+            for i, value in enumerate(args[len(positional):]):
+                names.append(f"*{var_pos.name}[{i}]")
+                values.append(value)
+        num_positional = len(values)
+        for p in kw_only:
+            take(p)
         known = {p.name for p in positional} | {p.name for p in kw_only}
         for key, value in kwargs.items():
             if key not in known:
