@@ -133,6 +133,7 @@ class Compiler:
         report(2, total)
         loss_index = Compiler._check_loss(graph) if training else None
         Compiler._check_buffers(graph, options)
+        Compiler._check_replica_groupings(graph, options)
         report(3, total)
         activation, state = Compiler._resolve_anchors(graph, options, training)
         report(4, total)
@@ -140,13 +141,14 @@ class Compiler:
         slots = options.device_iterations * options.replication_factor
         if (not training and slots > 1 and not graph.mutated_buffers
                 and not graph.mutated_inputs and not graph.mutated_constants
-                and not options.synthetic_data and graph.has_device_work()):
+                and not options.synthetic_data and not options.fp_exceptions
+                and not options.replica_groupings and graph.has_device_work()):
             vectorized = Compiler._vectorize(graph, slots, options.device)
         report(5, total)
         if not graph.has_device_work():
             logger.info("No IPUs are used by this model. This may lead to unexpected "
                         "behaviour.")
-        names = Compiler._tensor_names(graph, training)
+        names = Compiler._tensor_names(graph, training, options)
         exe = Executable(graph, options, training, loss_index,
                          num_ipus=options.replication_factor,
                          activation_anchors=activation, state_anchors=state,
@@ -235,11 +237,21 @@ class Compiler:
                 "buffer broadcasting using poptorch.Options.broadcastBuffers(False). "
                 f"Buffers modified in place: {sorted(graph.mutated_buffers)}.")
 
+    @staticmethod
+    def _check_replica_groupings(graph: Graph, options: SessionOptions) -> None:
+        for name, grouping in options.replica_groupings.items():
+            if name not in graph.parameters:
+                raise backend_error(f"Per-replica weight {name} is not a parameter of the "
+                                    "graph")
+            grouping.validate(name, options.replication_factor)
+
     # -- anchors, names, vectorization ------------------------------------------------
 
     @staticmethod
-    def _tensor_names(graph: Graph, training: bool) -> List[str]:
+    def _tensor_names(graph: Graph, training: bool, options: SessionOptions) -> List[str]:
         names = list(graph.parameters) + list(graph.buffers)
+        if training and options.auto_loss_scaling:
+            names += ["finalLossScale", "lossScaleUpdateFactor"]
         if training:
             for p, trainable in zip(graph.parameters, graph.trainable):
                 if trainable:
@@ -261,6 +273,9 @@ class Compiler:
             prefix, _, base = name.partition("___")
             if name in weights or (training and base in trainable and prefix in (
                     "Gradient", "UpdatedVar", "Accl", "Accl1", "Accl2", "Accum", "Step")):
+                state.append(anchor)
+            elif training and options.auto_loss_scaling and name in (
+                    "finalLossScale", "lossScaleUpdateFactor"):
                 state.append(anchor)
             elif name in activation_names:
                 activation.append(anchor)

@@ -18,8 +18,9 @@ Precision model (what the IPU Model does):
   ``first_order_momentum_accum_type`` / ``second_order_momentum_accum_type``; the
   velocity of the combined SGD variant in the parameter's dtype;
 * the ``Mean`` division happens after all micro-batches (``Post``) or as a running
-  mean ``acc ← acc·k/(k+1) + g/(k+1)`` per micro-batch (``Running``), per replica,
-  followed by the cross-replica sum divided by the global replication factor;
+  mean ``acc ← acc·k/(k+1) + g/(k+1)`` per micro-batch (``Running``, evaluated in
+  float32 and rounded once into the accumulator), per replica, followed by the
+  cross-replica sum divided by the global replication factor;
 * the update arithmetic itself runs in float32 (``torch.optim``'s functional kernels
   on float32 working copies); results are rounded to nearest into the parameters' and
   states' storage dtypes.
@@ -33,10 +34,9 @@ RMSprop variant follow the formulas of S-54. State tensors carry PopART's names 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.optim.adam as _adam
@@ -225,16 +225,27 @@ class StepSettings:
     als_bin_edge: float = 0.125
 
 
-@contextlib.contextmanager
-def _float32(tensors: Sequence[Optional[torch.Tensor]]
-             ) -> Iterator[List[Optional[torch.Tensor]]]:
-    """float32 working copies of ``tensors`` (the tensors themselves when already
-    float32); on exit the copies are rounded back into the originals."""
-    work = [t if t is None or t.dtype == torch.float32 else t.float() for t in tensors]
-    yield work
-    for t, w in zip(tensors, work):
-        if t is not None and w is not t:
-            t.copy_(w)
+class _float32:
+    """``with _float32(tensors) as work``: float32 working copies of ``tensors`` (the
+    tensors themselves when already float32, ``None`` stays ``None``); on a normal exit
+    the copies are rounded back into the originals."""
+
+    __slots__ = ("tensors", "work")
+
+    def __init__(self, tensors: Sequence[Optional[torch.Tensor]]):
+        self.tensors = tensors
+        self.work = [t if t is None or t.dtype == torch.float32 else t.float()
+                     for t in tensors]
+
+    def __enter__(self) -> List[Optional[torch.Tensor]]:
+        return self.work
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            for t, w in zip(self.tensors, self.work):
+                if w is not t:
+                    t.copy_(w)
+        return False
 
 
 def _norms(t: torch.Tensor, grouped: bool) -> torch.Tensor:
@@ -407,6 +418,21 @@ class DeviceOptimizer:
         out["lossScaling_FLOAT"] = torch.tensor(float(scale))
         return out
 
+    def snapshot(self) -> Dict[str, Any]:
+        """Everything a weight update changes (for :meth:`restore` after a failed run)."""
+        return {"state": self.state_dict(), "started": set(self._started_names),
+                "als": list(self._als), "updates": self._updates}
+
+    def restore(self, snap: Dict[str, Any]) -> None:
+        """Undo the updates made since :meth:`snapshot`."""
+        with torch.no_grad():
+            for name, value in snap["state"].items():
+                self.state[name].copy_(value)
+        self._started_names = set(snap["started"])
+        self._als = list(snap["als"])
+        self._updates = snap["updates"]
+        self._step = None
+
     # -- hyper-parameter updates ------------------------------------------------------
 
     def check_update(self, description: OptimizerDescription) -> None:
@@ -504,7 +530,7 @@ class DeviceOptimizer:
                     if g is not None:
                         st["touched"].add(name)
                         view = self._slice(st["accl"][name], name, replica)
-                        view.add_(g.to(view.dtype), alpha=st["factor"][name][1])
+                        view.copy_(view.float() + g.float() * st["factor"][name][1])
                     continue
                 key = (replica, name)
                 acc = st["acc"].get(key)
@@ -515,10 +541,11 @@ class DeviceOptimizer:
                         dtype = d.accum_type if s.accumulation > 1 else g.dtype
                         acc = torch.zeros_like(g, dtype=dtype)
                         st["acc"][key] = acc
-                    k = micro_batch
-                    acc.mul_(k / (k + 1.0))
+                    k = micro_batch  # one rounding per write: float32 arithmetic
+                    mean = acc.float() * (k / (k + 1.0))
                     if g is not None:
-                        acc.add_(g.to(acc.dtype), alpha=1.0 / (k + 1.0))
+                        mean = mean + g.float() * (1.0 / (k + 1.0))
+                    acc.copy_(mean)
                 elif g is not None:
                     if acc is None:
                         dtype = d.accum_type if s.accumulation > 1 else g.dtype
@@ -530,12 +557,21 @@ class DeviceOptimizer:
     def _reduced_gradients(self) -> List[Optional[torch.Tensor]]:
         """Cross-replica reduction of the accumulators, unscaled, in float32."""
         s, st = self.settings, self._step
+        divisor = s.global_replicas if (s.running and s.mean) else st["divisor"]
+        factor = 1.0 / (st["scale"] * divisor)
+        if s.replicas == 1:  # one accumulator per parameter
+            out = []
+            for name in self.names:
+                acc = st["acc"].get((0, name))
+                if acc is not None:
+                    acc = acc.float()
+                    acc = acc if factor == 1.0 else acc * factor
+                out.append(acc)
+            return out
         per_name: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         for (replica, name), acc in st["acc"].items():
             per_name.setdefault(name, []).append((replica, acc))
-        divisor = s.global_replicas if (s.running and s.mean) else st["divisor"]
-        factor = 1.0 / (st["scale"] * divisor)
-        out: List[Optional[torch.Tensor]] = []
+        out = []
         for name, p in zip(self.names, self._params):
             items = sorted(per_name.get(name, []), key=lambda x: x[0])
             if not items:
@@ -550,7 +586,8 @@ class DeviceOptimizer:
                 total = torch.zeros_like(p, dtype=items[0][1].dtype)
                 for replica, acc in items:
                     total[groups[replica]].add_(acc)
-            out.append(total.float() * factor)
+            total = total.float()
+            out.append(total if factor == 1.0 else total * factor)
         return out
 
     def finish_step(self, params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:

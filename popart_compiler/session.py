@@ -20,11 +20,10 @@ import torch
 import torch.fx as fx
 
 from .compiler import Executable
-from .errors import backend_error
+from .errors import Error, backend_error
 from .ipu_model import IpuModel
 from .logging import logger
 from .optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
-from .session_options import Anchor
 
 __all__ = ["InferenceSession", "TrainingSession", "reduce_output", "device_dtype"]
 
@@ -151,8 +150,10 @@ class _Weights:
             value = self._device_copy(values[n])
             grouping = o.replica_groupings.get(n)
             if grouping is not None:
+                # captured with one group's slice; the host writes every group's value
                 groups = grouping.num_groups(self.replication)
-                value = value.unsqueeze(0).expand(groups, *value.shape).clone()
+                shape = g.placeholders[i].meta["val"].shape
+                value = torch.zeros((groups, *shape), dtype=value.dtype, device=device)
                 self.grouped[i] = (grouping, grouping.groups(self.replication))
             self.params.append(value)
         for p, trainable in zip(self.params, g.trainable):
@@ -442,13 +443,37 @@ class _Session(abc.ABC):
                               "input_complete": [[now] for _ in inputs] or [[]],
                               "output": [[]], "output_complete": [[]]}
         ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
-        with ctx:
-            outs = self._run(inputs)
+        # A floating-point exception may abort a run half-way: the device then keeps
+        # the state it had before the run.
+        snap = self._snapshot() if self.options.fp_exceptions else None
+        try:
+            with ctx:
+                outs = self._run(inputs)
+        except Error:
+            if snap is not None:
+                self._restore(snap)
+            raise
         done = time.perf_counter()
         self.perf_counters["output"] = [[done] for _ in outs] or [[]]
         self.perf_counters["output_complete"] = [[time.perf_counter()] for _ in outs] or [[]]
         self.runs += 1
         return outs
+
+    def _snapshot(self) -> Dict[str, object]:
+        w = self.weights
+        return {"params": [p.detach().clone() for p in w.params],
+                "buffers": [[b.clone() for b in bufs] for bufs in w.buffers],
+                "rng": None if self.rng.state is None else self.rng.state.clone()}
+
+    def _restore(self, snap: Dict[str, object]) -> None:
+        w = self.weights
+        with torch.no_grad():
+            for p, v in zip(w.params, snap["params"]):
+                p.copy_(v)
+            for bufs, values in zip(w.buffers, snap["buffers"]):
+                for b, v in zip(bufs, values):
+                    b.copy_(v)
+        self.rng.state = snap["rng"]
 
     @abc.abstractmethod
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -462,7 +487,7 @@ class InferenceSession(_Session):
         o = self.options
         d, r = o.device_iterations, o.replication_factor
         exe = self.executable
-        gm = exe.module
+        gm = self._runner
         if d * r == 1:
             x = [t.to(self.torch_device) for t in inputs]
             with torch.no_grad():
@@ -489,10 +514,17 @@ class TrainingSession(_Session):
     """Runs a training executable: per device iteration, ``A`` forward/backward
     micro-batches on each replica, the reduction of S-41, then one optimizer step.
 
+    Gradients come from PyTorch autograd (``torch.autograd.grad`` of the loss times
+    the loss scale, per micro-batch and replica); :class:`DeviceOptimizer` accumulates,
+    reduces and applies them.
+
     Args:
         executable: a training executable.
         device: the attached IPU Model.
         optimizer: the optimizer to run on the device.
+
+    Raises:
+        Error: an invalid optimizer description.
     """
 
     training = True
@@ -501,61 +533,105 @@ class TrainingSession(_Session):
                  optimizer: OptimizerDescription):
         super().__init__(executable, device)
         g = executable.graph
-        self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params)
-        logger.debug("Updating graph optimizer with %s", optimizer.describe())
+        o = self.options
+        settings = StepSettings(
+            accumulation=o.gradient_accumulation, replicas=o.replication_factor,
+            global_replicas=o.replication_factor * o.num_processes,
+            mean=o.reduction_type == 1, running=o.mean_reduction_strategy == 0,
+            replica_groups=self.weights.replica_groups(),
+            auto_loss_scaling=o.auto_loss_scaling, als_update_period=o.als_update_period,
+            als_threshold=o.als_threshold, als_bin_edge=o.als_bin_edge)
+        self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params,
+                                         settings)
+        self._log_optimizer(optimizer)
+
+    @staticmethod
+    def _log_optimizer(description: OptimizerDescription) -> None:
+        lines = description.describe()
+        logger.debug("Updating graph optimizer with %s", lines[0])
+        for i, line in enumerate(lines[1:]):
+            logger.debug("Updating group %d optimizer with %s", i, line)
+
+    def _snapshot(self) -> Dict[str, object]:
+        snap = super()._snapshot()
+        snap["optimizer"] = self.optimizer.snapshot()
+        return snap
+
+    def _restore(self, snap: Dict[str, object]) -> None:
+        super()._restore(snap)
+        self.optimizer.restore(snap["optimizer"])
+
+    def checkOptimizer(self, description: OptimizerDescription) -> None:
+        """Raise if ``description`` cannot replace the compiled optimizer (S-52)."""
+        self.optimizer.check_update(description)
 
     def setOptimizer(self, description: OptimizerDescription) -> None:
         """Apply new hyper-parameter values (``updateOptimizerFromHost``).
 
         Raises:
-            Error: a change that needs recompilation (S-52).
+            Error: a change that needs recompilation (S-52); nothing changes then.
         """
         self.optimizer.update(description)
-        logger.debug("Updating graph optimizer with %s", description.describe())
+        self._log_optimizer(description)
+
+    def _gradients(self, loss: torch.Tensor, wrt: List[torch.Tensor], scale: float,
+                   inputs_finite: bool) -> List[Optional[torch.Tensor]]:
+        seed = torch.full_like(loss, scale)
+        grads = list(torch.autograd.grad(loss, wrt, seed, allow_unused=True))
+        if self.options.fp_exceptions and inputs_finite and \
+                bool(torch.isfinite(loss).all()):
+            for g in grads:
+                if g is not None and g.is_floating_point() and \
+                        not bool(torch.isfinite(g).all()):
+                    raise backend_error(
+                        "Floating point exception: overflow in the backward pass (a "
+                        "gradient is not finite although the loss is). Lower the loss "
+                        "scaling or disable poptorch.Options().Precision."
+                        "enableFloatingPointExceptions.",
+                        type="poplar_application_runtime_error")
+        return grads
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         o = self.options
         d, a, r = o.device_iterations, o.gradient_accumulation, o.replication_factor
         exe = self.executable
-        gm = exe.module
+        run = self._runner
         split = self._split(inputs)
         params = self.weights.params
-        trainable = [p for p in params if p.requires_grad]
+        num_params = len(params)
+        trainable = [i for i, p in enumerate(params) if p.requires_grad]
         loss_index = exe.loss_index
-        desc = self.optimizer.description
-        scale = float(desc.loss_scaling)
-        mean = o.reduction_type == 1
-        divisor = a * r * o.num_processes if mean else 1
+        opt = self.optimizer
         results: List[List[torch.Tensor]] = []
         state_anchor_names = {anc.name for anc in exe.state_anchors}
         per_iteration: Dict[str, List[torch.Tensor]] = {n: [] for n in state_anchor_names}
         for i in range(d):
-            for p in trainable:
-                p.grad = None
+            opt.begin_step()
+            scale = opt.loss_scale
+            if "finalLossScale" in per_iteration:
+                per_iteration["finalLossScale"].append(torch.tensor(scale))
             for step in range(a):
                 for rep in range(r):
-                    outs = gm(*self.weights.state(rep), *[t[i, step, rep] for t in split])
+                    state = self.weights.state(rep)
+                    xs = [t[i, step, rep] for t in split]
+                    outs = run(*state, *xs)
                     loss = outs[loss_index]
-                    if loss.requires_grad:
-                        if loss.dim() == 0:
-                            (loss * scale).backward()
-                        else:
-                            loss.backward(torch.full_like(loss, scale))
+                    if trainable and loss.requires_grad:
+                        finite = o.fp_exceptions and all(
+                            bool(torch.isfinite(t).all()) for t in xs + state[:num_params]
+                            if t.is_floating_point())
+                        grads = self._gradients(loss, [state[j] for j in trainable], scale,
+                                                finite)
+                        full: List[Optional[torch.Tensor]] = [None] * num_params
+                        for j, g in zip(trainable, grads):
+                            full[j] = g
+                        opt.accumulate(rep, step, full)
                     results.append([t.detach() for t in outs])
-            grads = []
-            with torch.no_grad():
-                for p in params:
-                    g = p.grad
-                    if g is not None:
-                        g = g / (scale * divisor) if (scale != 1.0 or divisor != 1) else g
-                    grads.append(g)
-                for name, g in zip(exe.graph.parameters, grads):
-                    key = f"Gradient___{name}"
-                    if key in per_iteration and g is not None:
-                        per_iteration[key].append(g.detach().clone())
-                self.optimizer.step(params, grads)
-            for p in trainable:
-                p.grad = None
+            grads = opt.finish_step(params)
+            for name, g in zip(exe.graph.parameters, grads):
+                key = f"Gradient___{name}"
+                if key in per_iteration and g is not None:
+                    per_iteration[key].append(g.to(params[self.weights.index[name]].dtype))
             self._collect_state(per_iteration)
         stacked = [torch.stack([res[j] for res in results]).reshape(d, a, r, *results[0][j].shape)
                    for j in range(len(results[0]))] if results else []
@@ -567,12 +643,12 @@ class TrainingSession(_Session):
             return
         for name in per_iteration:
             prefix, _, base = name.partition("___")
-            if prefix == "Gradient":
+            if prefix == "Gradient" or name == "finalLossScale":
                 continue
-            if prefix == "UpdatedVar" or not base:
-                value = self.weights.read(base if prefix == "UpdatedVar" else name)
-            elif name in self.optimizer.state:
+            if name in self.optimizer.state:
                 value = self.optimizer.state[name]
+            elif prefix == "UpdatedVar":
+                value = self.weights.read(base)
             else:
                 value = self.weights.read(name) if name in self.weights.index else None
             if value is not None:
@@ -584,8 +660,20 @@ class TrainingSession(_Session):
         """Optimizer-state tensors by PopART name (``ipu_state``, S-56)."""
         return {k: v.cpu() for k, v in self.optimizer.state_dict().items()}
 
+    def checkOptimizerState(self, state: Dict[str, torch.Tensor]) -> None:
+        """Validate optimizer-state tensors for :meth:`writeOptimizerState`.
+
+        Raises:
+            Error: not a dict of tensors, or a shape that differs from the device's.
+        """
+        self.optimizer.check_state(state)
+
     def writeOptimizerState(self, state: Dict[str, torch.Tensor]) -> None:
-        """Write optimizer-state tensors (missing entries keep their device values)."""
+        """Write optimizer-state tensors (missing entries keep their device values).
+
+        Raises:
+            Error: see :meth:`checkOptimizerState`; nothing is written then.
+        """
         self.optimizer.load_state_dict(state)
 
     def readOptimizerParams(self) -> Dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 """
 from __future__ import annotations
 
-import copy
+import contextlib
 import datetime
 import sys
 import time
@@ -13,10 +13,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from popart_compiler.compiler import Compiler, Executable
-from popart_compiler.errors import Error, backend_error, py_error
+from popart_compiler.errors import backend_error, py_error
 from popart_compiler.ipu_model import acquire_device
 from popart_compiler.session import InferenceSession, TrainingSession
-from popart_compiler.session_options import Anchor, SessionOptions, ipu_model_env
+from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
+                                             ipu_model_env)
 
 from . import _instrument, enums
 from ._args import (ArgsParser, BoundArgs, Spec, check_batch, flatten, leaf_names,
@@ -135,6 +136,9 @@ class PoplarExecutor:
         self._anchor_values: Dict[str, torch.Tensor] = {}
         self.per_replica_params: Dict[str, Any] = {}
         if training:
+            from .optim import OptimizerAttrTracker
+            self._attr_tracker = OptimizerAttrTracker(
+                bool(opts._relax_optimizer_attributes_checks))
             if optimizer is None:
                 from .optim import SGD
                 optimizer = SGD(self._user_model.parameters(), lr=0.01)
@@ -155,9 +159,16 @@ class PoplarExecutor:
         return self._options
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("_user_model", "_training"):
+        if name.startswith("__") or name in ("_user_model", "_training", "_attr_tracker"):
             raise AttributeError(name)
-        return getattr(self.__dict__["_user_model"], name)
+        model = self.__dict__["_user_model"]
+        value = getattr(model, name)
+        if isinstance(value, torch.nn.Parameter):
+            with _instrument.syncing():
+                direct = model._parameters.get(name) is value
+            if direct:
+                return _ReplicaGroupingProxy(self, name, value)
+        return value
 
     def __repr__(self) -> str:
         from ._printing import module_repr
@@ -231,7 +242,9 @@ class PoplarExecutor:
         for short, (long_name, _inherit, mode, period) in o.anchored_tensors.items():
             anchors.append(Anchor(long_name, int(mode), int(period) if int(mode) == 1 else 1,
                                   key=short))
-        return SessionOptions.from_dict(values, anchors)
+        groupings = {name: ReplicaGrouping(int(cgt), int(shards), int(mode))
+                     for name, (cgt, shards, mode) in self.per_replica_params.items()}
+        return SessionOptions.from_dict(values, anchors, replica_groupings=groupings)
 
     def _model_selection(self) -> Tuple[bool, Optional[bool], bool]:
         """``(use_ipu_model, explicitly_requested, small)`` as PopTorch decides (S-82)."""
@@ -248,6 +261,7 @@ class PoplarExecutor:
         if o._Popart.options.get("instrumentWithHardwareCycleCounter", False):
             raise py_error("Cycle count logging is only supported on actual IPU hardware.")
         sess_opts = self._session_options()
+        self._checkPerReplicaParams(sess_opts)
         use_model, explicit, small = self._model_selection()
         connection = int(o.connection_type)
         offline = connection == int(enums.ConnectionType.Never)
@@ -269,7 +283,7 @@ class PoplarExecutor:
         suspend = _instrument.suspended(self._user_model) if self._training else _null()
         try:
             progress(0, 10)
-            with suspend:
+            with suspend, _one_replica_slices(self._user_model, self.per_replica_params):
                 captured = capture(model, _forward_of(model), bound, spec, micro,
                                    self._training, sess_opts.device)
             progress(4, 10)
@@ -294,6 +308,9 @@ class PoplarExecutor:
             return
         if self._training:
             self._session = TrainingSession(exe, device, self._optimizer_description)
+            if isinstance(self._optimizer, _optimizer_mixin()) and \
+                    self._optimizer.has_state():
+                self._optimizer._state_pending = True  # uploaded with the weights
         else:
             self._session = InferenceSession(exe, device)
         self._attached = True
@@ -313,6 +330,34 @@ class PoplarExecutor:
             else:
                 logger.debug("Setting random seed to: %d", self._rng_cache[0])
                 self._session.setRandomSeed(self._rng_cache[0])
+
+    def _checkPerReplicaParams(self, sess_opts: SessionOptions) -> None:
+        """S-27: replica-grouped weights hold one value per group on dimension 0.
+
+        Raises:
+            poptorch.Error: a scalar weight, a grouping that does not fit the
+                replication factor, or a leading dimension that is not the number of
+                groups (or of replicas, for ``AllReplicas``).
+        """
+        replicas = sess_opts.replication_factor
+        with _instrument.syncing():
+            params = dict(self._user_model._parameters)
+        for name, grouping in sess_opts.replica_groupings.items():
+            param = params.get(name)
+            if param is None:
+                raise py_error(f"{name} is not a parameter of the model: replicaGrouping "
+                               "only applies to direct parameters of the wrapped module.")
+            if param.dim() == 0:
+                raise backend_error("Scalars cannot be passed as per-replica weight tensor "
+                                    "values")
+            grouping.validate(name, replicas)
+            groups = grouping.num_groups(replicas)
+            allowed = {groups} | ({replicas} if grouping.retrieval_mode == 2 else set())
+            if param.shape[0] not in allowed:
+                raise backend_error(
+                    f"Per-replica weight {name} has shape {list(param.shape)}: with "
+                    f"replicationFactor {replicas} and this grouping its dimension 0 must "
+                    f"be the number of replica groups ({groups}), one value per group.")
 
     def compile(self, *args, **kwargs) -> None:
         """Capture and compile with these example arguments, attach and upload weights,
@@ -444,7 +489,11 @@ class PoplarExecutor:
         with _instrument.syncing(), torch.no_grad():
             for name, value in values.items():
                 target = host.get(name)
-                if target is not None:
+                if target is None:
+                    continue
+                if target.shape != value.shape:  # AllReplicas: one value per replica
+                    target.data = value.to(target.dtype).clone()
+                else:
                     target.copy_(value.to(target.dtype))
         self._host_weights_stale = False
         self._host_weights_version += 1
@@ -521,44 +570,122 @@ class PoplarExecutor:
         with _instrument.syncing():
             return {id(p): n for n, p in self._user_model.named_parameters()}
 
+    def _checkOptimizerParameters(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every parameter in the optimizer's groups must belong to the wrapped model."""
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, list):
+            return  # optimizer_type() rejects it
+        with _instrument.syncing():
+            own = {id(p) for p in self._user_model.parameters()}
+        for index, group in enumerate(groups):
+            foreign = [tuple(p.shape) for p in group.get("params", []) if id(p) not in own]
+            if foreign:
+                raise py_error(
+                    f"The optimizer's param group {index} holds {len(foreign)} tensor(s) "
+                    f"(shapes {foreign[:3]}) that are not parameters of the model wrapped "
+                    "by this poptorch.trainingModel. Build the optimizer from the "
+                    "parameters of the model you pass to poptorch.trainingModel, e.g. "
+                    "optimizer = poptorch.optim.SGD(model.parameters(), lr=...).")
+
+    def _describeOptimizer(self, optimizer: torch.optim.Optimizer, track: bool = False):
+        from . import optim
+        auto_ls = bool(self._options._Popart.options.get(
+            "automaticLossScalingSettings.enabled", False))
+        return optim.to_description(optimizer, self._param_names(), auto_ls,
+                                    self._attr_tracker if track else None)
+
+    def _checkMeanReductionStrategy(self, description) -> bool:
+        """S-41: float16 gradient accumulators (except SGD's combined variant) need the
+        ``Running`` mean strategy. Returns whether the options must switch to it.
+
+        Raises:
+            ValueError: the switch would be needed but the model is already compiled.
+        """
+        needs_running = description.accum_type == torch.float16 and not (
+            description.type == "SGD" and description.use_combined_accum)
+        strategy = self._options.Training.meanAccumulationAndReplicationReductionStrategy
+        if not needs_running or strategy != enums.MeanReductionStrategy.Post:
+            return False
+        if self.isCompiled():
+            raise ValueError(
+                "The optimizer's accum_type is torch.float16, so "
+                "poptorch.Options().Training.meanAccumulationAndReplicationReductionStrategy"
+                " would have to be MeanReductionStrategy.Running, but the model is already "
+                "compiled with MeanReductionStrategy.Post. Use a float16 accum_type before "
+                "the first compilation, or call destroy() and compile again.")
+        return True
+
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Set or update the optimizer (api §5.12, S-50…S-58).
 
         New hyper-parameter values of variable attributes are pushed to the device
-        immediately if attached (at the next attach otherwise).
+        immediately if attached (at the next attach otherwise), without recapturing or
+        recompiling. Every check runs before anything changes: on error the current
+        optimizer, the device weights and the device optimizer state stay as they were.
 
         Raises:
-            AssertionError / ValueError: unsupported optimizer or attribute values.
-            poptorch.Error: a change that needs recompilation (S-52).
+            AttributeError: inference models.
+            AssertionError / ValueError: unsupported optimizer or attribute values;
+                a float16 ``accum_type`` after compiling with the ``Post`` mean strategy.
+            poptorch.Error: parameters that do not belong to the model; a change that
+                needs recompilation (S-52); a stored optimizer state that does not fit.
         """
         if not self._training:
             raise AttributeError("setOptimizer is only supported by training models "
                                  "(poptorch.trainingModel).")
         from . import optim
-        auto_ls = bool(self._options._Popart.options.get(
-            "automaticLossScalingSettings.enabled", False))
-        description = optim.to_description(optimizer, self._param_names(), auto_ls)
-        if self.isCompiled() and self._optimizer is not None and \
-                optimizer is not self._optimizer:
+        self._checkOptimizerParameters(optimizer)
+        if optimizer is not self._optimizer and not self.isCompiled():
+            self._attr_tracker.reset()
+        description = self._describeOptimizer(optimizer, track=True)
+        switch = self._checkMeanReductionStrategy(description)
+        new_object = self.isCompiled() and self._optimizer is not None and \
+            optimizer is not self._optimizer
+        carries_state = isinstance(optimizer, optim.Optimizer) and optimizer.has_state()
+        if self._session is not None:
+            self._session.checkOptimizer(description)
+            if new_object and carries_state:
+                self._session.checkOptimizerState(optimizer.get_state_dict()["ipu_state"])
+        # -- all checks passed: commit --
+        if switch:
+            logger.info("Optimizer accum_type is float16: setting "
+                        "meanAccumulationAndReplicationReductionStrategy to Running")
+            self._options._unfreeze()
+            self._options.Training.setMeanAccumulationAndReplicationReductionStrategy(
+                enums.MeanReductionStrategy.Running)
+            self._options._freeze()
+        if new_object:
             if isinstance(self._optimizer, optim.Optimizer):
                 self._syncOptimizerStateToHost()
                 self._optimizer._executor_ref = None
-        if self._session is not None:
-            self._session.optimizer.update.__self__  # noqa: B018 - existence check
-            from popart_compiler.optimizers import OptimizerDescription  # noqa: F401
-            if description.compile_signature() != \
-                    self._session.optimizer._signature:
-                self._session.setOptimizer(description)  # raises
+            if carries_state:
+                optimizer._state_pending = True
         self._optimizer = optimizer
         if isinstance(optimizer, optim.Optimizer):
             optimizer._executor_ref = weakref.ref(self)
         changed = description != self._optimizer_description
         self._optimizer_description = description
-        if changed and self._session is not None:
-            if self._attached:
+        if self._session is None:
+            return
+        if self._attached:
+            if changed:
                 self._session.setOptimizer(description)
-            else:
-                self._optimizer_pending = True
+            if getattr(optimizer, "_state_pending", False):
+                self._writePendingOptimizerState()
+        elif changed:
+            self._optimizer_pending = True
+
+    def _checkOptimizerStateFits(self, optimizer, ipu_state) -> None:
+        """Called by ``optimizer.load_state_dict``: the loaded state and the loaded
+        param groups' hyper-parameters must fit the compiled optimizer.
+
+        Raises:
+            poptorch.Error: see ``setOptimizer``.
+        """
+        if self._session is None or optimizer is not self._optimizer:
+            return
+        self._session.checkOptimizerState(ipu_state)
+        self._session.checkOptimizer(self._describeOptimizer(optimizer))
 
     def _syncOptimizerStateToHost(self) -> None:
         from . import optim
@@ -568,20 +695,47 @@ class PoplarExecutor:
         if not self._optimizer_state_stale and opt._state_dict.get("ipu_state") is not None:
             logger.debug("Using cached optimiser state dict")
             return
+        if opt._state_pending:  # a loaded state not written yet is the latest one
+            return
         logger.info("Writing optimiser state tensors from IPU to host.")
         opt._state_dict = {"ipu_state": self._session.readOptimizerState(),
                            "ipu_param": self._session.readOptimizerParams()}
         self._optimizer_state_stale = False
 
     def _writePendingOptimizerState(self) -> None:
+        """Write a state loaded on the host (``optimizer.load_state_dict``) to the
+        device, together with the hyper-parameters of the loaded param groups.
+
+        Raises:
+            poptorch.Error: the state does not fit; it is dropped (the device keeps its
+                state) so that the model stays usable.
+        """
         from . import optim
         opt = self._optimizer
-        if not isinstance(opt, optim.Optimizer) or not opt._state_pending:
-            if isinstance(opt, optim.Optimizer) and opt._state_dict.get("ipu_state") is None:
+        if not isinstance(opt, optim.Optimizer) or self._session is None:
+            return
+        if not opt._state_pending:
+            if opt._state_dict.get("ipu_state") is None:
                 self._optimizer_state_stale = True
             return
+        state = opt._state_dict
+        try:
+            self._session.checkOptimizerState(state["ipu_state"])
+            description = self._describeOptimizer(opt)
+            self._session.checkOptimizer(description)
+        except BaseException:
+            opt._state_pending = False
+            raise
         logger.info("Writing optimiser state tensors from host to IPU memory.")
-        self._session.writeOptimizerState(opt._state_dict["ipu_state"])
+        self._session.writeOptimizerState(state["ipu_state"])
+        loaded_params = state.get("ipu_param")
+        if isinstance(loaded_params, dict):
+            for name in self._session.readOptimizerParams():
+                if name not in loaded_params:
+                    logger.warning("ignoring missing parameter %s", name)
+        if description != self._optimizer_description:
+            self._optimizer_description = description
+            self._session.setOptimizer(description)
         opt._state_pending = False
         self._optimizer_state_stale = True
 
@@ -643,13 +797,15 @@ class PoplarExecutor:
                 del _TRAINING_WRAPPERS[id(self._user_model)]
 
     def __del__(self):
-        """A training executor that goes away hands its trained weights to the host model
-        and removes the instrumentation, so nothing trained is lost."""
+        """A training executor that goes away hands its trained weights and its optimizer
+        state to the host and removes the instrumentation, so nothing trained is lost."""
         try:
             if not self.__dict__.get("_training") or "_user_model" not in self.__dict__:
                 return
             if self._executable is not None and self._host_weights_stale:
                 self.copyWeightsToHost()
+            if self._executable is not None:
+                self._syncOptimizerStateToHost()
             model = self._user_model
             ref = _instrument.executor_ref_of(model)
             if ref is not None and ref() in (None, self):
@@ -785,6 +941,69 @@ _RECOMPILE = ("The inputs given at run time differ from the ones the model was c
 
 def _forward_of(model: torch.nn.Module) -> Callable:
     return model.forward
+
+
+class _ReplicaGroupingProxy:
+    """What ``executor.<name>`` returns for a parameter that is a direct attribute of
+    the model (api §5.22): attribute reads go to the parameter; ``replicaGrouping``
+    declares a replica-grouped weight (S-27). Not itself a tensor."""
+
+    def __init__(self, executor: "PoplarExecutor", name: str, param: torch.nn.Parameter):
+        object.__setattr__(self, "_executor", executor)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_param", param)
+
+    def __getattr__(self, attr: str):
+        return getattr(self._param, attr)
+
+    def __repr__(self) -> str:
+        return repr(self._param)
+
+    def replicaGrouping(self, comm_group_type: enums.CommGroupType, shards: int,
+                        variable_retrieval_mode: enums.VariableRetrievalMode) -> None:
+        """Give this weight one value per replica group (S-27). Call before compiling.
+
+        Args:
+            comm_group_type: ``Consecutive`` / ``Orthogonal`` (groups of ``shards``
+                replicas), ``All`` (one group) or ``NoGrouping`` (one per replica).
+            shards: replicas per group.
+            variable_retrieval_mode: ``OnePerGroup`` (the host tensor holds one value
+                per group, stacked on dimension 0) or ``AllReplicas`` (reading back
+                gives one value per replica).
+
+        Raises:
+            AssertionError: arguments of the wrong type.
+            poptorch.Error: the model is already compiled.
+        """
+        if not isinstance(comm_group_type, enums.CommGroupType):
+            raise AssertionError("comm_group_type must be a poptorch.CommGroupType")
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+            raise AssertionError("shards must be a positive integer")
+        if not isinstance(variable_retrieval_mode, enums.VariableRetrievalMode):
+            raise AssertionError("variable_retrieval_mode must be a "
+                                 "poptorch.VariableRetrievalMode")
+        if self._executor.isCompiled():
+            raise py_error(f"replicaGrouping of {self._name} must be called before the model "
+                           "is compiled.")
+        self._executor.per_replica_params[self._name] = (
+            comm_group_type, shards, variable_retrieval_mode)
+
+
+@contextlib.contextmanager
+def _one_replica_slices(model: torch.nn.Module, groupings: Dict[str, Any]):
+    """Capture replica-grouped weights with the shape of one group's slice (S-27)."""
+    swapped = []
+    with _instrument.syncing():
+        for name in groupings:
+            param = model._parameters[name]
+            swapped.append((param, param.data))
+            param.data = param.data[0]
+    try:
+        yield
+    finally:
+        with _instrument.syncing():
+            for param, data in swapped:
+                param.data = data
 
 
 def _optimizer_mixin():

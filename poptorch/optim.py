@@ -7,12 +7,12 @@ called by PopTorch.
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from popart_compiler.errors import py_error
 from popart_compiler.optimizers import HYPER_PARAMETERS, OptimizerDescription
 
 from ._logging import logger
@@ -110,18 +110,40 @@ class Optimizer:
         return result
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load torch's part, then store the IPU state for upload before the next run.
+        """Load torch's part (so LR schedulers work), then store the IPU state; it is
+        written to the device before the next run (S-56).
+
+        When the optimizer belongs to a compiled training model, the state is checked
+        against the device first (names, shapes, dtypes, and the hyper-parameters of
+        the loaded param groups against the compiled optimizer, S-52).
 
         Raises:
             RuntimeError: "Cannot load optimizer state dictionary because it is empty."
                 or "Only IPU optimizer states can be loaded onto the IPU."
+            poptorch.Error: ``ipu_state`` / ``ipu_param`` are not dicts of tensors, or
+                do not fit the compiled model.
+            ValueError: torch's param groups do not match (raised by torch).
+
+            Nothing changes (host or device) when an error is raised.
         """
         if not state_dict:
             raise RuntimeError("Cannot load optimizer state dictionary because it is empty.")
-        if "ipu_state" not in state_dict or "ipu_param" not in state_dict:
+        if not isinstance(state_dict, dict) or "ipu_state" not in state_dict \
+                or "ipu_param" not in state_dict:
             raise RuntimeError("Only IPU optimizer states can be loaded onto the IPU.")
-        torch_part = {k: v for k, v in state_dict.items() if k in ("state", "param_groups")}
-        super().load_state_dict(torch_part)  # type: ignore[misc]
+        for key in ("ipu_state", "ipu_param"):
+            _check_tensor_dict(key, state_dict[key])
+        saved = {k: self.__dict__[k] for k in ("state", "param_groups")}
+        if "state" in state_dict and "param_groups" in state_dict:
+            super().load_state_dict(  # type: ignore[misc]
+                {k: state_dict[k] for k in ("state", "param_groups")})
+        try:
+            executor = self._executor()
+            if executor is not None and state_dict["ipu_state"] is not None:
+                executor._checkOptimizerStateFits(self, state_dict["ipu_state"])
+        except BaseException:
+            self.__dict__.update(saved)
+            raise
         self._state_dict = {"ipu_state": state_dict["ipu_state"],
                             "ipu_param": state_dict["ipu_param"]}
         self._state_pending = state_dict["ipu_state"] is not None
@@ -131,7 +153,13 @@ class Optimizer:
         return self._state_dict
 
     def set_state_dict(self, state: Dict[str, Any]) -> None:
-        """Replace the host copy of the IPU state; it is uploaded at the next run."""
+        """Replace the host copy of the IPU state; it is uploaded at the next run.
+
+        Raises:
+            poptorch.Error: ``ipu_state`` / ``ipu_param`` are not dicts of tensors.
+        """
+        for key in ("ipu_state", "ipu_param"):
+            _check_tensor_dict(key, state.get(key))
         self._state_dict = state
         self._state_pending = state.get("ipu_state") is not None
 
@@ -139,11 +167,39 @@ class Optimizer:
         """Whether a device state is stored on the host."""
         return self._state_dict.get("ipu_state") is not None
 
+    #: Attributes kept by pickling besides torch's ``defaults``/``state``/``param_groups``.
+    _PICKLED = ("loss_scaling", "variable_attrs", "use_combined_accum", "max_grad_norm",
+                "bias_correction", "use_tf_variant", "accum_type", "velocity_accum_type",
+                "first_order_momentum_accum_type", "second_order_momentum_accum_type",
+                "_state_dict", "_state_pending")
+
     def __getstate__(self):
-        state = super().__getstate__()  # type: ignore[misc]
-        state = dict(state)
+        executor = self._executor()
+        if executor is not None:  # pickle the live device state
+            executor._syncOptimizerStateToHost()
+        state = dict(super().__getstate__())  # type: ignore[misc]
+        state.update({k: self.__dict__[k] for k in self._PICKLED if k in self.__dict__})
         state["_executor_ref"] = None
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)  # type: ignore[misc]
+        if "_state_dict" in state:  # unpickling (torch's load_state_dict passes less)
+            # an unpickled optimizer carrying a device state uploads it on first use
+            self._state_pending = self.has_state()
+
+
+def _check_tensor_dict(key: str, value: Any) -> None:
+    """``ipu_state`` / ``ipu_param`` must be ``None`` or a dict of name → Tensor."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise py_error(f"Invalid optimizer state: '{key}' must be a dict of tensors (or "
+                       f"None), got {type(value).__name__}")
+    for name, tensor in value.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise py_error(f"Invalid optimizer state: '{key}' entry {name!r} must map a "
+                           f"tensor name to a torch.Tensor, got {type(tensor).__name__}")
 
 
 def _maybe(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -371,11 +427,66 @@ _TORCH_CONST_DEFAULTS = {"weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0,
 _ALWAYS_CONST = ("alpha", "nesterov", "betas", "centered")
 
 
+class OptimizerAttrTracker:
+    """Warns about optimizer attributes the converter does not know (S-53).
+
+    The attributes present at the first conversion (param-group keys, ``defaults``
+    keys, public attributes of the optimizer object) are accepted silently; any other
+    attribute found later produces one message per distinct text, e.g. "Ignoring
+    unexpected group 0 attribute in SGD optimizer: ['initial_lr']" — a warning, or a
+    debug message with ``Options.relaxOptimizerAttributesChecks()``.
+
+    Args:
+        relax: log at debug level instead of warning level.
+    """
+
+    def __init__(self, relax: bool = False):
+        self._log = logger.debug if relax else logger.warning
+        self._printed: set = set()
+        self.reset()
+
+    def reset(self) -> None:
+        """Record the attributes of the next conversion again."""
+        self._known: Optional[Dict[str, set]] = None
+
+    @staticmethod
+    def _attributes(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        return {
+            "group": [set(g) - {"params"} for g in optimizer.param_groups],
+            "optimizer": {k for k in vars(optimizer) if not k.startswith("_")},
+            "defaults": set(optimizer.defaults),
+        }
+
+    def check(self, optimizer: torch.optim.Optimizer, kind: str) -> None:
+        """Record (first call) or check the attributes of ``optimizer``."""
+        found = self._attributes(optimizer)
+        if self._known is None:
+            self._known = {"group": set().union(*found["group"]) if found["group"]
+                           else set(), "optimizer": found["optimizer"],
+                           "defaults": found["defaults"]}
+            return
+        for index, keys in enumerate(found["group"]):
+            self._report(f"group {index} attribute", kind, keys - self._known["group"])
+        self._report("optimizer attribute", kind,
+                     found["optimizer"] - self._known["optimizer"])
+        self._report("default group variable", kind,
+                     found["defaults"] - self._known["defaults"])
+
+    def _report(self, what: str, kind: str, extra: set) -> None:
+        if not extra:
+            return
+        msg = f"Ignoring unexpected {what} in {kind} optimizer: {sorted(extra)}"
+        if msg not in self._printed:
+            self._printed.add(msg)
+            self._log(msg)
+
+
 def optimizer_type(optimizer: torch.optim.Optimizer) -> str:
     """The device optimizer type of ``optimizer``.
 
     Raises:
-        AssertionError: unsupported optimizer type.
+        AssertionError: unsupported optimizer type; RMSprop groups disagreeing on
+            ``centered``.
         ValueError: ``amsgrad=True``.
     """
     if isinstance(optimizer, Optimizer):
@@ -414,48 +525,53 @@ def _check_number(name: str, value: Any) -> Any:
     if name == "betas":
         if not (isinstance(value, (tuple, list)) and len(value) == 2):
             raise AssertionError(f"Expected a pair of numbers for betas, got {value!r}")
-        return tuple(float(_check_number("beta", v)) for v in value)
+        return tuple(float(_check_number("betas element", v)) for v in value)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool) and name != "nesterov":
-        raise AssertionError(f"Expected a number for {name}, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise AssertionError(f"Expected a number for {name}, got {value!r} of type "
+                             f"{type(value).__name__}")
     return float(value)
 
 
 def to_description(optimizer: torch.optim.Optimizer, param_names: Dict[int, str],
-                   automatic_loss_scaling: bool = False) -> OptimizerDescription:
+                   automatic_loss_scaling: bool = False,
+                   tracker: Optional[OptimizerAttrTracker] = None) -> OptimizerDescription:
     """Convert ``optimizer`` into what the device runs (S-50…S-55).
 
     Args:
         optimizer: a supported optimizer.
         param_names: ``id(parameter) → name`` for the model's parameters.
         automatic_loss_scaling: forces ``loss_scaling`` to be variable (S-52).
+        tracker: reports attributes added since the first conversion (S-53).
 
     Raises:
         AssertionError / ValueError: unsupported type or hyper-parameter values (S-50).
+        poptorch.Error: ``max_grad_norm`` is NaN, invalid accumulation type.
     """
     kind = optimizer_type(optimizer)
+    if tracker is not None:
+        tracker.check(optimizer, kind)
     names = HYPER_PARAMETERS[kind]
     is_poptorch = isinstance(optimizer, Optimizer)
 
-    def hyper(source: Dict[str, Any], where: str) -> Dict[str, Any]:
+    def hyper(source: Dict[str, Any], mandatory: Tuple[str, ...]) -> Dict[str, Any]:
         out = {}
         for name in names:
             if name not in source:
-                if name == "velocity_scaling" or (where == "defaults" and name != "lr"):
-                    continue
-                if name in ("lr",):
+                if name in mandatory:
                     raise AssertionError(f"Mandatory attribute {name} not found in "
                                          "optimizer group")
                 continue
             out[name] = _check_number(name, source[name])
         return out
 
-    defaults = hyper(optimizer.defaults, "defaults")
+    defaults = hyper(optimizer.defaults, ("lr",))
+    group_mandatory = tuple(n for n in names if n != "velocity_scaling")
     groups, group_of = [], {}
     for index, group in enumerate(optimizer.param_groups):
         values = dict(defaults)
-        values.update(hyper(group, f"group {index}"))
+        values.update(hyper(group, group_mandatory))
         groups.append(values)
         for p in group["params"]:
             name = param_names.get(id(p))
@@ -464,22 +580,26 @@ def to_description(optimizer: torch.optim.Optimizer, param_names: Dict[int, str]
     if is_poptorch:
         constant = {a for a in list(optimizer.defaults) + ["loss_scaling"]
                     if optimizer.variable_attrs.isConstant(a)}
-        loss_scaling = float(optimizer.loss_scaling)
+        loss_scaling = _check_number("loss_scaling", optimizer.loss_scaling)
     else:
-        loss_scaling = 1.0
+        loss_scaling = _check_number("loss_scaling", getattr(optimizer, "loss_scaling", 1.0))
+        const_defaults = dict(_TORCH_CONST_DEFAULTS)
+        if kind == "AdamW":
+            const_defaults["weight_decay"] = 1e-2
         constant = set()
         for attr in names:
             if attr == "lr":
                 continue
             values = [g.get(attr) for g in groups] + [defaults.get(attr)]
             if attr in _ALWAYS_CONST or all(
-                    v is None or v == _TORCH_CONST_DEFAULTS.get(attr, v) for v in values):
+                    v is None or v == const_defaults.get(attr, v) for v in values):
                 constant.add(attr)
-        constant.add("loss_scaling")
+        if loss_scaling == 1.0:
+            constant.add("loss_scaling")
     if automatic_loss_scaling:
         constant.discard("loss_scaling")
     get = lambda attr, default: getattr(optimizer, attr, default)  # noqa: E731
-    return OptimizerDescription(
+    description = OptimizerDescription(
         type=kind, defaults=defaults, groups=groups, group_of=group_of,
         constant=constant, loss_scaling=loss_scaling,
         use_combined_accum=bool(get("use_combined_accum", False)),
@@ -487,10 +607,8 @@ def to_description(optimizer: torch.optim.Optimizer, param_names: Dict[int, str]
         velocity_accum_type=get("velocity_accum_type", torch.float32),
         first_order_type=get("first_order_momentum_accum_type", torch.float32),
         second_order_type=get("second_order_momentum_accum_type", torch.float32),
-        max_grad_norm=float(get("max_grad_norm", math.inf)),
+        max_grad_norm=_check_number("max_grad_norm", get("max_grad_norm", math.inf)),
         bias_correction=bool(get("bias_correction", True)),
         use_tf_variant=bool(get("use_tf_variant", False)))
-
-
-def clone_description(description: OptimizerDescription) -> OptimizerDescription:
-    return copy.deepcopy(description)
+    description.validate()
+    return description

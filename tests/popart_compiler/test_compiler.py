@@ -144,8 +144,9 @@ def test_training_session_matches_manual_loop():
     weights = session.readWeights()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=1e-5, atol=1e-6)
-    assert set(session.readOptimizerState()) == {f"Accl___{n}" for n, _ in
-                                                  ref.named_parameters()}
+    # velocity and (A > 1) gradient accumulator of every weight (S-56)
+    assert set(session.readOptimizerState()) == {
+        f"{kind}___{n}" for n, _ in ref.named_parameters() for kind in ("Accl", "Accum")}
 
 
 def test_compile_errors():

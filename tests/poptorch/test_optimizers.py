@@ -1,0 +1,713 @@
+"""poptorch.optim and optimizer semantics on a training model (spec api §10;
+semantics S-41, S-42, S-50…S-55, S-57, S-58).
+
+Numerical comparisons run the same micro-batches through plain PyTorch: per device
+iteration, A × R micro-batches (S-13 order), each loss divided by A × R for ``Mean``
+(S-41), then one ``step()`` of the equivalent ``torch.optim`` optimizer. Tolerance:
+``rtol=1e-5, atol=1e-6`` on the weights after ≥ 10 updates unless stated otherwise.
+"""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import poptorch
+import poptorch._poplar_executor as executor_module
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x, t):
+        out = self.fc2(F.relu(self.fc1(x)))
+        return out, F.cross_entropy(out, t)
+
+
+def options(d=1, a=1, r=1):
+    opts = poptorch.Options().deviceIterations(d).replicationFactor(r)
+    opts.Training.gradientAccumulation(a)
+    return opts
+
+
+def data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def reference_steps(model, optimizer, x, t, d, a, r, mean=True, clip=None):
+    """Plain PyTorch over the micro-batches of one call (S-13 order, S-41)."""
+    micro = x.shape[0] // (d * a * r)
+    for i in range(d):
+        optimizer.zero_grad()
+        for step in range(a):
+            for rep in range(r):
+                row = ((i * a + step) * r + rep) * micro
+                loss = model(x[row:row + micro], t[row:row + micro])[1]
+                (loss / (a * r) if mean else loss).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+
+
+def assert_same_weights(a, b, **tol):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), msg=name, **(tol or TOL))
+
+
+def device_weights(training):
+    return {k: v.clone() for k, v in training._session.readWeights().items()}
+
+
+def device_state(training):
+    return {k: v.clone() for k, v in training._session.readOptimizerState().items()}
+
+
+def assert_unchanged(before, after):
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+
+
+# -- every optimizer matches torch.optim over >= 10 updates --------------------------------
+
+MATCHES = {
+    "sgd-separate": (lambda p: poptorch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1,
+                                                  weight_decay=0.01),
+                     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1,
+                                               weight_decay=0.01)),
+    "sgd-combined": (lambda p: poptorch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1,
+                                                  weight_decay=0.01, use_combined_accum=True,
+                                                  velocity_scaling=8.0),
+                     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1,
+                                               weight_decay=0.01)),
+    "sgd-nesterov-combined": (
+        lambda p: poptorch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True,
+                                     use_combined_accum=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True)),
+    "sgd-nesterov-separate": (
+        lambda p: poptorch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True)),
+    "adam": (lambda p: poptorch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), eps=1e-6,
+                                           weight_decay=0.01),
+             lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), eps=1e-6,
+                                        weight_decay=0.01)),
+    "adamw": (lambda p: poptorch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
+    "rmsprop": (lambda p: poptorch.optim.RMSprop(p, lr=0.01, alpha=0.9, momentum=0.5,
+                                                 weight_decay=0.01),
+                lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9, momentum=0.5,
+                                              weight_decay=0.01)),
+    "rmsprop-centered": (lambda p: poptorch.optim.RMSprop(p, lr=0.01, centered=True),
+                         lambda p: torch.optim.RMSprop(p, lr=0.01, centered=True)),
+    "lamb": (lambda p: poptorch.optim.LAMB(p, lr=0.01, weight_decay=0.01),
+             lambda p: poptorch.optim.LAMB(p, lr=0.01, weight_decay=0.01)),
+    "lamb-no-bias-correction": (
+        lambda p: poptorch.optim.LAMB(p, lr=0.01, bias_correction=False, max_weight_norm=2.),
+        lambda p: poptorch.optim.LAMB(p, lr=0.01, bias_correction=False,
+                                      max_weight_norm=2.)),
+    # the reference backend always bias-corrects AdamW (S-54 quirk)
+    "adamw-bias-correction-off": (
+        lambda p: poptorch.optim.AdamW(p, lr=0.01, bias_correction=False),
+        lambda p: torch.optim.AdamW(p, lr=0.01)),
+    "torch-sgd": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5),
+                  lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATCHES))
+def test_optimizer_matches_torch_over_12_updates(name):
+    """D=3, A=2, R=2, 4 calls: 12 updates; rtol 1e-5 / atol 1e-6."""
+    make, make_ref = MATCHES[name]
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    d, a, r = 3, 2, 2
+    training = poptorch.trainingModel(model, options(d, a, r), make(model.parameters()))
+    ref_opt = make_ref(ref.parameters())
+    for call in range(4):
+        x, t = data(d * a * r * 2, call)
+        training(x, t)
+        reference_steps(ref, ref_opt, x, t, d, a, r)
+    assert_same_weights(model, ref)
+
+
+def test_sgd_dampening_without_momentum_scales_the_step():
+    """S-54 quirk: momentum 0 still scales the step by (1 − dampening)."""
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1, dampening=0.25)
+    training = poptorch.trainingModel(model, options(d=10), opt)
+    x, t = data(20)
+    training(x, t)
+    reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.075), x, t, 10, 1, 1)
+    assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: poptorch.optim.SGD(p, lr=0.5, momentum=0.9, max_grad_norm=0.05),
+    lambda p: poptorch.optim.SGD(p, lr=0.5, momentum=0.9, max_grad_norm=0.05,
+                                 use_combined_accum=True),
+    lambda p: poptorch.optim.Adam(p, lr=0.01, max_grad_norm=0.05),
+], ids=["sgd", "sgd-combined", "adam"])
+def test_max_grad_norm_clips_the_global_norm(make):
+    """S-54: gradients scaled by min(1, max_norm / ‖G‖) over all parameters, like
+    torch.nn.utils.clip_grad_norm_ (rtol 1e-4: torch adds 1e-6 to the norm)."""
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    opt = make(model.parameters())
+    training = poptorch.trainingModel(model, options(d=10, a=2), opt)
+    x, t = data(40)
+    training(x, t)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9) \
+        if isinstance(opt, torch.optim.SGD) else torch.optim.Adam(ref.parameters(), lr=0.01)
+    reference_steps(ref, ref_opt, x, t, 10, 2, 1, clip=0.05)
+    assert_same_weights(model, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_accumulation_dtypes_set_state_storage():
+    model = Classifier()
+    opt = poptorch.optim.Adam(model.parameters(), lr=0.01, accum_type=torch.float16,
+                              first_order_momentum_accum_type=torch.float16,
+                              second_order_momentum_accum_type=torch.float32)
+    training = poptorch.trainingModel(model, options(a=2), opt)
+    training(*data(4))
+    state = opt.state_dict()["ipu_state"]
+    assert state["Accl1___fc1.weight"].dtype == torch.float16
+    assert state["Accl2___fc1.weight"].dtype == torch.float32
+    assert state["Accum___fc1.weight"].dtype == torch.float16
+    sgd_model = Classifier()
+    sgd = poptorch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9,
+                             velocity_accum_type=torch.float16)
+    poptorch.trainingModel(sgd_model, optimizer=sgd)(*data(2))
+    assert sgd.state_dict()["ipu_state"]["Accl___fc1.weight"].dtype == torch.float16
+    with pytest.raises(AssertionError, match="Accumulation types must be either "
+                                             "torch.float32 or torch.float16"):
+        poptorch.optim.SGD(Classifier().parameters(), lr=0.1, accum_type=torch.int32)
+
+
+def test_sgd_velocity_scaling_is_ignored_by_the_separate_variant(poptorch_logs):
+    opt = poptorch.optim.SGD(Classifier().parameters(), lr=0.1, velocity_scaling=2.0)
+    assert "velocity_scaling is ignored" in poptorch_logs.text
+    assert "velocity_scaling" not in opt.defaults
+    combined = poptorch.optim.SGD(Classifier().parameters(), lr=0.1, velocity_scaling=2.0,
+                                  use_combined_accum=True)
+    assert combined.param_groups[0]["velocity_scaling"] == 2.0
+
+
+def test_lamb_host_step_matches_the_device():
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    training = poptorch.trainingModel(model, options(d=10),
+                                      poptorch.optim.LAMB(model.parameters(), lr=0.02))
+    x, t = data(20)
+    training(x, t)
+    reference_steps(ref, poptorch.optim.LAMB(ref.parameters(), lr=0.02), x, t, 10, 1, 1)
+    assert_same_weights(model, ref)
+
+
+# -- loss scaling (S-51) and automatic loss scaling (S-57) ----------------------------------
+
+def test_loss_scaling_leaves_float32_training_unchanged():
+    """A power-of-two loss scale is exact in float32: identical weights."""
+    base = Classifier()
+    results = []
+    for scale in (1.0, 1024.0):
+        model = copy.deepcopy(base)
+        opt = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                 loss_scaling=scale)
+        training = poptorch.trainingModel(model, options(d=10, a=2), opt)
+        training(*data(40))
+        results.append(model.state_dict())
+        if scale != 1.0:
+            params = opt.state_dict()["ipu_param"]
+            assert params["lossScaling_FLOAT"].item() == scale
+            assert params["scaledLearningRate0___specific___fc1.weight"].item() == \
+                pytest.approx(0.1 / scale)
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+
+
+class TinyGradient(nn.Module):
+    """d loss / d w = x × 1e-4 ≈ 1e-8: below float16's smallest subnormal (6e-8)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), 0.5, dtype=dtype))
+
+    def forward(self, x):
+        return poptorch.identity_loss((self.w * x).sum() * 1e-4, reduction="sum")
+
+
+def test_loss_scaling_prevents_float16_gradient_underflow():
+    x16 = torch.full((4,), 1e-4, dtype=torch.float16)
+
+    def train(dtype, scale):
+        m = TinyGradient(dtype)
+        opt = poptorch.optim.SGD(m.parameters(), lr=1e5, loss_scaling=scale)
+        poptorch.trainingModel(m, optimizer=opt)(x16.to(dtype))
+        return m.w.detach().float()
+
+    f32 = train(torch.float32, 1.0)
+    torch.testing.assert_close(f32, torch.full((4,), 0.499), rtol=0, atol=1e-5)
+    assert torch.equal(train(torch.float16, 1.0), torch.full((4,), 0.5))  # underflow
+    scaled = train(torch.float16, 16384.0)
+    torch.testing.assert_close(scaled, f32, rtol=0, atol=5e-4)  # float16 resolution
+    assert (scaled < 0.5).all()
+
+
+class ScaledInput(nn.Module):
+    """d loss / d w = x: the float16 gradient is x × loss scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+
+    def forward(self, x):
+        return poptorch.identity_loss((self.w * x).sum(), reduction="sum")
+
+
+def test_automatic_loss_scaling_halves_on_overflow_and_doubles_otherwise():
+    """S-57 rule (update period 1): halve when a float16 gradient overflows or reaches
+    the top bin (≥ 65504 / 8 = 8188), else double, with the scale capped at 65504;
+    finalLossScale = loss_scaling × factor before the run."""
+    opts = options()
+    opts.Training.setAutomaticLossScaling(True)
+    opts.anchorTensor("scale", "finalLossScale")
+    model = ScaledInput()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.0, loss_scaling=1024.0)
+    training = poptorch.trainingModel(model, opts, opt)
+
+    def run(value):
+        training(torch.full((4,), value, dtype=torch.float16))
+        return (training.getAnchoredTensor("scale").item(),
+                opt.state_dict()["ipu_state"]["lossScaleUpdateFactor"].item())
+
+    assert run(100.0) == (1024.0, 0.5)   # 102400 overflows float16 → halve
+    assert run(10.0) == (512.0, 1.0)     # 5120: below the top bin → double
+    assert run(10.0) == (1024.0, 0.5)    # 10240: top bin → halve
+    for expected in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0):
+        assert run(0.01)[1] == expected
+    assert run(0.01) == (32768.0, 32.0)  # 65536 would exceed 65504: stays
+
+
+def test_automatic_loss_scaling_ignores_float32_gradients():
+    opts = options()
+    opts.Training.setAutomaticLossScaling(True)
+    model = Classifier()
+    # torch optimizers: loss_scaling is constant at 1.0 unless ALS makes it variable
+    training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
+                                                                      lr=0.1))
+    for _ in range(3):
+        training(*data(2))
+    state = training._optimizer.state_dict()["ipu_state"]
+    assert state["lossScaleUpdateFactor"].item() == 1.0
+    assert "loss_scaling" not in training._optimizer_description.constant
+
+
+# -- constant and variable attributes (S-52, S-53, S-58) ---------------------------------
+
+@pytest.fixture
+def count_captures(monkeypatch):
+    calls = []
+    real = executor_module.capture
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(executor_module, "capture", counting)
+    return calls
+
+
+class CountingClassifier(Classifier):
+    """Counts the Python executions of forward (once per capture, S-1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, x, t):
+        self.calls.append(1)
+        return super().forward(x, t)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_scheduler_drives_set_optimizer_without_recompiling(count_captures, poptorch_logs):
+    """S-58: ExponentialLR + setOptimizer each epoch equals torch with the same schedule;
+    the model is captured (forward executed in Python) exactly once."""
+    model = CountingClassifier()
+    ref = copy.deepcopy(model)
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.4, momentum=0.5)
+    training = poptorch.trainingModel(model, options(d=2), opt)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(opt, 0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.4, momentum=0.5)
+    ref_scheduler = torch.optim.lr_scheduler.ExponentialLR(ref_opt, 0.5)
+    executable = None
+    for epoch in range(5):
+        x, t = data(4, epoch)
+        training(x, t)
+        executable = executable or training._executable
+        scheduler.step()
+        training.setOptimizer(opt)
+        reference_steps(ref, ref_opt, x, t, 2, 1, 1)
+        ref_scheduler.step()
+    assert len(count_captures) == 1
+    assert len(model.calls) == 1
+    assert training._executable is executable
+    assert_same_weights(model, ref)
+    params = opt.state_dict()["ipu_param"]
+    torch.testing.assert_close(params["scaledLearningRate0___specific___fc2.bias"].item(),
+                               0.4 * 0.5 ** 5)
+    # the scheduler added 'initial_lr' to the groups and 'step' to the optimizer (S-53)
+    text = poptorch_logs.text
+    assert "Ignoring unexpected group 0 attribute in SGD optimizer: ['initial_lr']" in text
+    assert "Ignoring unexpected optimizer attribute in SGD optimizer: ['step']" in text
+    assert text.count("Ignoring unexpected group 0 attribute") == 1  # once per message
+    assert "Updating graph optimizer with SGD, defaultLearningRate=" in text
+    assert "Updating group 0 optimizer with learningRate=" in text
+
+
+def test_relaxed_attribute_checks_log_at_debug(poptorch_logs):
+    opts = poptorch.Options().relaxOptimizerAttributesChecks()
+    model = Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    training = poptorch.trainingModel(model, opts, opt)
+    opt.param_groups[0]["loss_scaling"] = 4.0
+    training.setOptimizer(opt)
+    record = [r for r in poptorch_logs.records if "Ignoring unexpected" in r.getMessage()]
+    assert record and record[0].levelno == logging.DEBUG
+    assert training._optimizer_description.loss_scaling == 1.0  # group value ignored
+
+
+def test_group_loss_scaling_is_ignored_with_a_warning(poptorch_logs):
+    model = Classifier()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=2.0)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training(*data(2))
+    opt.param_groups[0]["loss_scaling"] = 4.0
+    training.setOptimizer(opt)
+    assert "Ignoring unexpected group 0 attribute in SGD optimizer: ['loss_scaling']" in \
+        poptorch_logs.text
+    assert opt.state_dict()["ipu_param"]["lossScaling_FLOAT"].item() == 2.0
+
+
+def test_unpassed_attributes_are_constant():
+    """S-52 example: Adam's lr not passed is constant; changing it after compile fails
+    and leaves the device untouched; passing it makes it variable."""
+    model = Classifier()
+    opt = poptorch.optim.Adam(model.parameters())
+    assert opt.variable_attrs.isConstant("lr")
+    training = poptorch.trainingModel(model, optimizer=opt)
+    x, t = data(2)
+    training(x, t)
+    weights, state = device_weights(training), device_state(training)
+    for group in opt.param_groups:
+        group["lr"] = 1e-4
+    with pytest.raises(poptorch.Error, match="compiled optimizer cannot be changed") as info:
+        training.setOptimizer(opt)
+    assert "constant attribute lr" in info.value.message
+    assert_unchanged(weights, device_weights(training))
+    assert_unchanged(state, device_state(training))
+    for group in opt.param_groups:
+        group["lr"] = 1e-3
+    training(x, t)  # still usable
+
+    model = Classifier()
+    opt = poptorch.optim.Adam(model.parameters(), lr=1e-3)
+    assert not opt.variable_attrs.isConstant("lr")
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training(x, t)
+    opt.param_groups[0]["lr"] = 1e-4
+    training.setOptimizer(opt)
+    assert training._optimizer_description.groups[0]["lr"] == 1e-4
+
+
+def test_mark_as_constant_and_variable():
+    model = Classifier()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1)
+    assert opt.variable_attrs.isConstant("momentum")
+    opt.variable_attrs.markAsVariable("momentum")
+    opt.variable_attrs.markAsConstant("lr")
+    with pytest.raises(AssertionError, match="Unknown attribute foo, allowed values"):
+        opt.variable_attrs.markAsVariable("foo")
+    training = poptorch.trainingModel(model, optimizer=opt)
+    x, t = data(2)
+    training(x, t)
+    assert "Accl___fc1.weight" in opt.state_dict()["ipu_state"]  # variable momentum
+    opt.param_groups[0]["momentum"] = 0.9
+    training.setOptimizer(opt)  # variable: fine
+    opt.param_groups[0]["lr"] = 0.2
+    with pytest.raises(poptorch.Error, match="constant attribute lr"):
+        training.setOptimizer(opt)
+    opt.param_groups[0]["lr"] = 0.1
+    opt.loss_scaling = 8.0  # constant (not passed)
+    with pytest.raises(poptorch.Error, match="constant attribute loss_scaling"):
+        training.setOptimizer(opt)
+
+
+def test_torch_optimizer_constant_rules():
+    """S-52: torch optimizers — lr variable; others constant iff equal to the default
+    (AdamW weight_decay 1e-2); betas/alpha/nesterov always constant."""
+    def constants(cls, **kw):
+        model = Classifier()
+        training = poptorch.trainingModel(model, optimizer=cls(model.parameters(), **kw))
+        return training._optimizer_description.constant
+
+    assert constants(torch.optim.SGD, lr=0.1) >= {"momentum", "dampening", "weight_decay",
+                                                  "nesterov", "loss_scaling"}
+    c = constants(torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert "momentum" not in c and "lr" not in c
+    assert "weight_decay" in constants(torch.optim.AdamW, lr=0.1)
+    c = constants(torch.optim.AdamW, lr=0.1, weight_decay=0.0)
+    assert "weight_decay" not in c and "betas" in c
+    c = constants(torch.optim.RMSprop, lr=0.1, alpha=0.5, eps=1e-5)
+    assert "alpha" in c and "eps" not in c
+
+
+def test_per_group_hyper_parameters_and_parameters_in_no_group():
+    """S-55: fc1 in a group with its own lr, fc2.weight in the default group,
+    fc2.bias in no group → trained with optimizer.defaults."""
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    groups = [{"params": model.fc1.parameters(), "lr": 0.05, "momentum": 0.5},
+              {"params": [model.fc2.weight]}]
+    opt = poptorch.optim.SGD(groups, lr=0.2, momentum=0.9)
+    training = poptorch.trainingModel(model, options(d=10), opt)
+    x, t = data(20)
+    training(x, t)
+    ref_opt = torch.optim.SGD([{"params": ref.fc1.parameters(), "lr": 0.05, "momentum": 0.5},
+                               {"params": [ref.fc2.weight, ref.fc2.bias]}],
+                              lr=0.2, momentum=0.9)
+    reference_steps(ref, ref_opt, x, t, 10, 1, 1)
+    assert_same_weights(model, ref)
+    params = opt.state_dict()["ipu_param"]
+    assert params["scaledLearningRate0___specific___fc1.weight"].item() == pytest.approx(0.05)
+    assert params["scaledLearningRate0___specific___fc2.bias"].item() == pytest.approx(0.2)
+
+
+def test_new_optimizer_object_keeps_device_state_and_swaps_hyper_parameters():
+    """S-56: a new optimizer without state does not reset the device momentum."""
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    first = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    training = poptorch.trainingModel(model, options(d=5), first)
+    x, t = data(10)
+    training(x, t)
+    second = poptorch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    training.setOptimizer(second)
+    training(x, t)
+    assert first._executor_ref is None and first.state_dict()["ipu_state"] is not None
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    reference_steps(ref, ref_opt, x, t, 5, 1, 1)
+    ref_opt.param_groups[0]["lr"] = 0.05
+    reference_steps(ref, ref_opt, x, t, 5, 1, 1)
+    assert_same_weights(model, ref)
+
+
+# -- bad input: clear errors, nothing changes ------------------------------------------------
+
+def test_invalid_optimizers_leave_weights_and_state_untouched():
+    model = Classifier()
+    opt = poptorch.optim.Adam(model.parameters(), lr=0.01)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    x, t = data(2)
+    training(x, t)
+    weights, state = device_weights(training), device_state(training)
+    host = copy.deepcopy(model.state_dict())
+
+    def bad_lr():
+        o = poptorch.optim.Adam(model.parameters(), lr=0.01)
+        o.param_groups[0]["lr"] = "fast"
+        return o
+
+    def bad_betas():
+        o = poptorch.optim.Adam(model.parameters(), lr=0.01)
+        o.param_groups[0]["betas"] = 0.9
+        return o
+
+    def missing():
+        o = poptorch.optim.Adam(model.parameters(), lr=0.01)
+        del o.param_groups[0]["eps"]
+        return o
+
+    def nan_norm():
+        return poptorch.optim.Adam(model.parameters(), lr=0.01, max_grad_norm=float("nan"))
+
+    def other_type():
+        return poptorch.optim.SGD(model.parameters(), lr=0.01)
+
+    def fp16_accum():
+        return poptorch.optim.Adam(model.parameters(), lr=0.01, accum_type=torch.float16)
+
+    def centered_mix():
+        return torch.optim.RMSprop([{"params": model.fc1.parameters(), "centered": True},
+                                    {"params": model.fc2.parameters()}], lr=0.01)
+
+    cases = [
+        (bad_lr, AssertionError, "Expected a number for lr"),
+        (bad_betas, AssertionError, "Expected a pair of numbers for betas"),
+        (missing, AssertionError, "Mandatory attribute eps not found in optimizer group"),
+        (nan_norm, poptorch.Error, "Maximum norm of gradients cannot be NaN"),
+        (other_type, poptorch.Error, "optimizer type"),
+        (fp16_accum, ValueError, "is already compiled"),
+        (centered_mix, AssertionError, "centered"),
+        (lambda: torch.optim.Adagrad(model.parameters()), AssertionError,
+         "Unsupported optimizer type"),
+        (lambda: torch.optim.Adam(model.parameters(), amsgrad=True), ValueError,
+         "Only non-amsgrad Adam/AdamW optimizers are supported."),
+        (lambda: poptorch.optim.Adam(Classifier().parameters(), lr=0.01), poptorch.Error,
+         "not parameters of the model"),
+    ]
+    for make, exc, phrase in cases:
+        with pytest.raises(exc, match=phrase):
+            training.setOptimizer(make())
+        assert training._optimizer is opt
+        assert_unchanged(weights, device_weights(training))
+        assert_unchanged(state, device_state(training))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, host[k])
+    training(x, t)
+
+
+def test_optimizer_over_another_models_parameters_is_rejected_at_wrap():
+    model = Classifier()
+    with pytest.raises(poptorch.Error, match="not parameters of the model wrapped"):
+        poptorch.trainingModel(model, optimizer=torch.optim.SGD(Classifier().parameters(),
+                                                                 lr=0.1))
+    assert type(model) is Classifier  # not instrumented
+
+
+# -- reductions (S-41, S-42) -------------------------------------------------------------
+
+class L1Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+
+    def forward(self, x, t):
+        return F.l1_loss(self.fc(x), t)
+
+
+def _train_l1(base, a, r, reduction=None, strategy=None, lr=0.01, accum_type=None):
+    model = copy.deepcopy(base)
+    opts = options(a=a, r=r)
+    if reduction is not None:
+        opts.Training.accumulationAndReplicationReductionType(reduction)
+    if strategy is not None:
+        opts.Training.setMeanAccumulationAndReplicationReductionStrategy(strategy)
+    opt = poptorch.optim.SGD(model.parameters(), lr=lr, accum_type=accum_type)
+    training = poptorch.trainingModel(model, opts, opt)
+    return model, training
+
+
+@pytest.mark.parametrize("strategy", [poptorch.MeanReductionStrategy.Post,
+                                      poptorch.MeanReductionStrategy.Running])
+@pytest.mark.parametrize("a,r", [(4, 1), (2, 2), (1, 4)])
+def test_mean_reduction_strategies_equal_one_big_batch(strategy, a, r):
+    """S-41 example: Mean over A × R micro-batches of 2 == one batch of 2·A·R (L1 mean
+    loss), for both the running and the post mean (rtol 1e-5)."""
+    base = L1Model()
+    x, t = torch.randn(8, 3), torch.randn(8, 1)
+    model, training = _train_l1(base, a, r, strategy=strategy)
+    for _ in range(10):
+        training(x, t)
+    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
+        strategy
+    whole = copy.deepcopy(base)
+    opt = torch.optim.SGD(whole.parameters(), lr=0.01)
+    for _ in range(10):
+        opt.zero_grad()
+        F.l1_loss(whole.fc(x), t).backward()
+        opt.step()
+    assert_same_weights(model, whole)
+
+
+def test_sum_reduction_equals_larger_learning_rate():
+    """S-41 example: with Sum, A=2 and lr=0.01 equals A=1 (mean over 4) with lr=0.02."""
+    base = L1Model()
+    x, t = torch.randn(4, 3), torch.randn(4, 1)
+    summed, training = _train_l1(base, 2, 1, reduction=poptorch.ReductionType.Sum)
+    training(x, t)
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.02)
+    (F.l1_loss(ref.fc(x[:2]), t[:2]) + F.l1_loss(ref.fc(x[2:]), t[2:])).div(2).backward()
+    opt.step()
+    assert_same_weights(summed, ref)
+
+
+def test_float16_accumulators_switch_to_running_mean(poptorch_logs):
+    """S-41: float16 accum_type (not SGD combined) → Running before compile; after
+    compiling with Post it is a ValueError; the combined SGD variant keeps Post."""
+    base = L1Model()
+    _, training = _train_l1(base, 2, 1, accum_type=torch.float16)
+    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
+        poptorch.MeanReductionStrategy.Running
+    combined = copy.deepcopy(base)
+    training = poptorch.trainingModel(combined, options(a=2), poptorch.optim.SGD(
+        combined.parameters(), lr=0.01, accum_type=torch.float16, use_combined_accum=True))
+    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
+        poptorch.MeanReductionStrategy.Post
+    model, training = _train_l1(base, 2, 1)
+    training(torch.randn(4, 3), torch.randn(4, 1))
+    with pytest.raises(ValueError, match="is already compiled"):
+        training.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.01,
+                                                 accum_type=torch.float16))
+    training.destroy()
+    training.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.01,
+                                             accum_type=torch.float16))
+    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
+        poptorch.MeanReductionStrategy.Running
+
+
+def test_float16_accumulators_use_the_running_mean():
+    """Summing 8 float16 gradients of 12000 would overflow a float16 accumulator; the
+    automatically selected running mean gives the exact mean (the Post overflow is
+    shown in tests/popart_compiler/test_optimizers.py)."""
+    class Big(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(1, dtype=torch.float16))
+
+        def forward(self, x):
+            return poptorch.identity_loss((self.w * x).sum(), reduction="sum")
+
+    model = Big()
+    opt = poptorch.optim.SGD(model.parameters(), lr=1e-4, accum_type=torch.float16)
+    training = poptorch.trainingModel(model, options(a=8), opt)
+    training(torch.full((8, 1), 12000.0, dtype=torch.float16))
+    assert model.w.item() == pytest.approx(-1.2, rel=1e-3)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_identity_loss_reductions_train_like_plain_pytorch(reduction):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return poptorch.identity_loss(self.fc(x) ** 2, reduction=reduction)
+
+    model = M()
+    ref = copy.deepcopy(model)
+    x = torch.randn(10 * 2, 3)
+    out = poptorch.trainingModel(model, options(d=10), torch.optim.SGD(
+        model.parameters(), lr=0.01))(x)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    last = None
+    for i in range(10):
+        opt.zero_grad()
+        y = ref.fc(x[2 * i:2 * i + 2]) ** 2
+        last = {"sum": y.sum(), "mean": y.mean(), "none": y}[reduction]
+        last.sum().backward()  # a non-scalar final loss behaves like its sum (S-40)
+        opt.step()
+    assert out.shape == last.shape
+    torch.testing.assert_close(out, last.detach(), **TOL)
+    assert_same_weights(model, ref)
