@@ -32,6 +32,11 @@ UNSUPPORTED_DTYPES = {
 
 _DEMOTE = {torch.float64: torch.float32}
 
+#: Bytes the largest intermediate tensor of a vectorized inference call may take: about
+#: a core's L2 cache. Batched kernels whose working set spills out of it get slower per
+#: sample than a loop over micro-batches (measured on convolutions).
+VECTORIZE_BUDGET = 2 * 1024 * 1024
+
 
 @dataclasses.dataclass
 class Executable:
@@ -46,7 +51,9 @@ class Executable:
         activation_anchors: anchors read from graph outputs appended after the user
             outputs, in order.
         state_anchors: anchors on weights, gradients, updated weights or optimizer state.
-        vectorized: for stateless inference, the graph over all micro-batches of a run.
+        vectorized: for stateless inference, the graph over ``vectorized_slots``
+            micro-batches at once (a run calls it for each chunk of that many).
+        vectorized_slots: micro-batches per call of ``vectorized``.
         tensor_names: every tensor name of the program (S-16).
         compile_seconds: wall-clock time of the compilation.
     """
@@ -60,6 +67,7 @@ class Executable:
     vectorized: Optional[fx.GraphModule]
     tensor_names: List[str]
     compile_seconds: float = 0.0
+    vectorized_slots: int = 1
 
     @property
     def module(self) -> fx.GraphModule:
@@ -137,13 +145,15 @@ class Compiler:
         report(3, total)
         activation, state = Compiler._resolve_anchors(graph, options, training)
         report(4, total)
-        vectorized = None
+        vectorized, chunk = None, 1
         slots = options.device_iterations * options.replication_factor
         if (not training and slots > 1 and not graph.mutated_buffers
                 and not graph.mutated_inputs and not graph.mutated_constants
                 and not options.synthetic_data and not options.fp_exceptions
                 and not options.replica_groupings and graph.has_device_work()):
-            vectorized = Compiler._vectorize(graph, slots, options.device)
+            chunk = Compiler._chunk(graph, slots)
+            if chunk > 1:
+                vectorized = Compiler._vectorize(graph, chunk, options.device)
         report(5, total)
         if not graph.has_device_work():
             logger.info("No IPUs are used by this model. This may lead to unexpected "
@@ -152,7 +162,8 @@ class Compiler:
         exe = Executable(graph, options, training, loss_index,
                          num_ipus=options.replication_factor,
                          activation_anchors=activation, state_anchors=state,
-                         vectorized=vectorized, tensor_names=names)
+                         vectorized=vectorized, tensor_names=names,
+                         vectorized_slots=chunk if vectorized is not None else 1)
         exe.compile_seconds = time.perf_counter() - start
         report(total, total)
         return exe
@@ -289,6 +300,26 @@ class Compiler:
             out.args = (tuple(out.args[0]) + tuple(new_outputs),)
             graph.module.recompile()
         return activation, state
+
+    @staticmethod
+    def _chunk(graph: Graph, slots: int) -> int:
+        """Micro-batches to run per vectorized call: the largest divisor of ``slots``
+        keeping the largest intermediate tensor within :data:`VECTORIZE_BUDGET` bytes
+        (batched kernels beyond the CPU caches get slower per sample than a loop)."""
+        user_inputs = set(graph.placeholders[len(graph.placeholders) -
+                                             graph.num_user_inputs:])
+        largest = 1
+        for node in graph.module.graph.nodes:
+            if node.op not in ("call_function", "placeholder") or \
+                    (node.op == "placeholder" and node not in user_inputs):
+                continue  # weights are shared by the micro-batches of a call
+            val = node.meta.get("val")
+            values = val if isinstance(val, (list, tuple)) else [val]
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    largest = max(largest, v.numel() * v.element_size())
+        fit = max(1, VECTORIZE_BUDGET // largest)
+        return max(c for c in range(1, slots + 1) if slots % c == 0 and c <= fit)
 
     @staticmethod
     def _vectorize(graph: Graph, slots: int, device: str) -> Optional[fx.GraphModule]:

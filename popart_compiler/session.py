@@ -496,8 +496,13 @@ class InferenceSession(_Session):
         split = self._split(inputs)
         if exe.vectorized is not None:
             xs = [t.reshape(d * r, *t.shape[3:]) for t in split]
+            c = exe.vectorized_slots
+            state = self.weights.state(0)
             with torch.no_grad():
-                outs = exe.vectorized(*self.weights.state(0), *xs)
+                chunks = [exe.vectorized(*state, *[x[k:k + c] for x in xs])
+                          for k in range(0, d * r, c)]
+            outs = [torch.cat(parts) if len(parts) > 1 else parts[0]
+                    for parts in zip(*chunks)]
             return self._finish([t.reshape(d, 1, r, *t.shape[1:]) for t in outs])
         results: List[List[torch.Tensor]] = []
         with torch.no_grad():

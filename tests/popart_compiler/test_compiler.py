@@ -317,3 +317,21 @@ def test_long_messages_spill_to_a_log_file(tmp_path, monkeypatch):
     e = Error("\n".join(str(i) for i in range(100)))
     assert e.message == "See poptorch_error.log for details"
     assert (tmp_path / "poptorch_error.log").read_text().startswith("0\n1\n")
+
+
+def test_vectorized_inference_runs_in_cache_sized_chunks(monkeypatch):
+    """Stateless inference runs several micro-batches per call; the chunk is the largest
+    divisor of D × R keeping the largest intermediate within the budget."""
+    import popart_compiler.compiler as compiler
+    m = MLP()
+    x = torch.randn(6 * 2, 4)  # D=6, B=2; largest intermediate: [2, 8] float32 = 64 bytes
+    monkeypatch.setattr(compiler, "VECTORIZE_BUDGET", 64 * 3)
+    exe = Compiler.compile(export(m, x[:2]), SessionOptions(device_iterations=6), False)
+    assert exe.vectorized is not None and exe.vectorized_slots == 3
+    (out,) = InferenceSession(exe).run([x])
+    torch.testing.assert_close(out, m(x).detach(), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(compiler, "VECTORIZE_BUDGET", 10)
+    exe = Compiler.compile(export(m, x[:2]), SessionOptions(device_iterations=6), False)
+    assert exe.vectorized is None  # one micro-batch at a time
+    torch.testing.assert_close(InferenceSession(exe).run([x])[0], m(x).detach(),
+                               rtol=1e-5, atol=1e-6)
