@@ -7,7 +7,6 @@ IPU Model that executes the captured graph with PyTorch kernels.
 """
 import faulthandler as _faulthandler
 import os as _os
-import sys as _sys
 
 _os.environ.setdefault("RDMAV_FORK_SAFE", "1")
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import sys
-import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -24,7 +22,7 @@ from ._args import (ArgsParser, BoundArgs, Spec, check_batch, flatten, leaf_name
                     unflatten, validate)
 from ._capture import Captured, capture
 from ._logging import logger
-from .options import Options
+from .options import Options, _ProgressBar
 
 __all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
 
@@ -41,35 +39,6 @@ def _no_backward(*args, **kwargs):
                    "model. If you're using a trainingModel, the backward pass is "
                    "performed automatically when invoking the model. If you're using an "
                    "inferenceModel, you should use a trainingModel instead.")
-
-
-class _ProgressBar:
-    """The "Graph compilation" progress bar (tqdm) and the compilation timer."""
-
-    def __init__(self, show: bool):
-        self.show = show
-        self._bar = None
-        self.start = time.perf_counter()
-        self.elapsed: Optional[float] = None
-
-    def __call__(self, progress: int, total: int) -> None:
-        if self.show and self._bar is None:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total, desc="Graph compilation", file=sys.stderr,
-                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} "
-                             "[{elapsed}<{remaining}]", leave=True)
-        if self._bar is not None and progress != self._bar.n:
-            self._bar.n = progress
-            self._bar.refresh()
-        if progress >= total:
-            self.close()
-
-    def close(self) -> None:
-        if self.elapsed is None:
-            self.elapsed = time.perf_counter() - self.start
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
 
 
 class PoplarExecutor:
@@ -234,17 +203,19 @@ class PoplarExecutor:
             out.append(t)
         return out
 
-    def _session_options(self) -> SessionOptions:
+    def _session_options(self) -> Tuple[SessionOptions, _ProgressBar]:
+        """The session options and the compilation progress bar (a silent timer when
+        ``showCompilationProgressBar(False)``)."""
         o = self._options
         values = o.toDict()
-        values.pop("compilation_progress_bar_fn", None)
+        bar = values.pop("compilation_progress_bar_fn", None) or _ProgressBar(show=False)
         anchors = []
         for short, (long_name, _inherit, mode, period) in o.anchored_tensors.items():
             anchors.append(Anchor(long_name, int(mode), int(period) if int(mode) == 1 else 1,
                                   key=short))
         groupings = {name: ReplicaGrouping(int(cgt), int(shards), int(mode))
                      for name, (cgt, shards, mode) in self.per_replica_params.items()}
-        return SessionOptions.from_dict(values, anchors, replica_groupings=groupings)
+        return SessionOptions.from_dict(values, anchors, replica_groupings=groupings), bar
 
     def _model_selection(self) -> Tuple[bool, Optional[bool], bool]:
         """``(use_ipu_model, explicitly_requested, small)`` as PopTorch decides (S-82)."""
@@ -260,12 +231,11 @@ class PoplarExecutor:
         o = self._options
         if o._Popart.options.get("instrumentWithHardwareCycleCounter", False):
             raise py_error("Cycle count logging is only supported on actual IPU hardware.")
-        sess_opts = self._session_options()
+        sess_opts, self._progress = self._session_options()
         self._checkPerReplicaParams(sess_opts)
         use_model, explicit, small = self._model_selection()
         connection = int(o.connection_type)
         offline = connection == int(enums.ConnectionType.Never)
-        self._progress = _ProgressBar(bool(o._show_compilation_progress_bar))
         factor = self._batch_factor()
         device_inputs = self._device_inputs(tensors)
         micro = [t[: t.shape[0] // factor] if t.dim() else t for t in device_inputs]

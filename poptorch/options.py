@@ -24,6 +24,7 @@ import enum
 import json
 import os
 import sys
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -555,42 +556,39 @@ class _DistributedOptions(OptionsDict):
 
 class _ProgressBar:
     """The ``compilation_progress_bar_fn`` of :meth:`Options.toDict`: a callable
-    ``(progress, total)`` drawing a text bar titled "Graph compilation" on stderr."""
+    ``(progress, total)`` drawing a tqdm bar titled "Graph compilation" on stderr, which
+    also times the compilation (``elapsed``, seconds, set when it reaches ``total`` or
+    is closed).
 
-    def __init__(self):
+    Args:
+        show: draw the bar (``False``: only time the compilation).
+    """
+
+    def __init__(self, show: bool = True):
+        self.show = show
         self._bar = None
-        self._last = 0
+        self.start = time.perf_counter()
+        self.elapsed: Optional[float] = None
 
     def __call__(self, progress: int, total: int) -> None:
-        if self._bar is None:
-            try:
-                from tqdm import tqdm
-                self._bar = tqdm(desc="Graph compilation", total=total, file=sys.stderr,
-                                 bar_format="{desc}: {percentage:3.0f}%|{bar}| "
-                                 "{n}/{total} [{elapsed}<{remaining}]")
-            except ImportError:  # pragma: no cover - tqdm is a dependency
-                self._bar = _TextBar(total)
-            self._last = 0
-        self._bar.update(progress - self._last)
-        self._last = progress
+        if self.show and self._bar is None and self.elapsed is None:
+            from tqdm import tqdm
+            self._bar = tqdm(desc="Graph compilation", total=total, file=sys.stderr,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                             "{n}/{total} [{elapsed}<{remaining}]")
+        if self._bar is not None and progress != self._bar.n:
+            self._bar.n = progress
+            self._bar.refresh()
         if progress >= total:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the timer and close the bar."""
+        if self.elapsed is None:
+            self.elapsed = time.perf_counter() - self.start
+        if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-
-class _TextBar:  # pragma: no cover - fallback when tqdm is missing
-    def __init__(self, total):
-        self._total = max(total, 1)
-        self._n = 0
-
-    def update(self, n):
-        self._n += n
-        pct = int(100 * self._n / self._total)
-        sys.stderr.write(f"\rGraph compilation: {pct:3d}%")
-        sys.stderr.flush()
-
-    def close(self):
-        sys.stderr.write("\n")
 
 
 def _convert_json_value(value):
