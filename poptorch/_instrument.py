@@ -52,14 +52,18 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
+def _synced_torch_function(cls, func, types, args=(), kwargs=None):
+    """``__torch_function__`` of instrumented tensors: sync, then run ``func`` on plain
+    tensors."""
+    _sync(args)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
+
+
 class _InstrumentedParameter(torch.nn.Parameter):
     """A parameter of a model wrapped for training on the device."""
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        _sync(args)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+    __torch_function__ = classmethod(_synced_torch_function)
 
     def __reduce_ex__(self, protocol):
         _sync((self,))
@@ -77,11 +81,7 @@ class _InstrumentedParameter(torch.nn.Parameter):
 class _InstrumentedBuffer(torch.Tensor):
     """A buffer of a model wrapped for training on the device."""
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        _sync(args)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+    __torch_function__ = classmethod(_synced_torch_function)
 
     def __reduce_ex__(self, protocol):
         _sync((self,))
