@@ -375,7 +375,8 @@ class PoplarExecutor:
             self._session.setOptimizer(self._optimizer_description)
         if self._training and self._optimizer is not None and \
                 getattr(self._optimizer, "_state_pending", False):
-            self._implicitCopyWeightsToHost() if self._host_weights_stale else None
+            if self._host_weights_stale:
+                self._implicitCopyWeightsToHost()
             self._writePendingOptimizerState()
         inputs = self._device_inputs(tensors)
         outputs = self._session.run(inputs)
@@ -407,15 +408,14 @@ class PoplarExecutor:
             raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: []. "
                            f"Missing arguments: {missing}.\n{_RECOMPILE}")
 
-    def _writeBackInputs(self, originals: List[torch.Tensor], device_inputs) -> None:
-        """In-place updates of inputs reach the caller's tensors (S-23)."""
+    def _writeBackInputs(self, originals: List[torch.Tensor],
+                         device_inputs: List[torch.Tensor]) -> None:
+        """In-place updates of inputs reach the caller's tensors (S-23): the session runs
+        the graph on views of ``device_inputs``, which are copied back where they are
+        not the caller's own tensors (converted dtype, made contiguous)."""
         mutated = self._executable.graph.mutated_inputs if self._executable else ()
-        if not mutated:
-            return
-        mutated_values = self._session.last_inputs if hasattr(self._session, "last_inputs") \
-            else device_inputs
         for i in mutated:
-            src, dst = mutated_values[i], originals[i]
+            src, dst = device_inputs[i], originals[i]
             if src.data_ptr() != dst.data_ptr():
                 with torch.no_grad():
                     dst.copy_(src.to(dst.dtype))

@@ -804,3 +804,17 @@ def test_deep_copy_of_model_is_independent():
     model = poptorch.inferenceModel(copied)
     x = torch.randn(2, 6)
     torch.testing.assert_close(model(x), m(x).detach())
+
+
+def test_in_place_update_of_a_converted_input_is_written_back():
+    """A float64 input reaches the device as a float32 copy; the update still comes back."""
+    class M(nn.Module):
+        def forward(self, x):
+            x.mul_(2)
+            return x + 0
+
+    t = torch.tensor([1.5, 2.0], dtype=torch.float64)
+    model = poptorch.inferenceModel(M())
+    out = model(t)
+    assert out.dtype == torch.float32 and out.tolist() == [3.0, 4.0]
+    assert t.dtype == torch.float64 and t.tolist() == [3.0, 4.0]
