@@ -231,6 +231,17 @@ class _Fetcher:
             if self.conn.poll():
                 raise _Stop()
 
+    def linger(self) -> None:
+        """After reporting an error: stay alive until told to stop, so that the training
+        process can still receive the shared buffers and consume the batches loaded
+        before the error (they are delivered first, as in Sync mode)."""
+        try:
+            while True:
+                self.check(None)
+                time.sleep(0.005)
+        except _Stop:
+            pass
+
     def acquire(self, pass_id: int) -> None:
         """Wait until slot ``w`` is free."""
         while self.slots[self.w, _STATE] != _FREE:
@@ -432,6 +443,7 @@ def _worker_main(conn, inherited_parent_conn, ctrl, slots, payload, settings) ->
         pass
     except BaseException as exc:  # pylint: disable=broad-except
         _safe_send(conn, ("error", ) + _pack_exception(exc))
+        fetcher.linger()
     finally:
         fetcher.iterator = None
 
@@ -1014,6 +1026,22 @@ def _concat(items: List[Any]):
     return items
 
 
+class _OwnedIterator:
+    """An epoch iterator that keeps its :class:`DataLoader` alive, so that
+    ``for batch in poptorch.DataLoader(...)`` works in the asynchronous modes too (the
+    loader stops its worker when it is garbage collected)."""
+
+    def __init__(self, owner: "DataLoader", iterator):
+        self._owner = owner
+        self._iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._iterator)
+
+
 class _ProgressIterator:
     """Wraps an epoch iterator with a tqdm progress bar (closed at the end of the epoch)."""
 
@@ -1367,7 +1395,7 @@ class DataLoader(torch.utils.data.DataLoader):
         """
         self._epoch_count += 1
         if self._accessor is not None:
-            iterator = iter(self._accessor)
+            iterator = _OwnedIterator(self, iter(self._accessor))
         else:
             iterator = self._sync_iter()
         if self._progress_bar is not None:

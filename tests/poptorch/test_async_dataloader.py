@@ -550,3 +550,46 @@ def test_keyboard_interrupt_at_top_level_of_a_script(tmp_path):
     pid = int(proc.stdout.split()[0])
     assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=5)
     assert shm_entries() - before == set()
+
+
+class FailsAt37(torch.utils.data.Dataset):
+    """Elements 0…36 load; element 37 raises."""
+
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, index):
+        if index == 37:
+            raise ValueError("broken element 37")
+        return torch.full((3,), float(index))
+
+
+FailsAt37.__module__ = IndexDataset.__module__
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [DataLoaderMode.Sync, DataLoaderMode.Async])
+def test_batches_loaded_before_a_dataset_error_are_delivered_first(mode):
+    """Found by a user: Async raised at once and dropped the 3 good batches when the
+    worker had already failed before the loop started."""
+    import time
+    loader = DataLoader(opts(D=2), FailsAt37(), batch_size=5, mode=mode)
+    iterator = iter(loader)
+    time.sleep(1.0)  # let the worker run into the error
+    delivered = []
+    with pytest.raises(ValueError, match="broken element 37"):
+        for batch in iterator:
+            delivered.append(batch[:, 0].clone())
+    assert [b.tolist() for b in delivered] == [
+        [float(i) for i in range(k * 10, k * 10 + 10)] for k in range(3)]
+    loader.terminate()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [DataLoaderMode.Async, DataLoaderMode.AsyncRebatched])
+def test_unnamed_async_loader_stays_alive_while_iterated(mode):
+    """``for x in poptorch.DataLoader(...)`` once failed in the Async modes: the loader was
+    garbage collected (stopping its worker) while its iterator was still in use."""
+    count = sum(1 for _ in DataLoader(opts(D=2), IndexDataset(40), batch_size=4, mode=mode,
+                                      async_options=FORK))
+    assert count == 5

@@ -1,5 +1,5 @@
 """Half precision and precision options (spec S-45…S-47, options §4.2); what the IPU
-Model does instead of hardware-only numerics is documented in docs/precision.md."""
+Model does instead of hardware-only numerics is documented in the README ("Numerics of the IPU Model")."""
 import copy
 import os
 
@@ -122,7 +122,7 @@ def test_bfloat16_inputs_are_rejected():
 ], ids=["half-partials", "stochastic-rounding"])
 def test_hardware_precision_options_are_accepted_without_numerical_effect(setter):
     """S-45 [SIM]: partials type and stochastic rounding are ignored by the IPU Model
-    (float partials, round-to-nearest), see docs/precision.md."""
+    (float partials, round-to-nearest), see the README's "Numerics of the IPU Model"."""
     model = Net().half()
     x = torch.randn(4, 4).half()
     plain = poptorch.inferenceModel(copy.deepcopy(model))(x)
@@ -131,9 +131,10 @@ def test_hardware_precision_options_are_accepted_without_numerical_effect(setter
     assert torch.equal(poptorch.inferenceModel(model, opts)(x), plain)
 
 
-def test_precision_document_exists():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "precision.md")
+def test_readme_documents_the_numerics():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
     text = open(path, encoding="utf-8").read()
+    text = text[text.index("## Numerics of the IPU Model"):]
     for phrase in ("setPartialsType", "enableStochasticRounding",
                    "enableFloatingPointExceptions", "accum_type"):
         assert phrase in text
