@@ -204,17 +204,19 @@ class Compiler:
 
     @staticmethod
     def _check_inputs(graph: Graph) -> None:
+        """Input dtypes the IPU takes (S-45); no zero-sized tensor anywhere (S-3)."""
         for node in graph.placeholders:
             val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                continue
-            if val.dtype in UNSUPPORTED_DTYPES:
+            if isinstance(val, torch.Tensor) and val.dtype in UNSUPPORTED_DTYPES:
                 raise backend_error("Unsupported tensor input type from pytorch: "
                                     f"{UNSUPPORTED_DTYPES[val.dtype]}. Convert it with "
                                     ".float() or .half() before calling the model.")
-            if val.numel() == 0:
-                raise backend_error(f"Zero-sized tensors are unsupported (Got shape "
-                                    f"{list(val.shape)})")
+        for node in graph.module.graph.nodes:
+            val = node.meta.get("val")
+            for v in val if isinstance(val, (list, tuple)) else (val,):
+                if isinstance(v, torch.Tensor) and v.numel() == 0:
+                    raise backend_error(f"Zero-sized tensors are unsupported (Got shape "
+                                        f"{list(v.shape)})")
 
     @staticmethod
     def _check_loss(graph: Graph) -> int:

@@ -248,6 +248,27 @@ class _float32:
         return False
 
 
+def _describe_change(key: str, old: Any, new: Any) -> str:
+    """``momentum of group 0: 0.0 -> 0.5`` for a changed compile-signature entry."""
+    if key.startswith("constant attribute ") and isinstance(old, tuple) and \
+            isinstance(new, tuple) and len(old) == len(new) == 2:
+        attr = key[len("constant attribute "):]
+        parts = []
+        if old[0] != new[0]:
+            parts.append(f"constant {attr} (default): {old[0]} -> {new[0]}")
+        for i, (a, b) in enumerate(zip(old[1], new[1])):
+            if a != b:
+                parts.append(f"constant {attr} of group {i}: {a} -> {b}")
+        if parts:
+            return "; ".join(parts)
+    if key == "set of constant attributes":
+        old_set, new_set = set(old or ()), set(new or ())
+        parts = [f"{a} became variable" for a in sorted(old_set - new_set)]
+        parts += [f"{a} became constant" for a in sorted(new_set - old_set)]
+        return "; ".join(parts)
+    return f"{key}: {old} -> {new}"
+
+
 def _norms(t: torch.Tensor, grouped: bool) -> torch.Tensor:
     """L2 norm of ``t`` (per slice of the leading group dimension when ``grouped``)."""
     if grouped:
@@ -447,8 +468,10 @@ class DeviceOptimizer:
         new = description.compile_signature()
         changed = [k for k in sorted(set(new) | set(self._signature))
                    if new.get(k) != self._signature.get(k)]
+        if "optimizer type" in changed:
+            changed = ["optimizer type"]  # everything else follows from it
         if changed:
-            details = "; ".join(f"{k}: {self._signature.get(k)!r} -> {new.get(k)!r}"
+            details = "; ".join(_describe_change(k, self._signature.get(k), new.get(k))
                                 for k in changed)
             raise backend_error(
                 "The compiled optimizer cannot be changed this way: the optimizer type, "

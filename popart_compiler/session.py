@@ -119,7 +119,23 @@ class _DeviceRng:
             self.reseed(self.seed)
         return [int(self.seed)] + self.state.tolist()
 
+    def check(self, values: Sequence[int]) -> None:
+        """Raise ``Error`` unless ``values`` is ``[seed]`` or ``[seed, *state]`` as
+        returned by :meth:`to_list` for this device's generator."""
+        try:
+            ints = [int(v) for v in values]
+            if not ints:
+                raise ValueError("empty")
+            if len(ints) > 1:
+                torch.Generator(device=self.device).set_state(
+                    torch.tensor(ints[1:], dtype=torch.uint8))
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise backend_error(
+                "Invalid RNG state: expected [seed] or a list read from the executor's "
+                f"rng_state property ({e}).") from None
+
     def from_list(self, values: Sequence[int]) -> None:
+        self.check(values)
         self.reseed(int(values[0]))
         if len(values) > 1:
             self.state = torch.tensor(list(values[1:]), dtype=torch.uint8)
@@ -362,6 +378,11 @@ class _Session(abc.ABC):
         if not self.uses_rng:
             return [0]
         return self.rng.to_list()
+
+    def checkRngState(self, values: Sequence[int]) -> None:
+        """Raise ``Error`` if :meth:`setRngState` would reject ``values``."""
+        if self.uses_rng:
+            self.rng.check(values)
 
     def setRngState(self, values: Sequence[int]) -> None:
         """Restore a state read with :meth:`getRngState` (seed first, then state)."""

@@ -110,7 +110,26 @@ class _IpuDeviceMode(TorchFunctionMode):
             args = tuple(self.device if _is_ipu(a) else a for a in args)
         if getattr(func, "__name__", "") == "ipu":  # Tensor.ipu() does not exist in torch
             return args[0]
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        _check_static_shape(result, func)
+        return result
+
+
+def _check_static_shape(result, func) -> None:
+    """The IPU's graphs are static: an op whose output shape depends on tensor values
+    (boolean-mask indexing, ``nonzero``, ``unique``, ...) cannot be captured."""
+    values = result if isinstance(result, (tuple, list)) else (result,)
+    for value in values:
+        if isinstance(value, torch.Tensor) and not all(isinstance(d, int)
+                                                       for d in value.shape):
+            frame = _user_frame_of(traceback.extract_stack())
+            name = getattr(func, "__name__", str(func))
+            raise py_error(
+                f"The model's forward computes a tensor whose shape depends on tensor "
+                f"values ({name} at {_where(frame)}). PopTorch captures forward once into "
+                "a static graph, so every shape must be known at compile time. Keep the "
+                "shape fixed instead: e.g. torch.where(mask, x, 0) rather than x[mask], or "
+                "poptorch.cond for a choice between two computations.")
 
 
 def _patch_tensor_ipu() -> Callable[[], None]:
@@ -138,7 +157,17 @@ _INTERNAL = tuple(_package_dir(m) for m in (torch, popart_compiler, contextlib))
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
     """The innermost traceback frame in user code (not torch / poptorch)."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    return _user_frame_of(traceback.extract_tb(exc.__traceback__))
+
+
+def _where(frame: Optional[traceback.FrameSummary]) -> str:
+    if frame is None:
+        return "the model's forward"
+    return f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
+
+
+def _user_frame_of(frames) -> Optional[traceback.FrameSummary]:
+    """The innermost of ``frames`` in user code (not torch / poptorch)."""
     user = [f for f in frames if not os.path.abspath(f.filename).startswith(_INTERNAL)
             and not f.filename.startswith("<")]
     return user[-1] if user else None
@@ -156,12 +185,9 @@ def _is_data_dependent(exc: BaseException) -> bool:
 
 
 def _data_dependent_error(exc: BaseException) -> Error:
-    frame = _user_frame(exc)
-    where = (f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
-             if frame else "the model's forward")
     return py_error(
         f"The model's forward uses the value of a tensor in Python control flow at "
-        f"{where}. PopTorch captures forward once into a static graph, so a value known "
+        f"{_where(_user_frame(exc))}. PopTorch captures forward once into a static graph, so a value known "
         "only at run time cannot choose what Python does (if/while on a tensor, .item(), "
         ".tolist(), bool(tensor), data-dependent shapes). Express the choice on the "
         "device instead: use poptorch.cond(condition, then_body, then_inputs, else_body, "

@@ -77,6 +77,11 @@ class _InstrumentedParameter(torch.nn.Parameter):
         memo[id(self)] = result
         return result
 
+    def __repr__(self, **kwargs):
+        _sync((self,))
+        return torch.nn.Parameter.__repr__(torch.nn.Parameter(_plain(self),
+                                                              self.requires_grad))
+
 
 class _InstrumentedBuffer(torch.Tensor):
     """A buffer of a model wrapped for training on the device."""
@@ -92,6 +97,10 @@ class _InstrumentedBuffer(torch.Tensor):
         result = _plain(self).clone()
         memo[id(self)] = result
         return result
+
+    def __repr__(self, **kwargs):
+        _sync((self,))
+        return repr(_plain(self))
 
 
 _CLASSES: dict = {}

@@ -21,6 +21,7 @@ from . import _instrument, enums
 from ._args import (ArgsParser, BoundArgs, Spec, check_batch, flatten, leaf_names,
                     unflatten, validate)
 from ._capture import Captured, capture
+from ._impl import isRunningOnIpu
 from ._logging import logger
 from .options import Options, _ProgressBar
 
@@ -28,6 +29,10 @@ __all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
 
 #: The message of every method that needs a compiled executable.
 NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
+
+#: PopTorch executor methods this version does not provide (a clear AttributeError
+#: instead of the lookup on the user's model).
+_NOT_AVAILABLE = frozenset({"save", "compileAndExport", "loadExecutable"})
 
 #: Training executors by ``id(user model)`` (live ones only).
 _TRAINING_WRAPPERS: "weakref.WeakValueDictionary[int, PoplarExecutor]" = \
@@ -112,8 +117,7 @@ class PoplarExecutor:
                 from .optim import SGD
                 optimizer = SGD(self._user_model.parameters(), lr=0.01)
             self.setOptimizer(optimizer)
-            _instrument.instrument(self._user_model, self)
-            _TRAINING_WRAPPERS[id(self._user_model)] = self
+            self._instrumentModel()
 
     # -- properties -------------------------------------------------------------------
 
@@ -130,6 +134,11 @@ class PoplarExecutor:
     def __getattr__(self, name: str):
         if name.startswith("__") or name in ("_user_model", "_training", "_attr_tracker"):
             raise AttributeError(name)
+        if name in _NOT_AVAILABLE:
+            raise AttributeError(
+                f"PoplarExecutor.{name}() is not available in this version of the IPU Model "
+                "simulator: exporting and loading executables is not implemented yet. "
+                "Re-create the wrapper and compile it instead.")
         model = self.__dict__["_user_model"]
         value = getattr(model, name)
         if isinstance(value, torch.nn.Parameter):
@@ -138,6 +147,10 @@ class PoplarExecutor:
             if direct:
                 return _ReplicaGroupingProxy(self, name, value)
         return value
+
+    def __deepcopy__(self, memo):
+        raise py_error("A PoplarExecutor cannot be copied: copy the model "
+                       "(copy.deepcopy(executor.model)) and wrap the copy instead.")
 
     def __repr__(self) -> str:
         from ._printing import module_repr
@@ -227,10 +240,31 @@ class PoplarExecutor:
             return bool(o.use_model), bool(o.use_model), env_small and not env_model
         return True, env_model or env_small, env_small and not env_model
 
+    def _instrumentModel(self) -> None:
+        """Training: (re-)instrument the user model for this executor — at wrap time and
+        when recompiling after :meth:`destroy` removed the instrumentation.
+
+        Raises:
+            RuntimeError: another live training executor wraps the model.
+        """
+        model = self._user_model
+        ref = _instrument.executor_ref_of(model)
+        if ref is not None and ref() is self:
+            return
+        other = _TRAINING_WRAPPERS.get(id(model))
+        if other is not None and other is not self and _instrument.is_instrumented(model):
+            raise RuntimeError(
+                "Model has already been wrapped in 'poptorch.trainingModel'. Call "
+                "model.destroy() on the model to unwrap it before wrapping it again.")
+        _instrument.instrument(model, self)
+        _TRAINING_WRAPPERS[id(model)] = self
+
     def _compile(self, bound: BoundArgs, tensors: List[torch.Tensor], spec: Spec) -> None:
         o = self._options
         if o._Popart.options.get("instrumentWithHardwareCycleCounter", False):
             raise py_error("Cycle count logging is only supported on actual IPU hardware.")
+        if self._training:
+            self._instrumentModel()
         sess_opts, self._progress = self._session_options()
         self._checkPerReplicaParams(sess_opts)
         use_model, explicit, small = self._model_selection()
@@ -291,7 +325,8 @@ class PoplarExecutor:
         self.copyWeightsToDevice()
         if self._training:
             self._optimizer_pending = False
-            self._session.setOptimizer(self._optimizer_description)
+            if self._session.optimizer.description is not self._optimizer_description:
+                self._session.setOptimizer(self._optimizer_description)
             self._writePendingOptimizerState()
         if self._rng_cache is not None:
             if len(self._rng_cache) > 1:
@@ -357,6 +392,10 @@ class PoplarExecutor:
             poptorch.Error: inputs that differ from the compiled ones (S-22), a missing
                 mandatory argument, capture or compile errors.
         """
+        if isRunningOnIpu():
+            raise py_error(
+                "A PopTorch model cannot be called inside the forward of another wrapped "
+                "model: call the underlying module (executor.model) there instead.")
         if int(self._options.connection_type) == int(enums.ConnectionType.Never):
             raise AssertionError(
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
@@ -605,8 +644,8 @@ class PoplarExecutor:
                                  "(poptorch.trainingModel).")
         from . import optim
         self._checkOptimizerParameters(optimizer)
-        if optimizer is not self._optimizer and not self.isCompiled():
-            self._attr_tracker.reset()
+        if optimizer is not self._optimizer:
+            self._attr_tracker.reset()  # a new object: its attributes are the baseline
         description = self._describeOptimizer(optimizer, track=True)
         switch = self._checkMeanReductionStrategy(description)
         new_object = self.isCompiled() and self._optimizer is not None and \
@@ -805,6 +844,8 @@ class PoplarExecutor:
     @rng_state.setter
     def rng_state(self, state: List[int]) -> None:
         self._require_executable()
+        if self._session is not None:
+            self._session.checkRngState(state)
         self._rng_cache = state.copy()
         self._rng_stale = False
         if self._attached and self._session is not None:

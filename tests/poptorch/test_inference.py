@@ -818,3 +818,57 @@ def test_in_place_update_of_a_converted_input_is_written_back():
     out = model(t)
     assert out.dtype == torch.float32 and out.tolist() == [3.0, 4.0]
     assert t.dtype == torch.float64 and t.tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_data_dependent_output_shapes_are_rejected(iterations):
+    """Found by a user: x[x > 0] ran with deviceIterations 1 (shape changing from call to
+    call) and failed with a raw RuntimeError with 2."""
+    class M(nn.Module):
+        def forward(self, x):
+            return x[x > 0] * 2
+
+    model = poptorch.inferenceModel(M(), poptorch.Options().deviceIterations(iterations))
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.ones(iterations, 2))
+    message = str(info.value)
+    assert "shape depends on tensor values" in message
+    assert "return x[x > 0] * 2" in message and "torch.where" in message
+    assert not model.isCompiled()
+
+
+def test_wrapped_model_inside_another_forward_is_rejected():
+    """Found by a user: it failed deep inside torch.export with an AssertionError."""
+    inner = poptorch.inferenceModel(nn.Linear(2, 2))
+
+    class Outer(nn.Module):
+        def forward(self, x):
+            return inner(x) + 1
+
+    outer = poptorch.inferenceModel(Outer())
+    with pytest.raises(poptorch.Error, match="cannot be called inside the forward of "
+                                             "another wrapped model"):
+        outer(torch.ones(1, 2))
+    assert not outer.isCompiled()
+
+
+def test_executor_copy_and_export_give_clear_errors():
+    model = poptorch.inferenceModel(Linear6())
+    model(torch.randn(1, 6))
+    with pytest.raises(poptorch.Error, match="cannot be copied"):
+        copy.deepcopy(model)
+    for name in ("save", "compileAndExport", "loadExecutable"):
+        with pytest.raises(AttributeError, match=f"PoplarExecutor.{name}\\(\\) is not "
+                                                 "available"):
+            getattr(model, name)
+    assert model(torch.randn(1, 6)).shape == (1, 20)  # still usable
+
+
+def test_zero_sized_tensors_created_in_forward_are_rejected():
+    class M(nn.Module):
+        def forward(self, x):
+            return x + torch.zeros(0, 2, 5, 5).sum()
+
+    with pytest.raises(poptorch.Error, match=r"Zero-sized tensors are unsupported \(Got "
+                                             r"shape \[0, 2, 5, 5\]\)"):
+        poptorch.inferenceModel(M())(torch.ones(1))

@@ -228,7 +228,7 @@ def test_bad_state_dicts_leave_device_and_host_untouched():
         (with_state(**{"Accl2___fc1.bias": torch.zeros(8, dtype=torch.bool)}),
          poptorch.Error, "dtype torch.bool"),
         ({**good, "ipu_state": [1, 2]}, poptorch.Error, "must be a dict of tensors"),
-        (other_lr(), poptorch.Error, "constant attribute eps"),
+        (other_lr(), poptorch.Error, "constant eps"),
         ({**good, "param_groups": good["param_groups"] * 2}, ValueError, "param"),
     ]
     for state, exc, phrase in bad:

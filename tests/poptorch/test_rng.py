@@ -139,3 +139,22 @@ def test_training_with_dropout_is_reproducible_for_a_seed():
     training.rng_state = state
     out2, _ = training(x, t)
     assert torch.equal(out1, out2)
+
+
+def test_invalid_rng_state_is_rejected_and_the_model_stays_usable():
+    """Found by a user: ``rng_state = [1, 2, 3]`` was accepted and every later call failed
+    with a raw RuntimeError."""
+    class D(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.dropout(x, 0.5, True)
+
+    model = poptorch.inferenceModel(D(), poptorch.Options().randomSeed(1))
+    model(torch.ones(8))
+    good = model.rng_state
+    for bad in ([1, 2, 3], [], ["a"], [1, 300] + good[2:]):
+        with pytest.raises(poptorch.Error, match="Invalid RNG state"):
+            model.rng_state = bad
+    assert model.rng_state == good
+    a = model(torch.ones(8))
+    model.rng_state = good
+    assert torch.equal(model(torch.ones(8)), a)

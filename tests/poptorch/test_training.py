@@ -595,3 +595,52 @@ def test_non_scalar_final_loss_behaves_like_its_sum():
         for p in ref.parameters():
             p -= 0.1 * p.grad
     assert_same_weights(m, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_recompiling_after_destroy_keeps_host_in_sync():
+    """Found by a user: after destroy() a re-used training executor trained on, but the
+    host model was no longer instrumented and kept stale weights."""
+    m = Classifier()
+    training = poptorch.trainingModel(m, optimizer=poptorch.optim.SGD(m.parameters(), lr=0.5))
+    x, t = torch.randn(8, 6), torch.randint(0, 4, (8,))
+    training(x, t)
+    training.destroy()
+    assert type(m) is Classifier
+    before = m.fc1.weight.detach().clone()
+    for _ in range(3):
+        training(x[:4], t[:4])  # recompiles with the new shape
+    assert type(m).__name__ == "PoptorchClassifier"
+    assert not torch.equal(before, m.fc1.weight.detach())
+    out = poptorch.inferenceModel(m)(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x))
+
+
+def test_destroyed_executor_cannot_retake_a_model_wrapped_again():
+    m = Classifier()
+    first = poptorch.trainingModel(m)
+    x, t = torch.randn(2, 6), torch.randint(0, 4, (2,))
+    first(x, t)
+    first.destroy()
+    second = poptorch.trainingModel(m)
+    second(x, t)
+    with pytest.raises(RuntimeError, match="already been wrapped"):
+        first(x, t)
+    second(x, t)  # unaffected
+
+
+def test_printing_instrumented_tensors_looks_like_plain_ones():
+    m = Classifier()
+    m.register_buffer("steps", torch.zeros(2))
+    training = poptorch.trainingModel(m)
+    training(torch.randn(2, 6), torch.randint(0, 4, (2,)))
+    text = repr(m.fc2.bias)
+    assert text.startswith("Parameter containing:\ntensor(") and "_Instrumented" not in text
+    assert repr(m.steps) == "tensor([0., 0.])"
+    assert torch.equal(m.fc2.bias, training._session.readWeights()["fc2.bias"])
+
+
+def test_optimizer_is_logged_once_per_compile(poptorch_logs):
+    m = Classifier()
+    poptorch.trainingModel(m)(torch.randn(2, 6), torch.randint(0, 4, (2,)))
+    assert poptorch_logs.text.count("Updating graph optimizer with SGD") == 1
