@@ -61,8 +61,6 @@ def _aliased_base(node: fx.Node) -> fx.Node:
         schema = node.target._schema
         if not schema.returns or schema.returns[0].alias_info is None:
             break
-        if schema.returns[0].alias_info.is_write:  # in-place op returns its input
-            pass
         first = node.args[0] if node.args else None
         if not isinstance(first, fx.Node):
             break

@@ -467,10 +467,7 @@ class PoplarExecutor:
         leaves = [outputs[i] if i is not None else next(host) for i in captured.output_leaves]
         for t in leaves:
             if isinstance(t, torch.Tensor):
-                try:
-                    t.backward = _no_backward  # type: ignore[method-assign]
-                except (AttributeError, TypeError):
-                    pass
+                t.backward = _no_backward  # type: ignore[method-assign]
         return unflatten(captured.output_spec, iter(leaves))
 
     # -- weights ----------------------------------------------------------------------
