@@ -152,6 +152,13 @@ class PoplarExecutor:
         raise py_error("A PoplarExecutor cannot be copied: copy the model "
                        "(copy.deepcopy(executor.model)) and wrap the copy instead.")
 
+    def __copy__(self):
+        self.__deepcopy__({})
+
+    def __reduce_ex__(self, protocol):
+        raise py_error("A PoplarExecutor cannot be pickled: save the model (or its "
+                       "state_dict()) instead, and wrap it again after loading.")
+
     def __repr__(self) -> str:
         from ._printing import module_repr
         return module_repr(self._user_model)
@@ -641,17 +648,23 @@ class PoplarExecutor:
                                  "(poptorch.trainingModel).")
         from . import optim
         self._checkOptimizerParameters(optimizer)
-        if optimizer is not self._optimizer:
-            self._attr_tracker.reset()  # a new object: its attributes are the baseline
-        description = self._describeOptimizer(optimizer, track=True)
-        switch = self._checkMeanReductionStrategy(description)
-        new_object = self.isCompiled() and self._optimizer is not None and \
-            optimizer is not self._optimizer
-        carries_state = isinstance(optimizer, optim.Optimizer) and optimizer.has_state()
-        if self._session is not None:
-            self._session.checkOptimizer(description)
-            if new_object and carries_state:
-                self._session.checkOptimizerState(optimizer.get_state_dict()["ipu_state"])
+        known = self._attr_tracker.known
+        try:
+            if optimizer is not self._optimizer:
+                self._attr_tracker.reset()  # a new object: its attributes are the baseline
+            description = self._describeOptimizer(optimizer, track=True)
+            switch = self._checkMeanReductionStrategy(description)
+            new_object = self.isCompiled() and self._optimizer is not None and \
+                optimizer is not self._optimizer
+            carries_state = isinstance(optimizer, optim.Optimizer) and optimizer.has_state()
+            if self._session is not None:
+                self._session.checkOptimizer(description)
+                if new_object and carries_state:
+                    self._session.checkOptimizerState(
+                        optimizer.get_state_dict()["ipu_state"])
+        except BaseException:
+            self._attr_tracker.known = known  # a rejected optimizer changes nothing
+            raise
         # -- all checks passed: commit --
         if switch:
             logger.info("Optimizer accum_type is float16: setting "

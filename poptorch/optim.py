@@ -447,7 +447,7 @@ class OptimizerAttrTracker:
 
     def reset(self) -> None:
         """Record the attributes of the next conversion again."""
-        self._known: Optional[Dict[str, set]] = None
+        self.known: Optional[Dict[str, set]] = None
 
     @staticmethod
     def _attributes(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
@@ -460,17 +460,17 @@ class OptimizerAttrTracker:
     def check(self, optimizer: torch.optim.Optimizer, kind: str) -> None:
         """Record (first call) or check the attributes of ``optimizer``."""
         found = self._attributes(optimizer)
-        if self._known is None:
-            self._known = {"group": set().union(*found["group"]) if found["group"]
+        if self.known is None:
+            self.known = {"group": set().union(*found["group"]) if found["group"]
                            else set(), "optimizer": found["optimizer"],
                            "defaults": found["defaults"]}
             return
         for index, keys in enumerate(found["group"]):
-            self._report(f"group {index} attribute", kind, keys - self._known["group"])
+            self._report(f"group {index} attribute", kind, keys - self.known["group"])
         self._report("optimizer attribute", kind,
-                     found["optimizer"] - self._known["optimizer"])
+                     found["optimizer"] - self.known["optimizer"])
         self._report("default group variable", kind,
-                     found["defaults"] - self._known["defaults"])
+                     found["defaults"] - self.known["defaults"])
 
     def _report(self, what: str, kind: str, extra: set) -> None:
         if not extra:

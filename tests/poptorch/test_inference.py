@@ -872,3 +872,15 @@ def test_zero_sized_tensors_created_in_forward_are_rejected():
     with pytest.raises(poptorch.Error, match=r"Zero-sized tensors are unsupported \(Got "
                                              r"shape \[0, 2, 5, 5\]\)"):
         poptorch.inferenceModel(M())(torch.ones(1))
+
+
+def test_shallow_copies_and_pickles_of_executors_are_refused():
+    """Found by a user: copy.copy(executor) shared the device weights without the host
+    synchronisation."""
+    import pickle
+    model = poptorch.inferenceModel(Linear6())
+    model(torch.randn(1, 6))
+    with pytest.raises(poptorch.Error, match="cannot be copied"):
+        copy.copy(model)
+    with pytest.raises(poptorch.Error, match="cannot be pickled"):
+        pickle.dumps(model)

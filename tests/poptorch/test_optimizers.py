@@ -711,3 +711,27 @@ def test_identity_loss_reductions_train_like_plain_pytorch(reduction):
     assert out.shape == last.shape
     torch.testing.assert_close(out, last.detach(), **TOL)
     assert_same_weights(model, ref)
+
+
+def test_rejected_set_optimizer_leaves_attribute_tracking_unchanged(poptorch_logs):
+    """Found by a user: after a rejected setOptimizer(Adam), valid setOptimizer calls of
+    the compiled SGD warned that its momentum was being ignored."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return poptorch.identity_loss(self.fc(x).sum(), "sum")
+
+    m = Net()
+    opt = poptorch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    training = poptorch.trainingModel(m, optimizer=opt)
+    training(torch.ones(1, 3))
+    with pytest.raises(poptorch.Error, match="optimizer type: SGD -> Adam"):
+        training.setOptimizer(poptorch.optim.Adam(m.parameters(), lr=0.1))
+    poptorch_logs.clear()
+    opt.param_groups[0]["lr"] = 0.05
+    training.setOptimizer(opt)
+    assert "Ignoring unexpected" not in poptorch_logs.text
+    training(torch.ones(1, 3))
