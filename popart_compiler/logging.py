@@ -59,7 +59,8 @@ class _StreamHandler(logging.StreamHandler):
 
     @stream.setter
     def stream(self, value):
-        pass
+        """Ignored: the handler always writes to the current ``sys.stderr`` /
+        ``sys.stdout`` (``logging`` assigns a stream when the handler is created)."""
 
 
 def make_logger(name: str, lowercase: bool, dest: str = "stderr") -> logging.Logger:
