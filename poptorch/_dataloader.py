@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import collections.abc
+import contextlib
 import os
 import pickle
 import signal
@@ -122,12 +123,10 @@ def _pack_exception(exc: BaseException):
 
 def _unpack_exception(data, type_name, message) -> BaseException:
     if data is not None:
-        try:
+        with contextlib.suppress(Exception):
             exc = pickle.loads(data)
             if isinstance(exc, BaseException):
                 return exc
-        except Exception:  # pylint: disable=broad-except
-            pass
     return RuntimeError(f"{type_name}: {message}")
 
 
@@ -182,10 +181,8 @@ class _DatasetPayload:
                 with open(self.path, "rb") as f:
                     return pickle.load(f)
             finally:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(self.path)
-                except OSError:
-                    pass
         if self.data is not None:
             return pickle.loads(self.data)
         return self.obj
@@ -235,12 +232,10 @@ class _Fetcher:
         """After reporting an error: stay alive until told to stop, so that the training
         process can still receive the shared buffers and consume the batches loaded
         before the error (they are delivered first, as in Sync mode)."""
-        try:
+        with contextlib.suppress(_Stop):
             while True:
                 self.check(None)
                 time.sleep(0.005)
-        except _Stop:
-            pass
 
     def acquire(self, pass_id: int) -> None:
         """Wait until slot ``w`` is free."""
@@ -267,10 +262,8 @@ class _Fetcher:
             else:
                 time.sleep(max(self.miss_sleep, 0.0005))
                 continue
-            try:
+            with contextlib.suppress(_Abandon):
                 self.run_pass(current)
-            except _Abandon:
-                pass
 
     def source(self):
         return _iterate_source(self.dataset)
@@ -409,10 +402,8 @@ def _iterate_source(dataset):
 
 
 def _safe_send(conn, msg) -> None:
-    try:
+    with contextlib.suppress(Exception):
         conn.send(msg)
-    except Exception:  # pylint: disable=broad-except
-        pass
 
 
 def _on_sigterm(signum, frame):  # pragma: no cover - runs in the worker
@@ -440,7 +431,7 @@ def _worker_main(conn, inherited_parent_conn, ctrl, slots, payload, settings) ->
     try:
         fetcher.run()
     except _Stop:
-        pass
+        return  # told to stop, or the training process is gone: a normal exit
     except BaseException as exc:  # pylint: disable=broad-except
         _safe_send(conn, ("error", ) + _pack_exception(exc))
         fetcher.linger()
@@ -456,10 +447,8 @@ _LIVE_ACCESSORS: "weakref.WeakSet[AsynchronousDataAccessor]" = weakref.WeakSet()
 
 def _terminate_all() -> None:
     for accessor in list(_LIVE_ACCESSORS):
-        try:
+        with contextlib.suppress(Exception):
             accessor.terminate()
-        except Exception:  # pylint: disable=broad-except
-            pass
 
 
 atexit.register(_terminate_all)
@@ -475,7 +464,7 @@ _START_METHODS = {
 def _prepare_forkserver() -> None:
     """Preload torch and this module in the fork server (once, before it starts), so that
     each worker forked from it does not import them again."""
-    try:
+    with contextlib.suppress(Exception):
         from multiprocessing import forkserver  # pylint: disable=import-outside-toplevel
         server = forkserver._forkserver  # pylint: disable=protected-access
         if getattr(server, "_forkserver_pid", None) is not None:
@@ -485,8 +474,6 @@ def _prepare_forkserver() -> None:
             if name not in modules:
                 modules.append(name)
         server.set_forkserver_preload(modules)
-    except Exception:  # pylint: disable=broad-except
-        pass
 
 
 class AsynchronousDataAccessor:
@@ -644,11 +631,9 @@ class AsynchronousDataAccessor:
             if method != "fork":
                 # User parsers registered at run time do not exist in a fresh interpreter.
                 for arg_type, parser in _custom_parsers._PARSERS.items():  # pylint: disable=protected-access
-                    try:
+                    with contextlib.suppress(Exception):
                         pickle.dumps((arg_type, parser))
                         parsers[arg_type] = parser
-                    except Exception:  # pylint: disable=broad-except
-                        pass
             settings = dict(buffer_size=self._buffer_size,
                             miss_sleep_time_in_ms=self._miss_sleep_time_in_ms,
                             load_indefinitely=self._load_indefinitely,
@@ -706,7 +691,7 @@ class AsynchronousDataAccessor:
         process = self._process
         self._process = None
         if process is not None:
-            try:
+            with contextlib.suppress(Exception):
                 if self._ctrl_np is not None:
                     self._ctrl_np[_STOP] = 1
                 process.join(_JOIN_TIMEOUT_S)
@@ -716,25 +701,17 @@ class AsynchronousDataAccessor:
                 if process.is_alive():
                     process.kill()
                     process.join()
-            except Exception:  # pylint: disable=broad-except
-                pass
-            try:
+            with contextlib.suppress(Exception):
                 process.close()
-            except Exception:  # pylint: disable=broad-except
-                pass
         self._cleanup_resources()
 
     def _cleanup_resources(self) -> None:
         if self._conn is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._conn.close()
-            except Exception:  # pylint: disable=broad-except
-                pass
         if self._temp_file is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self._temp_file)
-            except OSError:
-                pass
         self._reset_state()
 
     def terminate(self) -> None:
@@ -753,10 +730,8 @@ class AsynchronousDataAccessor:
 
     def __del__(self):
         """Stop the worker when the accessor is garbage collected."""
-        try:
+        with contextlib.suppress(Exception):
             self.terminate()
-        except Exception:  # pylint: disable=broad-except
-            pass
 
     # ------------------------------------------------------------------ iteration
     def __len__(self) -> int:
@@ -900,11 +875,9 @@ class AsynchronousDataAccessor:
     def _wait_for_buffers(self) -> None:
         while self._buffers is None:
             if self._conn.poll(_LIVENESS_PERIOD_S):
-                try:
+                with contextlib.suppress(EOFError, OSError):
                     self._handle_message(self._conn.recv())
                     continue
-                except (EOFError, OSError):
-                    pass
             self._check_worker()
 
     def _build(self, r: int):
@@ -1069,10 +1042,8 @@ class _ProgressIterator:
             self._bar = None
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # pylint: disable=broad-except
-            pass
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -1416,7 +1387,5 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __del__(self):
         """Stop the asynchronous worker when the loader is garbage collected."""
-        try:
+        with contextlib.suppress(Exception):
             self.terminate()
-        except Exception:  # pylint: disable=broad-except
-            pass

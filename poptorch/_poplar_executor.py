@@ -818,7 +818,8 @@ class PoplarExecutor:
     def __del__(self):
         """A training executor that goes away hands its trained weights and its optimizer
         state to the host and removes the instrumentation, so nothing trained is lost."""
-        try:
+        # At interpreter shutdown the modules used here may already be gone.
+        with contextlib.suppress(Exception):
             if not self.__dict__.get("_training") or "_user_model" not in self.__dict__:
                 return
             if self._executable is not None and self._host_weights_stale:
@@ -829,8 +830,6 @@ class PoplarExecutor:
             ref = _instrument.executor_ref_of(model)
             if ref is not None and ref() in (None, self):
                 _instrument.uninstrument(model)
-        except Exception:  # interpreter shutdown: modules may already be gone
-            pass
 
     # -- RNG --------------------------------------------------------------------------
 
