@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from .compiler import Executable
 from .errors import Error, backend_error
+from .interrupts import deferred_interrupts
 from .ipu_model import IpuModel
 from .logging import logger
 from .optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
@@ -327,6 +328,29 @@ def _fp_error(node: fx.Node, what: str):
         "values through.", type="poplar_application_runtime_error")
 
 
+class _SavedTensors:
+    """Copies of a list of device tensors in storage reused from one run to the next
+    (reallocated only when the list changes), for the all-or-nothing rollback."""
+
+    def __init__(self):
+        self._key: Optional[tuple] = None
+        self._copies: List[torch.Tensor] = []
+
+    def take(self, tensors: List[torch.Tensor]) -> None:
+        key = tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
+        if key != self._key:
+            self._copies = [torch.empty_like(t, requires_grad=False) for t in tensors]
+            self._key = key
+        if tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(self._copies, [t.detach() for t in tensors])
+
+    def put_back(self, tensors: List[torch.Tensor]) -> None:
+        if tensors:
+            with torch.no_grad():
+                torch._foreach_copy_([t.detach() for t in tensors], self._copies)
+
+
 class _Session(abc.ABC):
     """Shared part of inference and training sessions."""
 
@@ -347,6 +371,7 @@ class _Session(abc.ABC):
         self.perf_counters: Dict[str, List[List[float]]] = {
             "input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
         self.runs = 0
+        self._saved = _SavedTensors()
 
     # -- weights IO -------------------------------------------------------------------
 
@@ -464,15 +489,16 @@ class _Session(abc.ABC):
                               "input_complete": [[now] for _ in inputs] or [[]],
                               "output": [[]], "output_complete": [[]]}
         ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
-        # A floating-point exception may abort a run half-way: the device then keeps
-        # the state it had before the run.
-        snap = self._snapshot() if self.options.fp_exceptions else None
+        # All or nothing (S-73): whatever ends a run early (an error, a
+        # KeyboardInterrupt) leaves the device as it was before the run.
+        mutable = self._mutable_tensors(inputs)
+        snap = self._snapshot(mutable)
         try:
             with ctx:
                 outs = self._run(inputs)
-        except Error:
-            if snap is not None:
-                self._restore(snap)
+        except BaseException:
+            with deferred_interrupts():
+                self._restore(snap, mutable)
             raise
         done = time.perf_counter()
         self.perf_counters["output"] = [[done] for _ in outs] or [[]]
@@ -480,21 +506,28 @@ class _Session(abc.ABC):
         self.runs += 1
         return outs
 
-    def _snapshot(self) -> Dict[str, object]:
+    def _mutable_tensors(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The device tensors a run may write in place: buffers the graph mutates (every
+        replica's copy) and user inputs it mutates; training adds trainable parameters
+        and optimizer state (:meth:`TrainingSession._mutable_tensors`)."""
+        g = self.executable.graph
         w = self.weights
-        return {"params": [p.detach().clone() for p in w.params],
-                "buffers": [[b.clone() for b in bufs] for bufs in w.buffers],
-                "rng": None if self.rng.state is None else self.rng.state.clone()}
+        out = [bufs[i] for bufs in w.buffers for i, n in enumerate(g.buffers)
+               if n in g.mutated_buffers]
+        out.extend(inputs[i] for i in sorted(g.mutated_inputs) if i < len(inputs))
+        return out
 
-    def _restore(self, snap: Dict[str, object]) -> None:
-        w = self.weights
-        with torch.no_grad():
-            for p, v in zip(w.params, snap["params"]):
-                p.copy_(v)
-            for bufs, values in zip(w.buffers, snap["buffers"]):
-                for b, v in zip(bufs, values):
-                    b.copy_(v)
+    def _snapshot(self, mutable: List[torch.Tensor]) -> Dict[str, object]:
+        """Copy what a run changes into buffers kept from run to run (one ``memcpy``
+        per mutable tensor; nothing is allocated after the first run)."""
+        self._saved.take(mutable)
+        return {"rng": None if self.rng.state is None else self.rng.state.clone(),
+                "anchors": dict(self.anchors)}
+
+    def _restore(self, snap: Dict[str, object], mutable: List[torch.Tensor]) -> None:
+        self._saved.put_back(mutable)
         self.rng.state = snap["rng"]
+        self.anchors = snap["anchors"]
 
     @abc.abstractmethod
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -578,13 +611,17 @@ class TrainingSession(_Session):
         for i, line in enumerate(lines[1:]):
             logger.debug("Updating group %d optimizer with %s", i, line)
 
-    def _snapshot(self) -> Dict[str, object]:
-        snap = super()._snapshot()
-        snap["optimizer"] = self.optimizer.snapshot()
+    def _mutable_tensors(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        params = [p for p in self.weights.params if p.requires_grad]
+        return params + super()._mutable_tensors(inputs) + self.optimizer.state_tensors()
+
+    def _snapshot(self, mutable: List[torch.Tensor]) -> Dict[str, object]:
+        snap = super()._snapshot(mutable)
+        snap["optimizer"] = self.optimizer.snapshot(copy_state=False)
         return snap
 
-    def _restore(self, snap: Dict[str, object]) -> None:
-        super()._restore(snap)
+    def _restore(self, snap: Dict[str, object], mutable: List[torch.Tensor]) -> None:
+        super()._restore(snap, mutable)
         self.optimizer.restore(snap["optimizer"])
 
     def checkOptimizer(self, description: OptimizerDescription) -> None:

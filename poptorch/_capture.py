@@ -22,6 +22,7 @@ from popart_compiler.ir import Graph
 
 from . import _impl
 from ._args import BoundArgs, Spec, flatten, unflatten
+from ._capture_guard import capture_guard, thread_stderr
 from ._logging import logger
 
 __all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
@@ -211,7 +212,7 @@ def _quiet_torch_logs() -> Iterator[None]:
     real_stderr = sys.stderr
     buffer = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(buffer):
+        with warnings.catch_warnings(), thread_stderr(buffer):
             warnings.filterwarnings("ignore", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*TorchScript.*")
             yield
@@ -288,6 +289,31 @@ def _check_state_unchanged(model: torch.nn.Module, before) -> None:
                     f"method. This is not supported. Consider using self.{attr}.copy_(src) "
                     f"to copy data from a source tensor, where src is the name of the "
                     "source tensor.")
+
+
+#: Attributes every ``nn.Module`` has (its own bookkeeping, never the user's).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def _container_attributes(model: torch.nn.Module) -> List[Tuple[Dict[str, Any], str, Any]]:
+    """``(vars(module), name, value)`` of every dict / list / set / tuple attribute of
+    the user's modules."""
+    found = []
+    for module in model.modules():
+        attrs = vars(module)
+        for name, value in attrs.items():
+            if name not in _MODULE_INTERNALS and isinstance(value, (dict, list, set, tuple)):
+                found.append((attrs, name, value))
+    return found
+
+
+def _restore_containers(found: List[Tuple[Dict[str, Any], str, Any]]) -> None:
+    """Put back the user's container objects: ``torch.export`` rebuilds containers it
+    traces through and writes the copies back into the module, after which edits the
+    user makes to the original (``model.cfg["flag"] = True``) would not be seen."""
+    for attrs, name, value in found:
+        if name in attrs and attrs[name] is not value:
+            attrs[name] = value
 
 
 def _restore_state(model: torch.nn.Module, before) -> None:
@@ -380,48 +406,51 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         out_box.update(spec=spec, leaves=leaves, host=host)
         return tuple(graph_outs)
 
-    for hook in list(_PRE_HOOKS.values()):
-        hook()
-    before = _state_identity(model)
-    constants_before = _plain_tensor_attributes(model)
-    had_forward = "forward" in vars(model)
-    saved_forward = vars(model).get("forward")
-    model.forward = flat_forward
-    undo_ipu = _patch_tensor_ipu()
-    try:
-        example = tuple(t.detach() for t in micro_batch)
-        _reset_blocks()
-        with _impl.device_context(training), _quiet_torch_logs(), \
-                _device_weights(model), _IpuDeviceMode(device), \
-                _no_distribution_validation():
-            program = torch.export.export(model, example, strict=False)
-        _check_state_unchanged(model, before)
-    except Exception as exc:
-        try:
-            _check_state_unchanged(model, before)  # S-5 explains most failures
-        finally:
-            _restore_state(model, before)
-        if isinstance(exc, Error):
-            raise
-        if _is_data_dependent(exc):
-            raise _data_dependent_error(exc) from None
-        frame = _user_frame(exc)
-        origin = traceback.extract_tb(exc.__traceback__)
-        if frame is not None and origin and origin[-1].filename == frame.filename:
-            raise  # raised by the user's own code
-        if isinstance(exc, (AssertionError, ValueError, TypeError, RuntimeError,
-                            NotImplementedError, KeyError, IndexError)) and frame is None:
-            raise
-        raise backend_error(f"Failed to capture the model's forward: "
-                            f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        undo_ipu()
-        if had_forward:
-            model.forward = saved_forward
-        else:
-            vars(model).pop("forward", None)
-        for hook in list(_POST_HOOKS.values()):
+    with capture_guard():
+        for hook in list(_PRE_HOOKS.values()):
             hook()
+        before = _state_identity(model)
+        constants_before = _plain_tensor_attributes(model)
+        containers = _container_attributes(model)
+        had_forward = "forward" in vars(model)
+        saved_forward = vars(model).get("forward")
+        model.forward = flat_forward
+        undo_ipu = _patch_tensor_ipu()
+        try:
+            example = tuple(t.detach() for t in micro_batch)
+            _reset_blocks()
+            with _impl.device_context(training), _quiet_torch_logs(), \
+                    _device_weights(model), _IpuDeviceMode(device), \
+                    _no_distribution_validation():
+                program = torch.export.export(model, example, strict=False)
+            _check_state_unchanged(model, before)
+        except Exception as exc:
+            try:
+                _check_state_unchanged(model, before)  # S-5 explains most failures
+            finally:
+                _restore_state(model, before)
+            if isinstance(exc, Error):
+                raise
+            if _is_data_dependent(exc):
+                raise _data_dependent_error(exc) from None
+            frame = _user_frame(exc)
+            origin = traceback.extract_tb(exc.__traceback__)
+            if frame is not None and origin and origin[-1].filename == frame.filename:
+                raise  # raised by the user's own code
+            if isinstance(exc, (AssertionError, ValueError, TypeError, RuntimeError,
+                                NotImplementedError, KeyError, IndexError)) and frame is None:
+                raise
+            raise backend_error(f"Failed to capture the model's forward: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            undo_ipu()
+            _restore_containers(containers)
+            if had_forward:
+                model.forward = saved_forward
+            else:
+                vars(model).pop("forward", None)
+            for hook in list(_POST_HOOKS.values()):
+                hook()
     _bake_constants(program, constants_before)
     graph = Graph(program)
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),

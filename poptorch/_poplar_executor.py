@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -47,6 +49,16 @@ def _no_backward(*args, **kwargs):
                    "inferenceModel, you should use a trainingModel instead.")
 
 
+def _serialised(method: Callable) -> Callable:
+    """Run ``method`` holding its executor's lock: calls, weight copies, optimizer
+    changes and attachment of one executor never interleave across threads."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class PoplarExecutor:
     """A model wrapped for the (simulated) IPU. Created by :func:`poptorch.trainingModel`,
     :func:`poptorch.inferenceModel` — not directly.
@@ -60,6 +72,8 @@ class PoplarExecutor:
     def __init__(self, model: torch.nn.Module, options: Optional[Options], training: bool,
                  poptorch_version: str, optimizer: Optional[torch.optim.Optimizer] = None,
                  user_model: Optional[torch.nn.Module] = None):
+        #: One call at a time per executor (re-entrant: a call may copy weights).
+        self._lock = threading.RLock()
         if options is None:
             options = Options()
         if not isinstance(options, Options):
@@ -292,7 +306,11 @@ class PoplarExecutor:
         device = acquire() if connection == int(enums.ConnectionType.Always) else None
         progress = self._progress
         model = self._model
-        suspend = _instrument.suspended(self._user_model) if self._training else _null()
+        # Capture reads shapes, not values: no implicit device → host copy for a model
+        # trained by another executor (it could wait on that executor from inside
+        # the process-wide capture lock).
+        suspend = _instrument.suspended(self._user_model) if self._training \
+            else _instrument.syncing()
         try:
             progress(0, 10)
             with suspend, _one_replica_slices(self._user_model, self.per_replica_params):
@@ -372,6 +390,7 @@ class PoplarExecutor:
                     f"replicationFactor {replicas} and this grouping its dimension 0 must "
                     f"be the number of replica groups ({groups}), one value per group.")
 
+    @_serialised
     def compile(self, *args, **kwargs) -> None:
         """Capture and compile with these example arguments, attach and upload weights,
         optimizer and RNG state — like the first call, without running (api §5.3).
@@ -386,6 +405,7 @@ class PoplarExecutor:
 
     # -- running ----------------------------------------------------------------------
 
+    @_serialised
     def __call__(self, *args, **kwargs):
         """Run the model on the device (api §5.2). Takes what ``forward`` takes.
 
@@ -409,7 +429,8 @@ class PoplarExecutor:
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
                 "model.compile(inputs) instead of model(inputs).")
         bound, tensors, spec = self._bind(args, kwargs)
-        if not self.isCompiled():
+        first = not self.isCompiled()
+        if first:
             self._compile(bound, tensors, spec)
         else:
             self._validateInputs(bound, spec)
@@ -426,7 +447,12 @@ class PoplarExecutor:
                 self._implicitCopyWeightsToHost()
             self._writePendingOptimizerState()
         inputs = self._device_inputs(tensors)
-        outputs = self._session.run(inputs)
+        try:
+            outputs = self._session.run(inputs)
+        except BaseException:
+            if first:  # a compile is committed by its first successful run
+                self._discardExecutable()
+            raise
         self._writeBackInputs(tensors, inputs)
         self._anchor_values = {a.key: self._session.anchors[a.key]
                                for a in self._executable.options.anchors
@@ -487,6 +513,7 @@ class PoplarExecutor:
             named.update(dict(model.named_buffers(remove_duplicate=False)))
         return named
 
+    @_serialised
     def copyWeightsToHost(self) -> None:
         """Device → host: every parameter and buffer, in place, keeping host dtypes
         (api §5.7). Bumps the host weight version (S-31).
@@ -512,10 +539,14 @@ class PoplarExecutor:
         self._host_weights_stale = False
         self._host_weights_version += 1
 
+    @_serialised
     def _implicitCopyWeightsToHost(self) -> None:
+        if not self._host_weights_stale:  # another thread copied while this one waited
+            return
         logger.debug("Implicit copyWeightsToHost()")
         self.copyWeightsToHost()
 
+    @_serialised
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy device → host if a run happened since the last copy; returns whether it
         copied. Always ``False`` for inference executors (api §5.9)."""
@@ -524,6 +555,7 @@ class PoplarExecutor:
         self._implicitCopyWeightsToHost()
         return True
 
+    @_serialised
     def copyWeightsToDevice(self) -> None:
         """Host → device: every parameter and buffer (api §5.8). Does not first pull the
         device's weights: un-copied training results are overwritten (S-32).
@@ -546,6 +578,7 @@ class PoplarExecutor:
         self._uploaded_version = trainer._host_weights_version if trainer is not None \
             else self._host_weights_version
 
+    @_serialised
     def copyNamedBuffersToDevice(self) -> None:
         """Upload only the buffers listed with ``Options.updatableNamedBuffers``.
 
@@ -561,6 +594,7 @@ class PoplarExecutor:
         with _instrument.syncing():
             self._session.writeWeights({n: host[n].detach() for n in names if n in host})
 
+    @_serialised
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
         """``model.load_state_dict`` then, if attached, :meth:`copyWeightsToDevice`."""
         result = self._user_model.load_state_dict(state_dict, strict)
@@ -629,6 +663,7 @@ class PoplarExecutor:
                 "the first compilation, or call destroy() and compile again.")
         return True
 
+    @_serialised
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Set or update the optimizer (api §5.12, S-50…S-58).
 
@@ -695,6 +730,7 @@ class PoplarExecutor:
         elif changed:
             self._optimizer_pending = True
 
+    @_serialised
     def _checkOptimizerStateFits(self, optimizer, ipu_state) -> None:
         """Called by ``optimizer.load_state_dict``: the loaded state and the loaded
         param groups' hyper-parameters must fit the compiled optimizer.
@@ -707,6 +743,7 @@ class PoplarExecutor:
         self._session.checkOptimizerState(ipu_state)
         self._session.checkOptimizer(self._describeOptimizer(optimizer))
 
+    @_serialised
     def _syncOptimizerStateToHost(self) -> None:
         from . import optim
         opt = self._optimizer
@@ -761,6 +798,7 @@ class PoplarExecutor:
 
     # -- device attachment ---------------------------------------------------------------
 
+    @_serialised
     def detachFromDevice(self) -> None:
         """Release the device (api §5.13). Training executors first copy weights and
         optimizer state back; every executor saves its RNG state.
@@ -778,6 +816,7 @@ class PoplarExecutor:
         self._attached = False
         logger.debug("Detached from device %d", self._device.device_id if self._device else 0)
 
+    @_serialised
     def attachToDevice(self) -> None:
         """Attach again and re-upload weights, optimizer and RNG state (api §5.13).
 
@@ -797,6 +836,18 @@ class PoplarExecutor:
             self._optimizer._state_pending = True
         self._uploadState()
 
+    def _discardExecutable(self) -> None:
+        """Forget a compilation whose first run failed: the next call captures and
+        compiles again (possibly for other input types). Nothing ran on the device,
+        so there is nothing to copy back."""
+        self._executable = None
+        self._session = None
+        self._attached = False
+        self._captured = None
+        self._input_spec = None
+        self._input_names = []
+
+    @_serialised
     def destroy(self) -> None:
         """Discard the executable (api §5.15). Training executors copy weights and
         optimizer state back first and remove the model's instrumentation. The executor
@@ -841,6 +892,7 @@ class PoplarExecutor:
             self._rng_stale = False
 
     @property
+    @_serialised
     def rng_state(self) -> Optional[List[int]]:
         """``[seed, *state]`` of the device RNG (api §5.16, S-96, S-97).
 
@@ -852,6 +904,7 @@ class PoplarExecutor:
         return None if self._rng_cache is None else list(self._rng_cache)
 
     @rng_state.setter
+    @_serialised
     def rng_state(self, state: List[int]) -> None:
         self._require_executable()
         if self._session is not None:
@@ -1030,11 +1083,3 @@ def _one_replica_slices(model: torch.nn.Module, groupings: Dict[str, Any]):
 def _optimizer_mixin():
     from .optim import Optimizer
     return Optimizer
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
