@@ -447,9 +447,17 @@ class PoplarExecutor:
                 self._implicitCopyWeightsToHost()
             self._writePendingOptimizerState()
         inputs = self._device_inputs(tensors)
+        # The host is told before the run that the device may move ahead, so that a
+        # Ctrl-C arriving just after the run leaves no trained weights unseen; the
+        # session rolls a failed run back (S-73), and then the flags are put back.
+        flags = (self._rng_stale, self._host_weights_stale, self._optimizer_state_stale)
+        self._rng_stale = True
+        if self._training:
+            self._host_weights_stale = self._optimizer_state_stale = True
         try:
             outputs = self._session.run(inputs)
         except BaseException:
+            self._rng_stale, self._host_weights_stale, self._optimizer_state_stale = flags
             if first:  # a compile is committed by its first successful run
                 self._discardExecutable()
             raise
@@ -457,10 +465,6 @@ class PoplarExecutor:
         self._anchor_values = {a.key: self._session.anchors[a.key]
                                for a in self._executable.options.anchors
                                if a.key in self._session.anchors}
-        self._rng_stale = True
-        if self._training:
-            self._host_weights_stale = True
-            self._optimizer_state_stale = True
         return self._buildOutputs(outputs)
 
     def _validateInputs(self, bound: BoundArgs, spec: Spec) -> None:
