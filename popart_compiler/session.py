@@ -355,6 +355,9 @@ class _Session(abc.ABC):
     """Shared part of inference and training sessions."""
 
     training = False
+    #: Roll a failed run back (S-73). Only ``bench/overhead.py`` turns it off, to
+    #: measure what the snapshot costs.
+    all_or_nothing = True
 
     def __init__(self, executable: Executable, device: Optional[IpuModel] = None):
         self.executable = executable
@@ -491,14 +494,15 @@ class _Session(abc.ABC):
         ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
         # All or nothing (S-73): whatever ends a run early (an error, a
         # KeyboardInterrupt) leaves the device as it was before the run.
-        mutable = self._mutable_tensors(inputs)
-        snap = self._snapshot(mutable)
+        mutable = self._mutable_tensors(inputs) if self.all_or_nothing else []
+        snap = self._snapshot(mutable) if self.all_or_nothing else None
         try:
             with ctx:
                 outs = self._run(inputs)
         except BaseException:
-            with deferred_interrupts():
-                self._restore(snap, mutable)
+            if snap is not None:
+                with deferred_interrupts():
+                    self._restore(snap, mutable)
             raise
         done = time.perf_counter()
         self.perf_counters["output"] = [[done] for _ in outs] or [[]]
