@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import random
 import time
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
-import torch.fx as fx
 
 from .compiler import Executable
-from .errors import Error, backend_error
-from .interrupts import deferred_interrupts
+from .errors import backend_error
+from .fp_exceptions import FloatingPointChecker
+from .rollback import SavedTensors, deferred_interrupts
 from .ipu_model import IpuModel
 from .logging import logger
 from .optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
@@ -271,86 +270,6 @@ class _Weights:
         return t
 
 
-class _FloatingPointChecker(fx.Interpreter):
-    """Runs a graph op by op and raises ``Error`` on a floating-point exception
-    (S-46): an op whose floating-point result holds a NaN although none of its inputs
-    did (invalid operation: ``inf − inf``, ``0 × inf``, ``sqrt(-1)``, ``0/0``), or an
-    infinity although all its inputs were finite (overflow, division by zero,
-    ``log(0)``), or a comparison reading a NaN."""
-
-    _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "equal", "isclose"})
-
-    def run_node(self, n: fx.Node):
-        result = super().run_node(n)
-        if n.op != "call_function":
-            return result
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        inputs = _leaves((args, kwargs))
-        floats = [a for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        scalars = [a for a in inputs if isinstance(a, float)]
-        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-        if name in self._COMPARISONS and (any(bool(t.isnan().any()) for t in floats)
-                                          or any(math.isnan(x) for x in scalars)):
-            raise _fp_error(n, "a comparison read a NaN")
-        outputs = [t for t in _leaves(result)
-                   if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not outputs:
-            return result
-        in_nan = any(bool(t.isnan().any()) for t in floats) or \
-            any(math.isnan(x) for x in scalars)
-        in_finite = all(bool(torch.isfinite(t).all()) for t in floats) and \
-            all(math.isfinite(x) for x in scalars)
-        for t in outputs:
-            if not in_nan and bool(t.isnan().any()):
-                raise _fp_error(n, "invalid operation (NaN result)")
-            if in_finite and bool(torch.isinf(t).any()):
-                raise _fp_error(n, "overflow or division by zero (infinite result)")
-        return result
-
-
-def _leaves(value) -> List:
-    out: List = []
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            out.extend(_leaves(v))
-    elif isinstance(value, dict):
-        for v in value.values():
-            out.extend(_leaves(v))
-    else:
-        out.append(value)
-    return out
-
-
-def _fp_error(node: fx.Node, what: str):
-    return backend_error(
-        f"Floating point exception: {what} in {node.name} ({node.target}). Disable "
-        "poptorch.Options().Precision.enableFloatingPointExceptions to let non-finite "
-        "values through.", type="poplar_application_runtime_error")
-
-
-class _SavedTensors:
-    """Copies of a list of device tensors in storage reused from one run to the next
-    (reallocated only when the list changes), for the all-or-nothing rollback."""
-
-    def __init__(self):
-        self._key: Optional[tuple] = None
-        self._copies: List[torch.Tensor] = []
-
-    def take(self, tensors: List[torch.Tensor]) -> None:
-        key = tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
-        if key != self._key:
-            self._copies = [torch.empty_like(t, requires_grad=False) for t in tensors]
-            self._key = key
-        if tensors:
-            with torch.no_grad():
-                torch._foreach_copy_(self._copies, [t.detach() for t in tensors])
-
-    def put_back(self, tensors: List[torch.Tensor]) -> None:
-        if tensors:
-            with torch.no_grad():
-                torch._foreach_copy_([t.detach() for t in tensors], self._copies)
-
-
 class _Session(abc.ABC):
     """Shared part of inference and training sessions."""
 
@@ -367,14 +286,14 @@ class _Session(abc.ABC):
         self.torch_device = torch_device
         self.weights = _Weights(executable, torch_device)
         self._graph = executable.module
-        self._runner = (_FloatingPointChecker(self._graph).run
+        self._runner = (FloatingPointChecker(self._graph).run
                         if executable.options.fp_exceptions else self._graph)
         self.rng = _DeviceRng(self.options.random_seed, torch_device)
         self.anchors: Dict[str, torch.Tensor] = {}
         self.perf_counters: Dict[str, List[List[float]]] = {
             "input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
         self.runs = 0
-        self._saved = _SavedTensors()
+        self._saved = SavedTensors()
 
     # -- weights IO -------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 * ``torch.export`` is not thread-safe (it patches global state of torch while it
   traces), so captures are serialised by one process-wide lock.
 * ``SIGINT`` is deferred across the capture and re-raised after it
-  (:func:`popart_compiler.interrupts.deferred_interrupts`): a ``KeyboardInterrupt``
+  (:func:`popart_compiler.rollback.deferred_interrupts`): a ``KeyboardInterrupt``
   raised inside one of torch's C++ dispatch callbacks aborts the process.
 * What ``torch.export`` prints to ``sys.stderr`` (the partial graph of a failed trace)
   is held back per thread (:func:`thread_stderr`): other threads keep writing to the
@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Iterator
 
-from popart_compiler.interrupts import deferred_interrupts
+from popart_compiler.rollback import deferred_interrupts
 
 __all__ = ["capture_guard", "thread_stderr"]
 

@@ -9,7 +9,7 @@ import copy
 from typing import Any
 
 __all__ = ["OptionsDict", "FROZEN_MESSAGE", "check_type", "check_int", "check_bool",
-           "check_proportion"]
+           "check_proportion", "check_strings"]
 
 FROZEN_MESSAGE = "Can't modify frozen Options"
 _MACHINERY = ("_values", "_is_frozen", "_initialized")
@@ -61,6 +61,13 @@ def check_proportion(option: str, value: Any) -> float:
     if not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{option} must be a proportion between 0 and 1, got {value}")
     return float(value)
+
+
+def check_strings(option: str, values: Any) -> None:
+    """``AssertionError`` unless ``values`` is a list (or tuple) of str."""
+    check_type(option, values, (list, tuple))
+    for value in values:
+        check_type(f"{option} entries", value, str)
 
 
 class _OptionsMeta(type):

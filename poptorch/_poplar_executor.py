@@ -67,6 +67,14 @@ class PoplarExecutor:
     replica (S-10); the first call (or :meth:`compile`) captures ``forward`` once with
     ``torch.export`` and compiles it for the IPU Model (S-1). Attributes not defined
     here are looked up on the wrapped model (api §5.22). Behaviour follows PopTorch.
+
+    Reliability (beyond PopTorch's S-73): a call is all-or-nothing — an exception or
+    ``KeyboardInterrupt`` during the run leaves device weights, optimizer state,
+    buffers, the device RNG and the host's view as before the call, and a first call
+    that fails commits no compilation (the next call captures again). Executors may be
+    used from several threads: one executor runs one call (or weight copy, optimizer
+    change, attach / detach) at a time, captures are serialised process-wide, and a
+    Ctrl-C during a capture is raised once the capture has ended.
     """
 
     def __init__(self, model: torch.nn.Module, options: Optional[Options], training: bool,
@@ -419,6 +427,9 @@ class PoplarExecutor:
                 offline (``ConnectionType.Never``) model.
             poptorch.Error: inputs that differ from the compiled ones (S-22), a missing
                 mandatory argument, capture or compile errors.
+            Exception: whatever the run raises (e.g. ``IndexError`` for an
+                out-of-range class label); the device and host then hold what they
+                held before the call.
         """
         if isRunningOnIpu():
             raise py_error(

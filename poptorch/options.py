@@ -4,7 +4,8 @@ Public names: :class:`Options`, :class:`TensorLocationSettings`,
 :class:`ConfigFileError`. Behaviour follows PopTorch 3.x. The storage
 (:class:`OptionsDict`, options §1) is in ``_options_dict.py``; the sub-groups
 (``Training``, ``Precision``, ``TensorLocations``, ``Distributed``, ``Jit``,
-``_Popart``) are in ``_options_groups.py``.
+``_Popart``) are in ``_options_groups.py``; ``loadFromFile`` / ``from_json`` in
+``_options_loading.py``.
 
 For the executor:
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import json
 import os
 from typing import Dict, List, Optional
 
@@ -31,7 +31,8 @@ from ._execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
                                   SerialPhasedExecution, ShardedExecution)
 from ._logging import logger
 from ._options_dict import (OptionsDict, check_bool, check_int, check_proportion,
-                            check_type)
+                            check_strings, check_type)
+from ._options_loading import ConfigFileError, apply_json, load_file
 from ._options_groups import (TensorLocationSettings, _DistributedOptions, _JitOptions,
                               _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
                               _TrainingOptions)
@@ -41,31 +42,6 @@ _DEFAULT_SOURCE_LOCATION_EXCLUDES = [
     "install/poptorch", "site-packages/torch", "site-packages/poptorch"
 ]
 _UINT64_MAX = 2**64 - 1
-
-
-def _check_strings(option: str, values) -> None:
-    """``AssertionError`` unless ``values`` is a list (or tuple) of str."""
-    check_type(option, values, (list, tuple))
-    for value in values:
-        check_type(f"{option} entries", value, str)
-
-
-class ConfigFileError(Exception):
-    """Raised by :meth:`Options.loadFromFile` when the file has a Python syntax
-    error. Message: ``"<ErrorClass> at line <n> of <basename>: <detail>\\n> <line>"``
-    where ``<n>`` counts only retained command lines. Same as PopTorch."""
-
-
-def _convert_json_value(value):
-    """``"<EnumName>.<Member>"`` → the member of ``poptorch.enums.<EnumName>``."""
-    if isinstance(value, str) and "." in value:
-        enum_name, member = value.split(".", 1)
-        enum_cls = getattr(enums, enum_name, None)
-        if isinstance(enum_cls, type) and issubclass(enum_cls, enum.Enum):
-            if member not in enum_cls.__members__:
-                raise ValueError(f"{member} is not a member of poptorch.{enum_name}")
-            return enum_cls[member]
-    return value
 
 
 class Options(OptionsDict):
@@ -205,25 +181,7 @@ class Options(OptionsDict):
                 where ``<n>`` counts only the retained command lines.
             Exception: any other error of a call propagates with its own type.
         """
-        import poptorch  # pylint: disable=import-outside-toplevel
-
-        commands = []
-        with open(filepath, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                commands.append("options." + line)
-        code = "\n".join(commands)
-        try:
-            compiled = compile(code, f"<options file {os.path.basename(filepath)}>", "exec")
-        except SyntaxError as err:
-            lineno = min(max(err.lineno or 1, 1), max(len(commands), 1))
-            offending = commands[lineno - 1] if commands else ""
-            raise ConfigFileError(f"{type(err).__name__} at line {lineno} of "
-                                  f"{os.path.basename(filepath)}: {err.msg}\n> "
-                                  f"{offending}") from None
-        exec(compiled, {"poptorch": poptorch, "options": self})  # noqa: S102
+        load_file(self, filepath)
         return self
 
     def from_json(self, string: str):
@@ -237,16 +195,7 @@ class Options(OptionsDict):
             ValueError: invalid JSON, not a JSON object, or an unknown enum member.
             AttributeError: an unknown accessor.
         """
-        data = json.loads(string)
-        if not isinstance(data, dict):
-            raise ValueError("The JSON options must be an object mapping accessor paths "
-                             f"to values, got {type(data).__name__}")
-        for path, value in data.items():
-            target = self
-            for attr in path.split("."):
-                target = getattr(target, attr)
-            args = value if isinstance(value, list) else [value]
-            target(*[_convert_json_value(a) for a in args])
+        apply_json(self, string)
         return self
 
     # -- top-level setters ---------------------------------------------------------
@@ -563,7 +512,7 @@ class Options(OptionsDict):
     def updatableNamedBuffers(self, buffers: List[str]):
         """Backend ``updatableNamedBuffers`` (enables ``copyNamedBuffersToDevice``).
         Returns self. ``AssertionError`` unless a list of str."""
-        _check_strings("updatableNamedBuffers", buffers)
+        check_strings("updatableNamedBuffers", buffers)
         self._popart.set("updatableNamedBuffers", buffers)
         return self
 
@@ -587,14 +536,14 @@ class Options(OptionsDict):
         """Replace the path fragments skipped when attributing ops to source lines
         (private ``_source_location_excludes``). Returns self. ``AttributeError`` when
         frozen; ``AssertionError`` unless a list of str."""
-        _check_strings("sourceLocationExcludes", excludes)
+        check_strings("sourceLocationExcludes", excludes)
         self._source_location_excludes = list(excludes)
         return self
 
     def appendToLocationExcludes(self, *excludes: str):
         """Append path fragments to the source-location excludes. Returns self.
         ``AttributeError`` when frozen; ``AssertionError`` unless each is a str."""
-        _check_strings("appendToLocationExcludes", list(excludes))
+        check_strings("appendToLocationExcludes", list(excludes))
         self._source_location_excludes = self._source_location_excludes + list(excludes)
         return self
 

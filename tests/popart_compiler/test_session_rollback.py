@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from popart_compiler.compiler import Compiler
-from popart_compiler.interrupts import deferred_interrupts
+from popart_compiler.rollback import deferred_interrupts
 from popart_compiler.ir import Graph
 from popart_compiler.optimizers import OptimizerDescription
 from popart_compiler.session import TrainingSession

@@ -1,4 +1,6 @@
-"""Deferring ``SIGINT`` (Ctrl-C) across work that must not be cut in two.
+"""Runs that are all-or-nothing (S-73): the copies a failed run is rolled back from
+(:class:`SavedTensors`), and deferring ``SIGINT`` (Ctrl-C) across work that must not be
+cut in two.
 
 Python raises ``KeyboardInterrupt`` wherever the main thread happens to be when the
 signal arrives. Two places must not be interrupted half-way: ``torch.export`` (an
@@ -12,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from typing import Iterator, List, Optional
 
-__all__ = ["deferred_interrupts"]
+import torch
+
+__all__ = ["deferred_interrupts", "SavedTensors"]
 
 
 @contextlib.contextmanager
@@ -42,3 +46,26 @@ def deferred_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if received:
         raise KeyboardInterrupt
+
+
+class SavedTensors:
+    """Copies of a list of device tensors in storage reused from one run to the next
+    (reallocated only when the list changes), for the all-or-nothing rollback."""
+
+    def __init__(self):
+        self._key: Optional[tuple] = None
+        self._copies: List[torch.Tensor] = []
+
+    def take(self, tensors: List[torch.Tensor]) -> None:
+        key = tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
+        if key != self._key:
+            self._copies = [torch.empty_like(t, requires_grad=False) for t in tensors]
+            self._key = key
+        if tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(self._copies, [t.detach() for t in tensors])
+
+    def put_back(self, tensors: List[torch.Tensor]) -> None:
+        if tensors:
+            with torch.no_grad():
+                torch._foreach_copy_([t.detach() for t in tensors], self._copies)
