@@ -334,25 +334,31 @@ class PoplarExecutor:
             progress(10, 10)
         finally:
             progress.close()
-        self._captured = captured
-        self._input_spec = spec
-        self._input_names = list(bound.names)
-        self._num_positional = bound.num_positional
-        self._executable = exe
-        self._device = device
-        if offline:
-            self._session = None
-            self._attached = False
-            return
-        if self._training:
-            self._session = TrainingSession(exe, device, self._optimizer_description)
-            if isinstance(self._optimizer, _optimizer_mixin()) and \
-                    self._optimizer.has_state():
-                self._optimizer._state_pending = True  # uploaded with the weights
-        else:
-            self._session = InferenceSession(exe, device)
-        self._attached = True
-        self._uploadState()
+        # Committed only once complete: a failure (or Ctrl-C) while creating the
+        # session or uploading the state leaves the executor uncompiled.
+        try:
+            self._captured = captured
+            self._input_spec = spec
+            self._input_names = list(bound.names)
+            self._num_positional = bound.num_positional
+            self._executable = exe
+            self._device = device
+            if offline:
+                self._session = None
+                self._attached = False
+                return
+            if self._training:
+                self._session = TrainingSession(exe, device, self._optimizer_description)
+                if isinstance(self._optimizer, _optimizer_mixin()) and \
+                        self._optimizer.has_state():
+                    self._optimizer._state_pending = True  # uploaded with the weights
+            else:
+                self._session = InferenceSession(exe, device)
+            self._attached = True
+            self._uploadState()
+        except BaseException:
+            self._discardExecutable()
+            raise
 
     def _uploadState(self) -> None:
         """Host → device at compile / attach: weights, optimizer, optimizer state, RNG."""
@@ -796,7 +802,8 @@ class PoplarExecutor:
             description = self._describeOptimizer(opt)
             self._session.checkOptimizer(description)
         except BaseException:
-            opt._state_pending = False
+            opt._state_pending = False  # dropped: a recompile does not retry it
+            opt._state_dict = dict(opt._state_dict, ipu_state=None, ipu_param=None)
             raise
         logger.info("Writing optimiser state tensors from host to IPU memory.")
         self._session.writeOptimizerState(state["ipu_state"])
