@@ -69,6 +69,7 @@ def thread_stderr(buffer: io.StringIO) -> Iterator[None]:
 def capture_guard() -> Iterator[None]:
     """Hold the process-wide capture lock with ``SIGINT`` deferred (see module
     docstring). A Ctrl-C during the capture raises ``KeyboardInterrupt`` once the
-    capture has ended and the model's state has been restored."""
-    with deferred_interrupts(), _CAPTURE_LOCK:
+    capture has ended and the model's state has been restored. Waiting for another
+    thread's capture can still be interrupted."""
+    with _CAPTURE_LOCK, deferred_interrupts():
         yield
