@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from popart_compiler.errors import py_error
+from popart_compiler.placement import Placement
 
 from . import enums
 
@@ -76,6 +77,8 @@ class _BlockState:
         self.current: Union[None, BlockInfo, _NoActiveBlock] = None
         self.next_auto_id = 0
         self.history: List[BlockInfo] = []
+        #: Called after every block change while tracking (the capture tags ops).
+        self.on_change: Optional[Callable[[], None]] = None
 
 
 _state = _BlockState()
@@ -146,11 +149,15 @@ def _start_block(user_id, ipu_id) -> None:
         user_id = _next_auto_id()
     _state.current = (user_id, ipu_id)
     _state.history.append((user_id, ipu_id))
+    if _state.on_change is not None:
+        _state.on_change()
 
 
 def _end_block() -> None:
     if _state.tracking:
         _state.current = NO_ACTIVE_BLOCK
+        if _state.on_change is not None:
+            _state.on_change()
 
 
 # ---------------------------------------------------------------------------
@@ -494,6 +501,54 @@ class _IExecutionStrategy:
         return stage_id, stage_id
 
 
+    def _phaseOf(self, user_id) -> int:
+        """Forward phase of block ``user_id`` (0 outside phased execution)."""
+        return 0
+
+    def _placements(self, history: List[BlockInfo]) -> Dict[str, Placement]:
+        """Placement of every block started during a capture, in order of first use
+        (call :meth:`_onStartCapture` first).
+
+        Args:
+            history: the ``(user_id, ipu_id)`` of every block start, in order.
+
+        Raises:
+            AssertionError: "Unknown Block ..." / "...SameAsIpu was selected but no IPU
+                was specified for block <id>" (api §9.7).
+            poptorch.Error: an ``ipu_id`` that is not a non-negative int; one block id
+                started with two different ``ipu_id``s; explicit stages naming blocks
+                the model never starts.
+        """
+        placements: Dict[str, Placement] = {}
+        ipu_of: Dict[str, Optional[int]] = {}
+        for user_id, ipu_id in history:
+            key = str(user_id)
+            if ipu_id is not None and (not isinstance(ipu_id, int) or isinstance(ipu_id, bool)
+                                       or ipu_id < 0):
+                raise py_error(f"Block '{key}' has ipu_id={ipu_id!r}: an IPU id must be a "
+                               "non-negative integer. Change the ipu_id of this block.")
+            if key in ipu_of:
+                if ipu_of[key] != ipu_id:
+                    raise py_error(
+                        f"Block '{key}' is started on IPU {ipu_of[key]} and again on IPU "
+                        f"{ipu_id}: a block id used twice is the same block, so both uses "
+                        "must name the same IPU. Give each block its own user_id (or the "
+                        "same ipu_id).")
+                continue
+            ipu_of[key] = ipu_id
+            stage, ipu = self._blockPlacement(user_id, ipu_id)
+            placements[key] = Placement(ipu, stage, self._phaseOf(user_id))
+        unused = [b for b in self._block_map if b not in placements]
+        if unused:
+            raise py_error(
+                f"Block(s) {unused} listed in {type(self).__name__} are never started by "
+                f"the model (the model starts {list(placements)}). Make the strategy "
+                "list exactly the blocks the model uses: check that the number of layers "
+                "per IPU matches the model, and the block ids given to poptorch.BeginBlock "
+                "/ poptorch.Block.")
+        return placements
+
+
 class PipelinedExecution(_IExecutionStrategy):
     """Pipelined execution over several IPUs (the default strategy).
 
@@ -604,6 +659,9 @@ class _IPhasedExecution(_IExecutionStrategy):
         """The forward phase of block ``user_id`` (``AssertionError`` if unknown)."""
         self._stageId(user_id, None)
         return self._block_map[user_id]._phase_id
+
+    def _phaseOf(self, user_id) -> int:
+        return self._phaseId(user_id)
 
     def _backwardPhase(self, phase: int) -> int:
         """Backward phase mirroring forward ``phase`` (S-65): ``2(P-1) - p`` by
