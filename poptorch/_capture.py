@@ -325,7 +325,7 @@ def _tag_ops() -> None:
     ``NO_ACTIVE_BLOCK_KEY`` after a ``with Block`` scope ended. Called on every block
     change and before every torch function, so that a tag reverted by a nested
     ``torch.fx.traceback.annotate`` scope is restored."""
-    if not _tagging[0] or torch.compiler.is_compiling():
+    if not _tagging[0] or torch.compiler.is_dynamo_compiling():
         return  # inside torch.cond / control-flow bodies traced by Dynamo
     meta = torch.fx.traceback.current_meta
     custom = meta.get("custom")
