@@ -89,27 +89,30 @@ class StagedProgram:
         self.num_stages = max(unit_of) + 1
         self._placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in self.split.graph.nodes if n.op == "output")
-        self._steps: List[List[Tuple[fx.Node, Callable]]] = [[] for _ in range(self.num_stages)]
+        self._steps: List[List[Tuple[fx.Node, Callable, Tuple]]] = [
+            [] for _ in range(self.num_stages)]
         rank = 0
         for node in self.split.graph.nodes:
             if node.op == "call_module":
                 segment = int(str(node.target).rpartition("_")[2])
                 rank = unit_of[segment]
                 sub = getattr(self.split, str(node.target))
-                self._steps[rank].append((node, wrap(sub) if wrap else sub))
+                fn = wrap(sub) if wrap else sub.forward  # skip nn.Module call overhead
             elif node.op == "call_function":  # getitem of a submodule's outputs
-                self._steps[rank].append((node, node.target))
+                fn = node.target
             elif node.op == "get_attr":
-                self._steps[0].append((node, None))
+                value = getattr(self.split, str(node.target))
+                self._steps[0].append((node, lambda value=value: value, ()))
+                continue
+            else:
+                continue
+            if node.kwargs:
+                raise ValueError(f"unexpected keyword arguments in split graph: {node}")
+            self._steps[rank].append((node, fn, tuple(node.args)))
 
     def _run_stage(self, env: Dict[fx.Node, object], rank: int) -> None:
-        for node, fn in self._steps[rank]:
-            if fn is None:
-                env[node] = getattr(self.split, str(node.target))
-                continue
-            args = fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            env[node] = fn(*args, **kwargs)
+        for node, fn, args in self._steps[rank]:
+            env[node] = fn(*[env[a] if isinstance(a, fx.Node) else a for a in args])
 
     def run(self, micro_batches: Sequence[Sequence[Sequence[torch.Tensor]]],
             on_done: Callable[[int, int, Tuple], None]) -> None:
