@@ -140,6 +140,11 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
                 "poptorch.BeginBlock.")
         if BLOCK_KEY in custom:
             block = custom[BLOCK_KEY]
+            if block is not None and str(block) not in blocks:
+                raise backend_error(
+                    f"The op {node.name} belongs to block '{block}', which has no "
+                    f"placement (known blocks: {list(blocks)}). Capture the model again "
+                    "so that its blocks are recorded.")
             node.meta["placement"] = _ORIGIN if block is None else blocks[str(block)]
             continue
         inputs = [placement_of(a) for a in node.all_input_nodes if a.op != "placeholder"
