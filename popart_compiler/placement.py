@@ -72,11 +72,8 @@ class ExecutionMode(enum.IntEnum):
     Phased = 2
 
 
-class _Liveness(enum.IntEnum):
-    AlwaysLive = 0
-    OffChipAfterFwd = 1
-    OffChipAfterFwdNoOverlap = 2
-    OffChipAfterEachPhase = 3
+#: ``Liveness`` values only serial phased execution supports (S-65), by name.
+_SERIAL_ONLY_LIVENESS = {2: "OffChipAfterFwdNoOverlap", 3: "OffChipAfterEachPhase"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +268,9 @@ def _check_phases(plan: PlacementPlan) -> None:
     s = plan.strategy
     if s.serial_phases:
         return
-    if s.liveness in (_Liveness.OffChipAfterEachPhase, _Liveness.OffChipAfterFwdNoOverlap):
+    if s.liveness in _SERIAL_ONLY_LIVENESS:
         raise backend_error(
-            f"Liveness.{_Liveness(s.liveness).name}: This is only supported for serial "
+            f"Liveness.{_SERIAL_ONLY_LIVENESS[s.liveness]}: This is only supported for serial "
             "phase execution. Use poptorch.SerialPhasedExecution for this liveness.")
     for block, p in plan.blocks.items():
         if p.phase % 2 != p.ipu % 2:
