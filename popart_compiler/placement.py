@@ -197,9 +197,10 @@ class PlacementPlan:
 
     def backward(self, placement: Placement) -> Placement:
         """Placement of the backward of an op placed at ``placement``: same IPU,
-        mirrored pipeline stage (pipelined) and mirrored phase (phased, S-65)."""
+        mirrored pipeline stage (pipelined over several IPUs; otherwise the same
+        stage) and mirrored phase (phased, S-65)."""
         stage, phase = placement.stage, placement.phase
-        if self.strategy.mode == ExecutionMode.Pipelined and len(self.stages) > 1:
+        if self.pipelined:
             rank = self.stages.index(stage) if stage in self.stages else 0
             stage = self.stages[-1] + (len(self.stages) - 1 - rank)
         if self.strategy.mode == ExecutionMode.Phased:
