@@ -329,3 +329,22 @@ def test_placement_summary_needs_a_compiled_model():
     wrapper = poptorch.inferenceModel(Chain())
     with pytest.raises(poptorch.Error):
         wrapper.placementSummary()
+
+
+def test_block_started_inside_an_annotate_scope_outlives_it():
+    """A nested ``torch.fx.traceback.annotate`` scope restores the metadata it found
+    when it exits; the block started inside it stays active (BeginBlock never ends
+    implicitly, S-60)."""
+    class Model(Chain):
+        def forward(self, x):
+            with torch.fx.traceback.annotate({"name_scope": "enc"}):
+                x = self.layers[0](x)  # BeginBlock "b0" starts here
+            return self.layers[1](x * 2)  # still in block "b0"... until "b1" starts
+
+    model = Model(2)
+    poptorch.BeginBlock(model.layers[0], "b0", ipu_id=1)
+    poptorch.BeginBlock(model.layers[1], "b1", ipu_id=2)
+    wrapper = compiled_inference(model, options(iterations=3))
+    mul = next(n for n in wrapper._executable.module.graph.nodes if "mul" in str(n.target))
+    assert mul.meta["placement"] == Placement(1, 1, 0)
+    assert layer_placements(wrapper) == [Placement(1, 1, 0), Placement(2, 2, 0)]
