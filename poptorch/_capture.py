@@ -21,10 +21,11 @@ from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 from popart_compiler.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 
-from . import _execution_strategy as _blocks
+from . import _blocks
 
 from . import _impl
 from ._args import BoundArgs, Spec, flatten, unflatten
+from ._execution_strategy import PipelinedExecution
 from ._logging import logger
 
 __all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
@@ -456,7 +457,7 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             history = _blocks.block_history()
         _check_state_unchanged(model, before)
         if strategy is None:
-            strategy = _blocks.PipelinedExecution()
+            strategy = PipelinedExecution()
         blocks = strategy._placements(history)
     except Exception as exc:
         try:
