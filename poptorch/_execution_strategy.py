@@ -105,7 +105,14 @@ class Phase:
                                  f"Stages: {[type(a) for a in arg]}")
 
     def stage(self, idx: int) -> Stage:
-        """The stage at position ``idx``."""
+        """The stage at position ``idx``.
+
+        Raises:
+            poptorch.Error: ``idx`` is not the index of one of the phase's stages.
+        """
+        if not isinstance(idx, int) or not 0 <= idx < len(self.stages):
+            raise py_error(f"Stage {idx!r} does not exist: this phase has "
+                           f"{len(self.stages)} stage(s), numbered from 0.")
         return self.stages[idx]
 
     def ipus(self, *ipus: int) -> None:
@@ -343,10 +350,15 @@ class _IPhasedExecution(_IExecutionStrategy):
 
         Raises:
             AssertionError: unless ``phase`` is a non-negative int.
+            poptorch.Error: ``phase`` is beyond the last phase.
         """
         if not isinstance(phase, int) or phase < 0:
             raise AssertionError("Phases are identified by non-negative integers, "
                                  f"got {phase!r}")
+        if phase >= len(self._phases):
+            raise py_error(f"Phase {phase} does not exist: {type(self).__name__} has "
+                           f"{len(self._phases)} phase(s), numbered from 0. Pass one "
+                           "poptorch.Phase per phase the model needs.")
         return self._phases[phase]
 
     def useSeparateBackwardPhase(self, use: bool = True):

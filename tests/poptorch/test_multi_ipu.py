@@ -348,3 +348,13 @@ def test_block_started_inside_an_annotate_scope_outlives_it():
     mul = next(n for n in wrapper._executable.module.graph.nodes if "mul" in str(n.target))
     assert mul.meta["placement"] == Placement(1, 1, 0)
     assert layer_placements(wrapper) == [Placement(1, 1, 0), Placement(2, 2, 0)]
+
+
+def test_phase_and_stage_indices_beyond_the_strategy():
+    strategy = poptorch.SerialPhasedExecution(["b0"], ["b1"])
+    with pytest.raises(poptorch.Error, match="Phase 2 does not exist: SerialPhasedExecution "
+                       r"has 2 phase\(s\)"):
+        strategy.phase(2)
+    with pytest.raises(poptorch.Error, match=r"Stage 1 does not exist: this phase has 1 "
+                       r"stage\(s\)"):
+        strategy.phase(0).stage(1)
