@@ -357,7 +357,7 @@ class PoplarExecutor:
             self._attached = True
             self._uploadState()
         except BaseException:
-            self._discardExecutable()
+            self._discard_executable()
             raise
 
     def _uploadState(self) -> None:
@@ -453,6 +453,23 @@ class PoplarExecutor:
             self._validateInputs(bound, spec)
             if not self._attached:
                 self.attachToDevice()
+        try:
+            self._prepare_run()
+            inputs = self._device_inputs(tensors)
+            outputs = self._run_session(inputs)
+        except BaseException:
+            if first:  # a compile is committed by its first successful run
+                self._discard_executable()
+            raise
+        self._writeBackInputs(tensors, inputs)
+        self._anchor_values = {a.key: self._session.anchors[a.key]
+                               for a in self._executable.options.anchors
+                               if a.key in self._session.anchors}
+        return self._buildOutputs(outputs)
+
+    def _prepare_run(self) -> None:
+        """What a call does on the device before running: the trainer's latest weights
+        (inference, S-31), a pending optimizer and optimizer state (training)."""
         if not self._training:
             self._syncFromTrainer()
         elif self._optimizer_pending:
@@ -463,26 +480,21 @@ class PoplarExecutor:
             if self._host_weights_stale:
                 self._implicitCopyWeightsToHost()
             self._writePendingOptimizerState()
-        inputs = self._device_inputs(tensors)
-        # The host is told before the run that the device may move ahead, so that a
-        # Ctrl-C arriving just after the run leaves no trained weights unseen; the
-        # session rolls a failed run back (S-73), and then the flags are put back.
+
+    def _run_session(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Run the session (all or nothing, S-73). The host is told before the run
+        that the device may move ahead, so that a Ctrl-C arriving just after the run
+        leaves no trained weights unseen; after a rolled-back run the flags are put
+        back."""
         flags = (self._rng_stale, self._host_weights_stale, self._optimizer_state_stale)
         self._rng_stale = True
         if self._training:
             self._host_weights_stale = self._optimizer_state_stale = True
         try:
-            outputs = self._session.run(inputs)
+            return self._session.run(inputs)
         except BaseException:
             self._rng_stale, self._host_weights_stale, self._optimizer_state_stale = flags
-            if first:  # a compile is committed by its first successful run
-                self._discardExecutable()
             raise
-        self._writeBackInputs(tensors, inputs)
-        self._anchor_values = {a.key: self._session.anchors[a.key]
-                               for a in self._executable.options.anchors
-                               if a.key in self._session.anchors}
-        return self._buildOutputs(outputs)
 
     def _validateInputs(self, bound: BoundArgs, spec: Spec) -> None:
         """S-22: the inputs must match those of the compilation."""
@@ -858,7 +870,7 @@ class PoplarExecutor:
             self._optimizer._state_pending = True
         self._uploadState()
 
-    def _discardExecutable(self) -> None:
+    def _discard_executable(self) -> None:
         """Forget a compilation whose first run failed: the next call captures and
         compiles again (possibly for other input types). Nothing ran on the device,
         so there is nothing to copy back."""
