@@ -27,12 +27,12 @@ __all__ = ["capture_guard", "thread_stderr"]
 _CAPTURE_LOCK = threading.RLock()
 
 
-class _PerThreadStream(io.TextIOBase):
+class _PerThreadStream:
     """A ``sys.stderr`` stand-in: the capturing thread's writes go to its buffer,
-    every other thread's to the stream that was ``sys.stderr`` before."""
+    every other thread's (and every other attribute: ``encoding``, ``isatty``,
+    ``fileno``, ...) to the stream that was ``sys.stderr`` before."""
 
     def __init__(self, real, owner: int, buffer: io.StringIO):
-        super().__init__()
         self.real, self.owner, self.buffer = real, owner, buffer
 
     def _target(self):

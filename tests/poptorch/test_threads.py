@@ -161,3 +161,22 @@ def test_nested_call_inside_forward_still_rejected():
     with pytest.raises(poptorch.Error, match="cannot be called inside the forward"):
         outer(torch.randn(2, 6))
     assert not poptorch.isRunningOnIpu()
+
+
+def test_capture_holds_back_only_the_capturing_threads_stderr(capsys):
+    """During a capture, what the capturing thread writes to stderr is held back;
+    other threads keep writing to the real stream."""
+    import io
+
+    from poptorch._capture_guard import capture_guard, thread_stderr
+    held = io.StringIO()
+    real = sys.stderr
+    with capture_guard(), thread_stderr(held):
+        print("from the capture", file=sys.stderr)
+        other = threading.Thread(target=lambda: print("from another thread",
+                                                      file=sys.stderr))
+        other.start()
+        other.join(timeout=TIMEOUT)
+    assert sys.stderr is real
+    assert held.getvalue() == "from the capture\n"
+    assert "from another thread" in capsys.readouterr().err
