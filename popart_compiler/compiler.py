@@ -8,16 +8,19 @@ on the device and prepares the runners of the backend.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-from . import backends
+from . import backends, cost_model
 from .errors import backend_error
+from .ipu_model import target_for
 from .ir import Graph
 from .logging import logger
+from .profile_report import write_report
 from .session_options import OUTPUT_MODES, Anchor, SessionOptions
 
 __all__ = ["Compiler", "Executable", "UNSUPPORTED_DTYPES"]
@@ -56,6 +59,7 @@ class Executable:
         vectorized_slots: micro-batches per call of ``vectorized``.
         tensor_names: every tensor name of the program (S-16).
         compile_seconds: wall-clock time of the compilation.
+        estimate: the IPU Model's memory / cycle estimate (:mod:`.cost_model`).
     """
     graph: Graph
     options: SessionOptions
@@ -68,6 +72,7 @@ class Executable:
     tensor_names: List[str]
     compile_seconds: float = 0.0
     vectorized_slots: int = 1
+    estimate: Optional[cost_model.IpuEstimate] = None
 
     @property
     def module(self) -> fx.GraphModule:
@@ -110,7 +115,8 @@ class Compiler:
 
     @staticmethod
     def compile(graph: Graph, options: SessionOptions, training: bool,
-                progress: Optional[Callable[[int, int], None]] = None) -> Executable:
+                progress: Optional[Callable[[int, int], None]] = None,
+                optimizer=None) -> Executable:
         """Compile ``graph``.
 
         Args:
@@ -118,13 +124,17 @@ class Compiler:
             options: session options (batching, output mode, anchors, ...).
             training: compile forward, backward and weight update.
             progress: called as ``progress(step, total)`` while compiling.
+            optimizer: the ``OptimizerDescription`` of a training program (its state
+                counts in the memory estimate).
 
         Raises:
             Error: unsupported input dtype or zero-sized tensor; output-mode period
                 inconsistent with ``device_iterations``; gradient accumulation in
                 inference; training graph without exactly one final, returned loss;
                 in-place buffer updates with replicas fed different data while
-                ``broadcast_buffers`` is on; unknown anchor; multi-process training.
+                ``broadcast_buffers`` is on; unknown anchor; multi-process training;
+                out of memory on an IPU (``type == "poplar_out_of_memory"``, unless the
+                engine option ``debug.allowOutOfMemory`` is ``"true"``).
         """
         start = time.perf_counter()
         total = 6
@@ -164,9 +174,24 @@ class Compiler:
                          activation_anchors=activation, state_anchors=state,
                          vectorized=vectorized, tensor_names=names,
                          vectorized_slots=chunk if vectorized is not None else 1)
+        exe.estimate = Compiler._estimate(graph, options, training, optimizer)
         exe.compile_seconds = time.perf_counter() - start
         report(total, total)
         return exe
+
+    @staticmethod
+    def _estimate(graph: Graph, options: SessionOptions, training: bool, optimizer
+                  ) -> cost_model.IpuEstimate:
+        """Estimate memory and cycles, write the profile report when asked (S-85) and
+        raise the out-of-memory error."""
+        target = target_for(options.ipu_model_version, options.small_ipu_model)
+        result = cost_model.estimate(graph, options, training, target, optimizer)
+        directory = options.profile_dir(training)
+        if directory is not None:
+            write_report(directory, result, os.path.basename(directory), training)
+        allow = options.engine_options.get("debug.allowOutOfMemory", "false").lower()
+        cost_model.check(result, allow_out_of_memory=allow == "true")
+        return result
 
     # -- checks -------------------------------------------------------------------
 
