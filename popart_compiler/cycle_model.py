@@ -40,7 +40,7 @@ __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate
            "pipeline_schedule"]
 
 #: Fraction of the peak FLOP rate matmuls reach (calibrated on BERT-Large, README).
-MATMUL_EFFICIENCY = 0.55
+MATMUL_EFFICIENCY = 0.42
 #: Fraction of the peak FLOP rate convolutions reach (calibrated on ResNet-50).
 CONV_EFFICIENCY = 0.35
 #: BSP synchronisation and control per op (cycles).
@@ -125,7 +125,10 @@ class CycleEstimate:
 
 
 def _tiles_used(op: OpCost, target: IpuTarget) -> int:
-    return min(target.tiles, max(1, math.ceil(op.out_bytes / TILE_GRAIN_BYTES)))
+    """Tiles an op runs on: its tensors spread over tiles in ``TILE_GRAIN_BYTES``
+    pieces (matmuls and convolutions also split their operands)."""
+    size = max(op.out_bytes, op.in_bytes) if op.flops > 0 else op.out_bytes
+    return min(target.tiles, max(1, math.ceil(size / TILE_GRAIN_BYTES)))
 
 
 def op_forward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) -> float:

@@ -204,7 +204,8 @@ def _saved_for_backward(mine, settings: MemorySettings, stage_input: float
     produced = [op for op in mine if not op.view]
     recomputing = recomputation_active(mine, settings)
     if not recomputing:
-        largest_op = max((op.in_bytes + op.out_bytes for op in produced), default=0)
+        largest_op = max((op.in_bytes - op.weight_bytes + op.out_bytes for op in produced),
+                         default=0)
         return float(sum(op.out_bytes for op in produced)), 2.0 * largest_op
     if settings.auto_recomputation in (RECOMPUTE_PIPELINE, RECOMPUTE_ALL):
         return stage_input, 2.0 * sum(op.out_bytes for op in produced)

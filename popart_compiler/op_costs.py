@@ -54,6 +54,7 @@ class OpCost:
         layer: the layer key used by :func:`layer_placement` (``""`` outside layers).
         out_bytes: bytes of its outputs (0 for views).
         in_bytes: bytes of its tensor inputs.
+        weight_bytes: bytes of the inputs that are parameters or buffers.
         elements: elements of its outputs.
         flops: forward FLOPs counted by ``torch.utils.flop_counter`` (matmuls,
             convolutions, attention); 0 for other ops.
@@ -72,6 +73,7 @@ class OpCost:
     layer: str = ""
     out_bytes: int = 0
     in_bytes: int = 0
+    weight_bytes: int = 0
     elements: int = 0
     flops: float = 0.0
     vector_ops: float = 0.0
@@ -310,6 +312,7 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             if isinstance(source, fx.Node):
                 memory_of[source] = float(node.args[1])
     ipus_of: Dict[fx.Node, set] = {}
+    state_nodes = set(graph.placeholders[:len(graph.parameters) + len(graph.buffers)])
     for node in nodes:
         if node.op != "call_function":
             continue
@@ -327,6 +330,8 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             layer=_layer_key(node),
             out_bytes=0 if view else _bytes(val),
             in_bytes=sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes),
+            weight_bytes=sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes
+                             if a in state_nodes),
             elements=elements, flops=flops,
             vector_ops=0.0 if view or flops else
             float(elements) * (4.0 if _op_name(node) in _TRANSCENDENTAL else 1.0),
