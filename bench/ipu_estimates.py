@@ -6,7 +6,9 @@ the published throughput (``shared/spec/ipu-hardware.md``), and how long the cap
 and the estimate itself take. The models are built on the ``meta`` device: estimates
 come from shapes, no kernel runs at full size.
 
-Run from the repository root: ``python bench/ipu_estimates.py``.
+Run from the repository root: ``python bench/ipu_estimates.py [--report DIR]``
+(``--report`` also writes the profile report of BERT-Large with gradient accumulation
+16 into ``DIR``: the README's screenshot).
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def _sweep(name, estimate_for, ipus_per_replica, published, minimum_accumulation
               f"{pod16 / published:>18.2f}   estimate {seconds:.2f} s{note}")
 
 
-def bert() -> None:
+def bert(report_dir=None) -> None:
     start = time.perf_counter()
     with torch.device("meta"):
         model = models.BertForPreTraining(models.BERT_LARGE)
@@ -82,6 +84,10 @@ def bert() -> None:
     _sweep("BERT-Large", estimate_for, 4, BERT_PUBLISHED, 2 * 5 - 1)
     one = estimate_for(2048, layers=(24,))
     print(f"  all 24 layers on one IPU: {_memory_line(one)}")
+    if report_dir:
+        from popart_compiler.profile_report import write_report
+        path = write_report(report_dir, estimate_for(16), "bert-large", True)
+        print(f"  profile report (gradientAccumulation 16): {path}")
 
 
 def resnet() -> None:
@@ -111,5 +117,5 @@ def resnet() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    bert()
+    bert(sys.argv[sys.argv.index("--report") + 1] if "--report" in sys.argv else None)
     resnet()

@@ -91,7 +91,7 @@ def _timeline_section(summary: Dict[str, Any]) -> List[str]:
             y = ipus.index(w["ipu"]) * row
             left = 60 + width * (x + offsets[w["ipu"]]) / total
             span = max(1.0, width * w["cycles"] / total)
-            colour = "#59a14f" if w["stage"].startswith("forward") else "#e15759"
+            colour = "#59a14f" if w["stage"].startswith("forward ") else "#e15759"
             label = f'{w["stage"]}, micro-batch {w["micro_batch"]}' + \
                 (f' (×{p["repeat"]} steady cycles)' if p["repeat"] > 1 else "")
             svg.append(f'<rect x="{left:.2f}" y="{y + 3}" width="{span:.2f}" height="20" '
@@ -107,6 +107,8 @@ def _timeline_section(summary: Dict[str, Any]) -> List[str]:
            f"and repeated), pipeline efficiency {cycles['pipeline_efficiency']:.4f}, "
            f"weight update {_b(cycles['weight_update'])} cycles.</p>"]
     out += svg
+    out.append('<div class="legend"><span><i style="background:#59a14f"></i>forward'
+               '</span><span><i style="background:#e15759"></i>backward</span></div>')
     out.append('<table><tr><th class="l">stage</th><th>IPU</th><th>cycles per '
                'micro-batch</th><th>balance</th></tr>')
     for s in cycles["stages"]:
