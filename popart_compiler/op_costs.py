@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import backend_error
-from .ir import Graph
+from .ir import Graph, _op_name
 
 __all__ = ["OpCost", "WeightCost", "ProgramCosts", "collect", "steering_op",
            "layer_placement"]
@@ -152,13 +152,6 @@ def _tensors(value) -> List[torch.Tensor]:
 
 def _bytes(value) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(value))
-
-
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    return getattr(target, "__name__", str(target))
 
 
 def _is_view(node: fx.Node) -> bool:

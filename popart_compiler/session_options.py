@@ -309,6 +309,10 @@ class SessionOptions:
         version = os.environ.get("POPTORCH_IPU_MODEL_VERSION", "ipu2") or "ipu2"
         if version not in ("ipu1", "ipu2", "ipu21"):
             raise backend_error("Invalid IPU model version. Valid versions: ipu1, ipu2, ipu21.")
+        if int(get("connection_type", 0)) == 2 and get("ipu_version") is not None:
+            # useOfflineIpuTarget(ipu_version): 1 Mk1, 2 Mk2, 21 Bow (options.md §3)
+            version = {1: "ipu1", 2: "ipu2", 21: "ipu21"}.get(int(get("ipu_version")),
+                                                             version)
         opts = cls(
             device_iterations=int(get("device_iterations", 1)),
             replication_factor=int(get("replication_factor", 1)),

@@ -210,3 +210,45 @@ def test_profile_page_renders_in_headless_chromium(tmp_path):
     render(directory / "profile.html", tmp_path, f"--screenshot={shot}",
            "--window-size=1100,900", "--hide-scrollbars")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def estimate_of(opts, model=None, training=False, batch=16):
+    model = model or Classifier(512)
+    if training:
+        wrapper = poptorch.trainingModel(model, opts, poptorch.optim.Adam(model.parameters()))
+    else:
+        wrapper = poptorch.inferenceModel(model, opts)
+    n = batch * opts.device_iterations * opts.Training.gradient_accumulation
+    wrapper.compile(torch.randn(n, 512), torch.randint(0, 10, (n,))) if training else \
+        wrapper.compile(torch.randn(n, 512))
+    return wrapper.ipuModelEstimate()
+
+
+def test_options_change_the_estimate():
+    base = estimate_of(quiet())["memory"][0]["categories"]
+    capped = estimate_of(quiet().setAvailableMemoryProportion({"IPU0": 0.0001}))
+    assert capped["memory"][0]["categories"]["temporaries"] == \
+        pytest.approx(0.0001 * capped["target"]["memory_per_ipu"], abs=1)
+    assert capped["memory"][0]["categories"]["temporaries"] < base["temporaries"]
+
+    def training(opts):
+        opts.Training.gradientAccumulation(2)
+        return estimate_of(opts, training=True)["memory"][0]
+
+    on_chip = training(quiet())
+    opts = quiet()
+    opts.TensorLocations.setOptimizerLocation(
+        poptorch.TensorLocationSettings().useOnChipStorage(False))
+    off = training(opts)
+    assert off["off_chip"] == on_chip["categories"]["optimizer state"] > 0
+    assert off["categories"]["optimizer state"] < on_chip["categories"]["optimizer state"]
+    opts = quiet()
+    opts._Popart.set("autoRecomputation", 3)
+    recomputed = training(opts)
+    assert recomputed["categories"]["activations"] < on_chip["categories"]["activations"]
+
+
+def test_offline_target_version_selects_the_target():
+    opts = quiet().useOfflineIpuTarget(21)
+    assert estimate_of(opts)["target"]["name"] == "ipu21"
+    assert estimate_of(quiet().useOfflineIpuTarget(1))["target"]["tiles"] == 1216
