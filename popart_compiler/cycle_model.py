@@ -125,9 +125,10 @@ class CycleEstimate:
 
 
 def _tiles_used(op: OpCost, target: IpuTarget) -> int:
-    """Tiles an op runs on: its tensors spread over tiles in ``TILE_GRAIN_BYTES``
-    pieces (matmuls and convolutions also split their operands)."""
-    size = max(op.out_bytes, op.in_bytes) if op.flops > 0 else op.out_bytes
+    """Tiles an op runs on: its output or activation inputs (all operands for matmuls
+    and convolutions), whichever is larger, spread over tiles in ``TILE_GRAIN_BYTES``
+    pieces."""
+    size = max(op.out_bytes, op.in_bytes if op.flops > 0 else op.in_bytes - op.weight_bytes)
     return min(target.tiles, max(1, math.ceil(size / TILE_GRAIN_BYTES)))
 
 

@@ -58,7 +58,9 @@ class OpCost:
         elements: elements of its outputs.
         flops: forward FLOPs counted by ``torch.utils.flop_counter`` (matmuls,
             convolutions, attention); 0 for other ops.
-        vector_ops: element operations done by the tiles' vector units (the other ops).
+        vector_ops: element operations done by the tiles' vector units (the other ops):
+            one per element of its largest output or activation input, four for
+            transcendental ops.
         half: whether it computes in float16.
         view: whether its output aliases an input.
         checkpoint: a ``recomputation_checkpoint``: its output is kept for backward.
@@ -317,6 +319,9 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
         view = _is_view(node) or steer == AVAILABLE_MEMORY_OP
         tensors = _tensors(val)
         elements = sum(t.numel() for t in tensors)
+        # reductions (sums, losses) do one operation per element read
+        read = max((t.numel() for a in node.all_input_nodes if a not in state_nodes
+                    for t in _tensors(a.meta.get("val"))), default=0)
         flops = 0.0 if view else _flops(node)
         cost = OpCost(
             name=node.name, op=_op_name(node), ipu=ipu, stage=stage,
@@ -327,7 +332,7 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
                              if a in state_nodes),
             elements=elements, flops=flops,
             vector_ops=0.0 if view or flops else
-            float(elements) * (4.0 if _op_name(node) in _TRANSCENDENTAL else 1.0),
+            float(max(elements, read)) * (4.0 if _op_name(node) in _TRANSCENDENTAL else 1.0),
             half=any(t.dtype == torch.float16 for t in tensors), view=view,
             checkpoint=steer == CHECKPOINT_OP,
             available_memory=memory_of.get(node),
