@@ -25,9 +25,11 @@ __all__ = ["BertConfig", "BERT_LARGE", "BERT_BASE", "BertForPreTraining", "ResNe
            "capture_for_estimate", "recomputation_checkpoint"]
 
 
-def _local_checkpoint_op():
-    """An identity op named ``recomputation_checkpoint`` (the IPU Model matches steering
-    ops by name), for trees where ``poptorch.recomputationCheckpoint`` is absent."""
+def _checkpoint_op():
+    """An identity op named ``recomputation_checkpoint``: the IPU Model recognises
+    steering ops by name (as it does ``poptorch.recomputationCheckpoint``'s op), and a
+    local definition keeps these captures independent of how ``poptorch``'s ops
+    behave outside a wrapper."""
     @torch.library.custom_op("poptorch_reference::recomputation_checkpoint",
                              mutates_args=())
     def _checkpoint(x: torch.Tensor) -> torch.Tensor:
@@ -38,10 +40,8 @@ def _local_checkpoint_op():
     return _checkpoint
 
 
-#: ``poptorch.recomputationCheckpoint`` when this tree has it, else a local identity op
-#: that the IPU Model recognises by its name.
-recomputation_checkpoint = getattr(poptorch, "recomputationCheckpoint", None) or \
-    _local_checkpoint_op()
+#: The recomputation checkpoint of these models (see :func:`_checkpoint_op`).
+recomputation_checkpoint = _checkpoint_op()
 
 
 @dataclasses.dataclass(frozen=True)

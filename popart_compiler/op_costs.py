@@ -335,7 +335,7 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             float(max(elements, read)) * (4.0 if _op_name(node) in _TRANSCENDENTAL else 1.0),
             half=any(t.dtype == torch.float16 for t in tensors), view=view,
             checkpoint=steer == CHECKPOINT_OP,
-            available_memory=memory_of.get(node),
+            available_memory=memory_of.get(node, node.meta.get("available_memory_proportion")),
             inputs=tuple(a.name for a in node.all_input_nodes))
         if steer == SERIALIZED_MATMUL_OP:
             mode = str(node.args[2]) if len(node.args) > 2 else "Disabled"

@@ -318,3 +318,37 @@ def test_training_cycles_throughput_and_efficiency():
     assert [m["ipu"] for m in summary["memory"]] == [0, 1]
     assert math.isclose(summary["cycles"]["pipeline_efficiency"],
                         round(piped.cycles.efficiency, 4))
+
+
+def test_links_and_streaming_memory_cost_cycles():
+    graph = capture(Mlp(256, 2), torch.randn(32, 256))
+
+    def cycles(**options):
+        return memory(graph, gradient_accumulation=4, **options).cycles
+
+    base = cycles()
+    # host-link transfers overlap with compute on IO tiles
+    assert cycles(raw={"numIOTiles": 32}).pipeline_cycles < base.pipeline_cycles
+    # off-chip optimizer state streams in and out at each weight update
+    off = cycles(raw={"location_optimizer": {"onChip": 0}})
+    state = sum(w.numel() for w in Mlp(256, 2).parameters()) * 8
+    streamed = 2 * state / (TARGETS["ipu2"].streaming_bytes_per_s / 1.33e9)
+    assert off.update_cycles == pytest.approx(base.update_cycles + streamed)
+    # replicas all-reduce their gradients over the IPU-Links
+    replicated = cycles(replication_factor=4)
+    weights = state / 2
+    reduce = 2 * 3 / 4 * weights / (320e9 / 1.33e9)
+    assert replicated.update_cycles == pytest.approx(base.update_cycles + reduce)
+    # a tensor crossing a stage boundary crosses the IPU-Links, forward and backward
+    opts = SessionOptions(gradient_accumulation=4)
+    split = cost_model.estimate(graph, opts, True, TARGETS["ipu2"], ADAM, layers_per_ipu=[1, 1])
+    ipu_of = {op.name: op.ipu for op in split.costs.ops}
+    crossing = [op for op in split.costs.ops
+                if any(ipu_of.get(i) != op.ipu for o in split.costs.ops if op.name in o.inputs
+                       for i in [o.name])]
+    assert len(crossing) == 1
+    one = {name: (f, b) for name, _, f, b in base.op_cycles}
+    two = {name: (f, b) for name, _, f, b in split.cycles.op_cycles}
+    link = crossing[0].out_bytes / (320e9 / 1.33e9)
+    f1, b1 = one[crossing[0].name]
+    assert two[crossing[0].name] == pytest.approx((f1 + link, b1 + link))
