@@ -116,11 +116,6 @@ class IpuModel:
         """Bytes of on-chip memory per IPU."""
         return self.tiles_per_ipu * self.target.sram_per_tile
 
-    @property
-    def effective_target(self) -> IpuTarget:
-        """The target with this device's tile count (4 for the small IPU Model)."""
-        return target_for(self.target.name, self.small)
-
 
 def acquire_device(num_ipus: int, version: str = "ipu2", *, use_ipu_model: bool = True,
                    explicit_model_request: Optional[bool] = None, small: bool = False,
