@@ -252,3 +252,38 @@ def test_offline_target_version_selects_the_target():
     opts = quiet().useOfflineIpuTarget(21)
     assert estimate_of(opts)["target"]["name"] == "ipu21"
     assert estimate_of(quiet().useOfflineIpuTarget(1))["target"]["tiles"] == 1216
+
+
+class Blocks(nn.Module):
+    def __init__(self, width=256):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x, labels):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x, nn.functional.cross_entropy(x, labels)
+
+
+def test_estimate_follows_the_block_placement():
+    model = Blocks()
+    for i, layer in enumerate(model.layers):
+        poptorch.BeginBlock(layer, f"b{i}", ipu_id=i // 2)
+    opts = quiet()
+    opts.Training.gradientAccumulation(8)
+    training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
+                                                                      lr=0.1))
+    training.compile(torch.randn(8 * 4, 256), torch.randint(0, 10, (8 * 4,)))
+    estimate = training.ipuModelEstimate()
+    assert [m["ipu"] for m in estimate["memory"]] == [0, 1]
+    layer = (256 * 256 + 256) * 4
+    for m in estimate["memory"]:
+        assert m["categories"]["weights"] == 2 * layer
+        assert m["categories"]["gradient accumulators"] == 2 * layer
+    # forward stage 0 of 2 keeps 3 micro-batches in flight, the last stage one
+    first, last = (m["categories"] for m in estimate["memory"])
+    assert first["pipeline stash"] == 2 * first["activations"]
+    assert last["pipeline stash"] == 0
+    stages = [s["name"] for s in estimate["cycles"]["stages"]]
+    assert stages == ["forward 0 (IPU 0)", "forward+backward 1 (IPU 1)", "backward 0 (IPU 0)"]
+    assert 0 < estimate["cycles"]["pipeline_efficiency"] < 1
