@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from . import backends
+from . import backends, steering
 from .errors import backend_error
 from .ir import Graph
 from .logging import logger
@@ -124,7 +124,8 @@ class Compiler:
                 inconsistent with ``device_iterations``; gradient accumulation in
                 inference; training graph without exactly one final, returned loss;
                 in-place buffer updates with replicas fed different data while
-                ``broadcast_buffers`` is on; unknown anchor; multi-process training.
+                ``broadcast_buffers`` is on; unknown anchor; multi-process training;
+                overlapped IO against S-66's rules.
         """
         start = time.perf_counter()
         total = 6
@@ -142,6 +143,8 @@ class Compiler:
         loss_index = Compiler._check_loss(graph) if training else None
         Compiler._check_buffers(graph, options)
         Compiler._check_replica_groupings(graph, options)
+        steering.check_overlapped_io(graph, options)
+        steering.record_available_memory(graph)
         report(3, total)
         activation, state = Compiler._resolve_anchors(graph, options, training)
         report(4, total)
@@ -150,7 +153,8 @@ class Compiler:
         if (not training and slots > 1 and not graph.mutated_buffers
                 and not graph.mutated_inputs and not graph.mutated_constants
                 and not options.synthetic_data and not options.fp_exceptions
-                and not options.replica_groupings and graph.has_device_work()):
+                and not options.replica_groupings and graph.has_device_work()
+                and not graph.runs_per_micro_batch()):
             chunk = Compiler._chunk(graph, slots)
             if chunk > 1:
                 vectorized = Compiler._vectorize(graph, chunk, options.device)

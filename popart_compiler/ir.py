@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-__all__ = ["Graph", "LOSS_OPS", "IDENTITY_LOSS_OP"]
+__all__ = ["Graph", "LOSS_OPS", "IDENTITY_LOSS_OP", "register_per_micro_batch_op"]
 
 #: ATen ops that mark a loss (spec S-40), by overload packet name.
 LOSS_OPS = frozenset({
@@ -31,6 +31,17 @@ LOSS_OPS = frozenset({
 })
 #: Qualified name of the ``poptorch.identity_loss`` custom op.
 IDENTITY_LOSS_OP = "poptorch::identity_loss"
+
+#: Qualified names of ops with a host side effect (printing, host callbacks): a graph
+#: holding one runs micro-batch by micro-batch, so the effect happens once per
+#: micro-batch and replica (api §8.2, §8.13).
+_PER_MICRO_BATCH_OPS: set = set()
+
+
+def register_per_micro_batch_op(qualname: str) -> None:
+    """Declare that the op ``qualname`` (``"namespace::name"``) must execute once per
+    micro-batch and replica: graphs that contain it are never vectorised."""
+    _PER_MICRO_BATCH_OPS.add(qualname)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -215,6 +226,13 @@ class Graph:
         values = dict(self.program.state_dict)
         values.update(self.program.constants)
         return values
+
+    def runs_per_micro_batch(self) -> bool:
+        """Whether an op of the graph (or of its subgraphs) has a host side effect
+        (:func:`register_per_micro_batch_op`)."""
+        return any(n.op == "call_function" and _qualified_name(n) in _PER_MICRO_BATCH_OPS
+                   for gm in self.module.modules() if isinstance(gm, fx.GraphModule)
+                   for n in gm.graph.nodes)
 
     def has_device_work(self) -> bool:
         """False for trivial graphs that only pass inputs or constants through (S-6)."""

@@ -14,13 +14,14 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 
 import popart_compiler
 from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 
-from . import _impl
+from . import _dynamic_slicing, _impl
 from ._args import BoundArgs, Spec, flatten, unflatten
 from ._logging import logger
 
@@ -97,6 +98,7 @@ class _IpuDeviceMode(TorchFunctionMode):
     def __init__(self, device: str):
         super().__init__()
         self.device = torch.device(device)
+        self.offsets = _dynamic_slicing.OffsetTracker()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -110,8 +112,13 @@ class _IpuDeviceMode(TorchFunctionMode):
             args = tuple(self.device if _is_ipu(a) else a for a in args)
         if getattr(func, "__name__", "") == "ipu":  # Tensor.ipu() does not exist in torch
             return args[0]
+        if func is torch.Tensor.__getitem__ and len(args) == 2:  # t[x:x + n] (S-102)
+            sliced = self.offsets.rewrite_getitem(*args)
+            if sliced is not None:
+                return sliced
         result = func(*args, **kwargs)
         _check_static_shape(result, func)
+        self.offsets.record(func, args, result)
         return result
 
 
@@ -338,7 +345,7 @@ class Captured:
 
 def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             input_spec: Spec, micro_batch: List[torch.Tensor], training: bool,
-            device: str = "cpu") -> Captured:
+            device: str = "cpu", module_namescope: bool = True) -> Captured:
     """Capture ``forward`` of ``model`` (a shallow copy of the user's module) once.
 
     Args:
@@ -349,6 +356,9 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         micro_batch: one micro-batch of every tensor leaf, in order.
         training: capture for training (loss ops checked by the compiler).
         device: where tensors created with ``device="ipu"`` live.
+        module_namescope: name ops after their sub-module path (S-16); ``False`` for
+            ``Options.disableModuleNamescope()``. ``poptorch.NameScope`` and the other
+            scopes of api §8 are recorded in ``node.meta["custom"]``.
 
     Raises:
         poptorch.Error: data-dependent Python control flow (with the user's source
@@ -388,12 +398,15 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     saved_forward = vars(model).get("forward")
     model.forward = flat_forward
     undo_ipu = _patch_tensor_ipu()
+    undo_class = _as_plain_module(model)
     try:
         example = tuple(t.detach() for t in micro_batch)
         _reset_blocks()
+        scope = {} if module_namescope else {"no_module_scope": True}
         with _impl.device_context(training), _quiet_torch_logs(), \
                 _device_weights(model), _IpuDeviceMode(device), \
-                _no_distribution_validation():
+                _no_distribution_validation(), fx_traceback.preserve_node_meta(), \
+                fx_traceback.annotate(scope):
             program = torch.export.export(model, example, strict=False)
         _check_state_unchanged(model, before)
     except Exception as exc:
@@ -416,6 +429,7 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
                             f"{type(exc).__name__}: {exc}") from exc
     finally:
         undo_ipu()
+        undo_class()
         if had_forward:
             model.forward = saved_forward
         else:
@@ -426,6 +440,21 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     graph = Graph(program)
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
+
+
+def _as_plain_module(model: torch.nn.Module) -> Callable[[], None]:
+    """``torch.export`` runs a ``torch.fx.GraphModule`` root with an fx Interpreter,
+    bypassing the instance's ``forward`` that the capture installs: present such a
+    root as a plain ``nn.Module`` while capturing (its generated ``forward``, bound
+    beforehand, still runs). Returns the undo function."""
+    if not isinstance(model, torch.fx.GraphModule):
+        return lambda: None
+    original = model.__class__
+    model.__class__ = type("GraphModuleRoot", (torch.nn.Module,), {})
+
+    def undo():
+        model.__class__ = original
+    return undo
 
 
 def _bake_constants(program, before: Dict[int, torch.Tensor]) -> None:

@@ -296,7 +296,8 @@ class PoplarExecutor:
             progress(0, 10)
             with suspend, _one_replica_slices(self._user_model, self.per_replica_params):
                 captured = capture(model, _forward_of(model), bound, spec, micro,
-                                   self._training, sess_opts.device)
+                                   self._training, sess_opts.device,
+                                   module_namescope=o._module_namescope_enabled)
             progress(4, 10)
             exe = Compiler.compile(captured.graph, sess_opts, self._training,
                                    progress=lambda p, t: progress(4 + (5 * p) // t, 10))
