@@ -116,6 +116,9 @@ class _IpuDeviceMode(TorchFunctionMode):
             sliced = self.offsets.rewrite_getitem(*args)
             if sliced is not None:
                 return sliced
+        sliced = self.offsets.rewrite_slice(func, args)
+        if sliced is not None:
+            return sliced
         result = func(*args, **kwargs)
         _check_static_shape(result, func)
         self.offsets.record(func, args, result)

@@ -113,7 +113,8 @@ def _setup(ctx, inputs, output):
     ctx.attributes = json.loads(inputs[4])
 
 
-def _backward(ctx, *grads):
+def _backward(ctx, grads):
+    grads = list(grads)
     inputs = list(ctx.saved_tensors)
     entry = _lookup(*ctx.key)
     if entry.gradient is not None:

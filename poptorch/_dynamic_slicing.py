@@ -143,6 +143,24 @@ class OffsetTracker:
         # id(tensor) -> (tensor, base, offset); the tensor is held so that its id is not
         # reused while the capture runs (one tracker per capture).
         self._affine: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # id(SymInt) -> (SymInt, tensor): values read with .item() from index tensors
+        # (torch.export turns t[x:y] into x.item(), y.item() and aten.slice).
+        self._items: Dict[int, Tuple[torch.SymInt, torch.Tensor]] = {}
+
+    def _tensor_of(self, value):
+        found = self._items.get(id(value))
+        return found[1] if found is not None and found[0] is value else value
+
+    def rewrite_slice(self, func, args) -> Optional[torch.Tensor]:
+        """``aten.slice(t, dim, start, end, step)`` whose bounds were read from tracked
+        index tensors, as a :func:`dynamic_slice`; ``None`` otherwise."""
+        if func not in (torch.ops.aten.slice, torch.ops.aten.slice.Tensor) or len(args) < 4:
+            return None
+        start, stop = self._tensor_of(args[2]), self._tensor_of(args[3])
+        if not (isinstance(start, torch.Tensor) or isinstance(stop, torch.Tensor)):
+            return None
+        step = args[4] if len(args) > 4 else 1
+        return self._dynamic(args[0], args[1], slice(start, stop, step))
 
     def _base(self, t: torch.Tensor) -> Tuple[torch.Tensor, int]:
         found = self._affine.get(id(t))
@@ -152,6 +170,10 @@ class OffsetTracker:
 
     def record(self, func, args, result) -> None:
         name = getattr(func, "__name__", "")
+        if name == "item" and len(args) == 1 and _is_index_tensor(args[0]) and \
+                isinstance(result, torch.SymInt):
+            self._items[id(result)] = (result, args[0])
+            return
         if name not in self._ADD and name not in self._SUB:
             return
         if len(args) != 2 or not isinstance(result, torch.Tensor):

@@ -175,7 +175,7 @@ def _host_call_setup(ctx, inputs, output):
     ctx.count = len(inputs[0])
 
 
-def _host_call_backward(ctx, *grads):
+def _host_call_backward(ctx, grads):
     return [None] * ctx.count, None, None
 
 
