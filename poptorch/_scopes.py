@@ -23,24 +23,36 @@ __all__ = ["NameScope", "Attribute", "MultiConv"]
 _name_stack: List[str] = []
 _attribute_stack: List[Dict[str, Dict[str, Any]]] = [{}]
 _multi_conv_ids = itertools.count()
+_multi_conv_stack: List[int] = []
 
 
 class _Annotating:
-    """Base: enter ``torch.fx.traceback.annotate(self._annotation())`` on ``__enter__``."""
+    """Base of the scopes: ``__enter__`` pushes ``self._new_state()`` on the class's
+    module-level ``_states`` stack, then enters
+    ``torch.fx.traceback.annotate(self._annotation())``; ``__exit__`` undoes both."""
+
+    _states: List[Any] = []
 
     def __init__(self) -> None:
         self._stack: List[contextlib.ExitStack] = []
 
+    def _new_state(self) -> Any:
+        raise AssertionError("subclasses define their state")
+
     def _annotation(self) -> Dict[str, Any]:
         raise AssertionError("subclasses define the annotation")
 
-    def _push(self) -> None:
+    def __enter__(self):
+        self._states.append(self._new_state())
         stack = contextlib.ExitStack()
         stack.enter_context(fx_traceback.annotate(self._annotation()))
         self._stack.append(stack)
+        return self
 
-    def _pop(self) -> None:
+    def __exit__(self, *exc) -> bool:
         self._stack.pop().close()
+        self._states.pop()
+        return False
 
 
 class NameScope(_Annotating):
@@ -58,18 +70,13 @@ class NameScope(_Annotating):
         super().__init__()
         self.name = name
 
+    _states = _name_stack
+
+    def _new_state(self) -> str:
+        return self.name
+
     def _annotation(self) -> Dict[str, Any]:
         return {"name_scope": "/".join(_name_stack)}
-
-    def __enter__(self) -> "NameScope":
-        _name_stack.append(self.name)
-        self._push()
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self._pop()
-        _name_stack.pop()
-        return False
 
 
 class Attribute(_Annotating):
@@ -91,21 +98,16 @@ class Attribute(_Annotating):
         super().__init__()
         self.attributes = kwargs
 
-    def _annotation(self) -> Dict[str, Any]:
-        return {"attributes": {k: dict(v) for k, v in _attribute_stack[-1].items()}}
+    _states = _attribute_stack
 
-    def __enter__(self) -> "Attribute":
+    def _new_state(self) -> Dict[str, Dict[str, Any]]:
         merged = {k: dict(v) for k, v in _attribute_stack[-1].items()}
         for name, value in self.attributes.items():
             merged.setdefault(name, {}).update(value)
-        _attribute_stack.append(merged)
-        self._push()
-        return self
+        return merged
 
-    def __exit__(self, *exc) -> bool:
-        self._pop()
-        _attribute_stack.pop()
-        return False
+    def _annotation(self) -> Dict[str, Any]:
+        return {"attributes": {k: dict(v) for k, v in _attribute_stack[-1].items()}}
 
 
 def _float_list(value) -> Optional[List[float]]:
@@ -204,13 +206,13 @@ class MultiConv(_Annotating):
         self._settings["cycle_back_off"] = value
         return self
 
+    _states = _multi_conv_stack
+
+    def _new_state(self) -> int:
+        return next(_multi_conv_ids)
+
     def _annotation(self) -> Dict[str, Any]:
-        return {"multi_conv": dict(self._settings, id=self._id)}
+        return {"multi_conv": dict(self._settings, id=_multi_conv_stack[-1])}
 
     def __enter__(self) -> None:
-        self._id = next(_multi_conv_ids)
-        self._push()
-
-    def __exit__(self, *exc) -> bool:
-        self._pop()
-        return False
+        super().__enter__()

@@ -29,6 +29,18 @@ def test_every_section_8_name_is_importable(name):
     assert name in poptorch.ops.__all__
 
 
+class Trained(nn.Module):
+    """A training model whose loss comes from ``body(x * w)[0]``."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2))
+        self.body = body
+
+    def forward(self, x):
+        return poptorch.identity_loss(self.body(x * self.w)[0], "sum")
+
+
 # -- cond ---------------------------------------------------------------------------------
 
 class Branches(nn.Module):
@@ -82,18 +94,10 @@ def test_cond_errors():
     with pytest.raises(ValueError, match="Object is not list"):
         poptorch.cond(torch.tensor(True), lambda: 1, [], lambda: 1, torch.ones(1))
 
-    class Train(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.ones(2))
-
-        def forward(self, x):
-            x = x * self.w
-            out = poptorch.cond(x.sum() > 0, lambda a: a * 2, [x], lambda a: a, [x])[0]
-            return poptorch.identity_loss(out, "sum")
+    body = lambda x: poptorch.cond(x.sum() > 0, lambda a: a * 2, [x], lambda a: a, [x])
     with pytest.raises(poptorch.Error, match=r"poptorch.cond\(\) is only supported in "
                        "inference."):
-        poptorch.trainingModel(Train(), quiet())(torch.ones(2))
+        poptorch.trainingModel(Trained(body), quiet())(torch.ones(2))
 
 
 # -- for_loop / nop ------------------------------------------------------------------------
@@ -133,18 +137,10 @@ def test_for_loop_errors():
                        "torch.tensor"):
         poptorch.for_loop(2, lambda a, b: [a, b], [torch.ones(1), 2])
 
-    class Train(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.ones(2))
-
-        def forward(self, x):
-            x = x * self.w
-            out = poptorch.for_loop(2, lambda a: a * 2, [x])[0]
-            return poptorch.identity_loss(out, "mean")
+    body = lambda x: poptorch.for_loop(2, lambda a: a * 2, [x])
     with pytest.raises(poptorch.Error, match=r"poptorch.for_loop\(\) is only supported in "
                        "inference."):
-        poptorch.trainingModel(Train(), quiet())(torch.ones(2))
+        poptorch.trainingModel(Trained(body), quiet())(torch.ones(2))
 
     class Mismatch(nn.Module):
         def forward(self, x):
