@@ -261,8 +261,9 @@ class Graph:
         """``<scope>/<OpType>:<index>`` name of every op (spec S-16).
 
         ``<scope>`` is the ``/``-joined sub-module path taken from the node's
-        ``nn_module_stack`` (plus any ``poptorch.NameScope`` recorded in
-        ``node.meta["custom"]["name_scope"]``); ``<OpType>`` is the ATen op name in
+        ``nn_module_stack`` with any ``poptorch.NameScope`` recorded in
+        ``node.meta["custom"]["name_scopes"]`` inserted where it was entered);
+        ``<OpType>`` is the ATen op name in
         CamelCase; ``<index>`` the output index.
         """
         names: Dict[str, fx.Node] = {}
@@ -283,18 +284,31 @@ class Graph:
 _MODULE_PATH_RE = re.compile(r"^(?:L\['self'\]|L__self__)\.?")
 
 
+def module_path_parts(path: str) -> List[str]:
+    """``"L['self'].layers[0]"`` / ``"layers.0"`` → ``["layers", "0"]``."""
+    path = _MODULE_PATH_RE.sub("", str(path))
+    return [p for p in re.split(r"[.\[\]'\"]+", path) if p]
+
+
 def _scope_of(node: fx.Node) -> str:
+    """The ``/``-joined scope of ``node``: its sub-module path and its name scopes, in
+    the order they were entered. ``node.meta["custom"]["name_scopes"]`` lists each name
+    scope with the sub-module depth it was entered at (``[[name, depth], ...]``)."""
     parts: List[str] = []
     custom = node.meta.get("custom") or {}
     stack = node.meta.get("nn_module_stack") or {}
     if stack and not custom.get("no_module_scope", False):
-        path = list(stack.values())[-1][0]
-        path = _MODULE_PATH_RE.sub("", str(path))
-        parts.extend(p for p in re.split(r"[.\[\]'\"]+", path) if p)
-    scope = custom.get("name_scope")
-    if scope:
-        parts = [scope] + parts if not parts else parts + [scope]
-    return "/".join(parts)
+        parts = module_path_parts(list(stack.values())[-1][0])
+    scopes = custom.get("name_scopes") or []
+    out: List[str] = []
+    taken = 0
+    for name, depth in scopes:
+        depth = min(int(depth), len(parts))
+        if depth > taken:
+            out.extend(parts[taken:depth])
+            taken = depth
+        out.append(str(name))
+    return "/".join(out + parts[taken:])
 
 
 def flat_shapes(tensors: Sequence[torch.Tensor]) -> List[torch.Size]:

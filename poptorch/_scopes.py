@@ -4,26 +4,40 @@
 
 Annotations are written with ``torch.fx.traceback.annotate`` and land in
 ``node.meta["custom"]`` of every node captured inside the scope: ``"name_scope"``
-(``"a/b"``), ``"attributes"`` (the merged dict) and ``"multi_conv"`` (the MultiConv's
+(``"a/b"``) with ``"name_scopes"`` (each name and the sub-module depth it was entered
+at, so tensor names interleave module paths and name scopes in order), ``"attributes"`` (the merged dict) and ``"multi_conv"`` (the MultiConv's
 settings plus an ``"id"`` per ``with`` block). Outside a capture they change nothing.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx.traceback as fx_traceback
+
+from popart_compiler.ir import module_path_parts
 
 from . import enums
 
 __all__ = ["NameScope", "Attribute", "MultiConv"]
 
-_name_stack: List[str] = []
+_name_stack: List[Tuple[str, int]] = []
 _attribute_stack: List[Dict[str, Dict[str, Any]]] = [{}]
 _multi_conv_ids = itertools.count()
 _multi_conv_stack: List[int] = []
+
+
+def _module_depth() -> int:
+    """Sub-module depth of the ``forward`` being captured (0: the model's own), read
+    from the capture's module stack; 0 outside a capture."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    stack = getattr(getattr(get_proxy_mode(), "tracer", None), "module_stack", None)
+    if not stack:
+        return 0
+    path = str(list(stack.values())[-1][0])
+    return len(module_path_parts(path.replace("_export_root", "", 1)))
 
 
 class _Annotating:
@@ -72,11 +86,12 @@ class NameScope(_Annotating):
 
     _states = _name_stack
 
-    def _new_state(self) -> str:
-        return self.name
+    def _new_state(self) -> Tuple[str, int]:
+        return self.name, _module_depth()
 
     def _annotation(self) -> Dict[str, Any]:
-        return {"name_scope": "/".join(_name_stack)}
+        return {"name_scope": "/".join(name for name, _ in _name_stack),
+                "name_scopes": [[name, depth] for name, depth in _name_stack]}
 
 
 class Attribute(_Annotating):

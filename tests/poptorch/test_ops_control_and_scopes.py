@@ -313,3 +313,29 @@ def test_ops_in_a_training_model_with_all_markers():
     executor.copyWeightsToHost()
     torch.testing.assert_close(model.fc.weight.detach(),
                                (reference.weight - 0.1 * reference.weight.grad).detach())
+
+
+def test_name_scopes_interleave_with_module_paths_in_entry_order():
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            with poptorch.NameScope("attention"):
+                return self.fc(x) * 3
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            with poptorch.NameScope("encoder"):
+                return self.inner(x) - 1
+    executor = poptorch.inferenceModel(Outer(), quiet())
+    executor(torch.randn(1, 2))
+    names = executor.getTensorNames()
+    assert "encoder/inner/attention/fc/Linear:0" in names
+    assert "encoder/inner/attention/Mul:0" in names
+    assert "encoder/Sub:0" in names
