@@ -17,7 +17,8 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-__all__ = ["Graph", "LOSS_OPS", "IDENTITY_LOSS_OP", "register_per_micro_batch_op"]
+__all__ = ["Graph", "LOSS_OPS", "IDENTITY_LOSS_OP", "register_per_micro_batch_op",
+           "annotation_text"]
 
 #: ATen ops that mark a loss (spec S-40), by overload packet name.
 LOSS_OPS = frozenset({
@@ -309,6 +310,18 @@ def _scope_of(node: fx.Node) -> str:
             taken = depth
         out.append(str(name))
     return "/".join(out + parts[taken:])
+
+
+#: ``node.meta`` / ``node.meta["custom"]`` keys the IPU compiler reads (api §8).
+_ANNOTATIONS = ("multi_conv", "attributes", "available_memory_proportion")
+
+
+def annotation_text(node: fx.Node) -> str:
+    """``"  # {...}"`` with the node's compiler annotations, or ``""`` without any."""
+    custom = node.meta.get("custom") or {}
+    found = {k: custom.get(k, node.meta.get(k)) for k in _ANNOTATIONS
+             if custom.get(k, node.meta.get(k)) is not None}
+    return f"  # {found}" if found else ""
 
 
 def flat_shapes(tensors: Sequence[torch.Tensor]) -> List[torch.Size]:

@@ -14,6 +14,7 @@ from popart_compiler.compiler import Compiler, Executable
 from popart_compiler.errors import backend_error, py_error
 from popart_compiler.ipu_model import acquire_device
 from popart_compiler.session import InferenceSession, TrainingSession
+from popart_compiler.ir import annotation_text
 from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
                                              ipu_model_env)
 
@@ -950,10 +951,13 @@ class PoplarExecutor:
         return self._anchor_values[short_name]
 
     def _debugGetPopartIR(self) -> str:
-        """A text listing of the compiled graph's operations with their scoped names."""
+        """A text listing of the compiled graph's operations with their scoped names and
+        the annotations the IPU compiler would read (``MultiConv``, ``Attribute``,
+        available memory; api §8)."""
         self._require_executable()
         names = self._executable.graph.activation_names()
-        return "\n".join(f"{name}: {node.format_node()}" for name, node in names.items())
+        return "\n".join(f"{name}: {node.format_node()}{annotation_text(node)}"
+                         for name, node in names.items())
 
 
 _RECOMPILE = ("The inputs given at run time differ from the ones the model was compiled "

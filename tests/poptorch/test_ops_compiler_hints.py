@@ -199,6 +199,7 @@ def test_set_available_memory_recorded_on_producer_and_errors():
     assert marker.args[1] == 0.25
     assert marker.args[0].meta["available_memory_proportion"] == 0.25
     assert "SetAvailableMemory:0" in executor._debugGetPopartIR()
+    assert "{'available_memory_proportion': 0.25}" in executor._debugGetPopartIR()
     with pytest.raises(poptorch.Error, match="only set available memory for torch.tensor"):
         poptorch.set_available_memory(3.0, 0.5)
 

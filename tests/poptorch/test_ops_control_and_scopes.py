@@ -224,6 +224,8 @@ def test_attribute_scopes_merge_and_restore():
                               "other": {"k": "v"}}
     assert by_name["sub"] == {"__outline": {"layer": "embedding"}}
     assert by_name["relu"] is None
+    assert "'__outline': {'layer': 'embedding', 'kind': 'inner'}" in \
+        executor._debugGetPopartIR()
     with pytest.raises(AssertionError):
         poptorch.Attribute(x=3)
 
@@ -250,7 +252,8 @@ def test_multi_conv_all_setters_exact_convolutions_recorded():
     model = TwoConvs(multi)
     x = torch.randn(1, 2, 5, 5)
     executor = poptorch.inferenceModel(model, quiet())
-    torch.testing.assert_close(executor(x), torch.cat([model.a(x), model.b(x)], 1))
+    assert torch.equal(executor(x), torch.cat([model.a(x), model.b(x)], 1))
+    assert "'plan_type': 'Serial'" in executor._debugGetPopartIR()
     convs = [n for n in call_functions(executor) if "conv" in str(n.target)]
     assert len(convs) == 2
     settings = [n.meta["custom"]["multi_conv"] for n in convs]
