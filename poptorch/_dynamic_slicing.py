@@ -157,8 +157,8 @@ class OffsetTracker:
         if func not in (torch.ops.aten.slice, torch.ops.aten.slice.Tensor) or len(args) < 4:
             return None
         start, stop = self._tensor_of(args[2]), self._tensor_of(args[3])
-        if not (isinstance(start, torch.Tensor) or isinstance(stop, torch.Tensor)):
-            return None
+        if not (isinstance(start, torch.Tensor) and isinstance(stop, torch.Tensor)):
+            return None  # not a run-time window: the capture's own checks apply
         step = args[4] if len(args) > 4 else 1
         return self._dynamic(args[0], args[1], slice(start, stop, step))
 
@@ -191,8 +191,10 @@ class OffsetTracker:
         """``tensor[index]`` as dynamic slices, or ``None`` when ``index`` holds no
         slice with tensor bounds."""
         items = index if isinstance(index, tuple) else (index,)
-        if not any(isinstance(i, slice) and _tensor_bound(i) for i in items):
-            return None
+        if not any(isinstance(i, slice) and _tensor_bound(i) for i in items) or any(
+                isinstance(i, slice) and _tensor_bound(i) and not _tensor_bounds(i)
+                for i in items):
+            return None  # not a run-time window: the capture's own checks apply
         if any(i is Ellipsis for i in items):
             return None
         out, rest, dim = tensor, [], 0
@@ -209,11 +211,6 @@ class OffsetTracker:
     def _dynamic(self, tensor: torch.Tensor, dim: int, item: slice) -> torch.Tensor:
         start, stop, step = item.start, item.stop, item.step
         step = 1 if step is None else step
-        if not (isinstance(start, torch.Tensor) and isinstance(stop, torch.Tensor)):
-            raise py_error(
-                "A slice with a run-time bound needs both bounds to be tensors that "
-                "differ by a constant, as in t[x:x + 4] (S-102); got "
-                f"[{_show(start)}:{_show(stop)}].")
         (base_a, off_a), (base_b, off_b) = self._base(start), self._base(stop)
         if base_a is not base_b:
             raise py_error(
@@ -232,5 +229,5 @@ def _tensor_bound(item: slice) -> bool:
     return isinstance(item.start, torch.Tensor) or isinstance(item.stop, torch.Tensor)
 
 
-def _show(value) -> str:
-    return "tensor" if isinstance(value, torch.Tensor) else repr(value)
+def _tensor_bounds(item: slice) -> bool:
+    return isinstance(item.start, torch.Tensor) and isinstance(item.stop, torch.Tensor)

