@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from popart_compiler.errors import py_error
+from popart_compiler.errors import backend_error, py_error
 
 from . import _ops_library, enums
 from ._impl import isRunningOnIpu
@@ -74,8 +74,8 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor,
     Raises:
         AssertionError: ``keep_precision`` not a bool, ``factor`` not an int, ``mode`` not
             a ``MatMulSerializationMode``.
-        poptorch.Error: (in a wrapped model) ``factor`` does not divide the dimension,
-            operands of fewer than 2 dimensions.
+        poptorch.Error: (in a wrapped model) ``factor`` does not divide the dimension
+            (a backend error, as in PopTorch), operands of fewer than 2 dimensions.
     """
     assert isinstance(keep_precision, bool), "keep_precision must be a bool"
     assert isinstance(factor, int), "factor must be an int"
@@ -90,8 +90,8 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor,
         what, dim, which = _MODE_DIM[mode.name]
         size = (lhs, rhs)[which].shape[dim]
         if size % factor:
-            raise py_error(f"serializedMatMul: factor {factor} does not divide {what} "
-                           f"({size}) for mode {mode.name}")
+            raise backend_error(f"serializedMatMul: factor {factor} does not divide {what} "
+                                f"({size}) for mode {mode.name}")
     if keep_precision and lhs.dtype == torch.half:
         return _ops_library.SERIALIZED_MATMUL(lhs.float(), rhs.float(), mode.name,
                                               factor).half()

@@ -11,7 +11,8 @@ import dataclasses
 import itertools
 import json
 import sys
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+import weakref
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 
@@ -156,7 +157,8 @@ def run_on_examples(fn: Callable, inputs: Sequence[torch.Tensor]) -> Any:
 
 # -- CPU ------------------------------------------------------------------------------
 
-_HOST_FUNCTIONS: Dict[str, "CPU"] = {}
+#: key -> CPU object, weakly: an entry lives as long as the model holding the CPU op.
+_HOST_FUNCTIONS: "weakref.WeakValueDictionary[str, CPU]" = weakref.WeakValueDictionary()
 _next_key = itertools.count()
 _active: List["CPU"] = []
 
