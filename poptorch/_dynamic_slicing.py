@@ -131,8 +131,10 @@ class OffsetTracker:
 
     :meth:`record` is called with every op result: for ``x + c`` / ``x - c`` / ``c + x``
     on a 0-d or one-element integer tensor ``x`` with a Python int ``c`` it remembers
-    ``(base of x, offset of x ± c)``. :meth:`rewrite_getitem` turns
-    ``t[..., a:b, ...]`` whose bounds are tracked tensors with the same base into a
+    ``(base of x, offset of x ± c)``, and which tensor each ``.item()`` value was read
+    from. :meth:`rewrite_getitem` (``t[a:b]`` seen as such) and :meth:`rewrite_slice`
+    (``aten.slice(t, dim, a.item(), b.item())``, what non-strict ``torch.export`` makes
+    of ``t[a:b]``) turn a slice whose two bounds are tensors with the same base into a
     :func:`dynamic_slice` of size ``offset(b) - offset(a)``.
     """
 
