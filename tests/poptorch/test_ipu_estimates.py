@@ -287,3 +287,41 @@ def test_estimate_follows_the_block_placement():
     stages = [s["name"] for s in estimate["cycles"]["stages"]]
     assert stages == ["forward 0 (IPU 0)", "forward+backward 1 (IPU 1)", "backward 0 (IPU 0)"]
     assert 0 < estimate["cycles"]["pipeline_efficiency"] < 1
+
+
+class Steered(nn.Module):
+    def __init__(self, checkpoint=False, proportion=None, factor=None):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(512, 512))
+        self.checkpoint, self.proportion, self.factor = checkpoint, proportion, factor
+
+    def forward(self, x, labels):
+        for _ in range(3):
+            if self.factor:
+                x = poptorch.serializedMatMul(x, self.w,
+                                              poptorch.MatMulSerializationMode.OutputChannels,
+                                              self.factor)
+            else:
+                x = x @ self.w
+            if self.proportion is not None:
+                x = poptorch.set_available_memory(x, self.proportion)
+            x = torch.relu(x)
+            if self.checkpoint:
+                x = poptorch.recomputationCheckpoint(x)
+        return x, nn.functional.cross_entropy(x, labels)
+
+
+def steered(**kwargs):
+    model = Steered(**kwargs)
+    training = poptorch.trainingModel(model, quiet(), poptorch.optim.SGD(model.parameters(),
+                                                                         lr=0.1))
+    training.compile(torch.randn(64, 512), torch.randint(0, 10, (64,)))
+    return training.ipuModelEstimate()["memory"][0]["categories"]
+
+
+def test_poptorch_steering_ops_change_the_estimate():
+    base = steered()
+    assert steered(checkpoint=True)["activations"] < base["activations"]
+    capped = steered(proportion=0.0001)
+    assert capped["temporaries"] < base["temporaries"]
+    assert steered(factor=4)["temporaries"] < base["temporaries"]
