@@ -294,7 +294,6 @@ def program_signature(executable: "Executable",
     strings: batching and reduction options, the micro-batch inputs, the parameters,
     the optimizer and a hash of the captured program."""
     o, g = executable.options, executable.graph
-    user = g.placeholders[len(g.placeholders) - g.num_user_inputs:]
     sig = {
         "replicationFactor (local replicas)": str(o.replication_factor),
         "deviceIterations": str(o.device_iterations),
@@ -310,8 +309,8 @@ def program_signature(executable: "Executable",
         "the model's program (sha256 of the captured graph)":
             hashlib.sha256(g.module.code.encode()).hexdigest()[:16],
     }
-    for node, info in zip(user, g.user_inputs):
-        sig[f"micro-batch input {node.name}"] = _describe(info) if info else "non-tensor"
+    for i, info in enumerate(g.user_inputs):
+        sig[f"micro-batch input {i}"] = _describe(info) if info else "non-tensor"
     for i, (name, trainable) in enumerate(zip(g.parameters, g.trainable)):
         value = g.placeholders[i].meta.get("val")
         sig[f"parameter {name}"] = _describe(value) + ("" if trainable else " frozen")
