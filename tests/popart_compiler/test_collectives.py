@@ -8,6 +8,7 @@ import torch
 
 from popart_compiler.optimizers import (FLOAT16_MAX, DeviceOptimizer, OptimizerDescription,
                                         StepSettings)
+from popart_compiler.session import _DeviceRng
 
 
 class _ThreadAllReduce:
@@ -112,3 +113,20 @@ def test_automatic_loss_scaling_decides_on_all_processes_statistics():
     results, _ = _two_processes(desc, grads, 1, w0, replicas=2, auto_loss_scaling=True)
     for _, opt in results:
         assert float(opt.state["lossScaleUpdateFactor"]) == 0.5
+
+
+def test_each_process_has_its_own_random_stream():
+    """Same seed: process 0 keeps the seed's stream; process 1 draws other numbers,
+    reproducibly; the reported seed stays the user's."""
+    def draw(stream):
+        rng = _DeviceRng(7, "cpu", stream=stream)
+        with rng.active():
+            values = torch.rand(4)
+        return values, rng.to_list()[0]
+
+    first, seed0 = draw(0)
+    assert torch.equal(first, torch.rand(4, generator=torch.Generator().manual_seed(7)))
+    other, seed1 = draw(1)
+    assert not torch.equal(first, other)
+    assert torch.equal(other, draw(1)[0])
+    assert seed0 == seed1 == 7

@@ -165,7 +165,9 @@ def _scenario_fault(rank, world, fault):
 
 
 def _scenario_mismatch(rank, world):
-    """Process 1 uses another gradient accumulation and micro-batch size."""
+    """Process 1 uses another gradient accumulation and micro-batch size. The script
+    creates the process group itself: PopTorch reuses it."""
+    torch.distributed.init_process_group("gloo")
     training, x, t = _fault_model(world, rank, accumulation=1 + rank, batch=2 + rank)
     try:
         training(x, t)

@@ -196,6 +196,45 @@ def test_collective_timeout_from_environment(monkeypatch):
     assert collectives.backend_for("cpu") == "gloo"
 
 
+def test_training_buffers_counted_over_all_processes():
+    """S-36 with S-28: replicas of other processes take other data, so a training model
+    updating a buffer needs broadcastBuffers(False) even with one local replica."""
+    class WithStats(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return poptorch.identity_loss(self.bn(x).sum(), reduction="sum")
+
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    training = poptorch.trainingModel(WithStats(), opts)
+    with pytest.raises(poptorch.Error, match="PopTorch does not support broadcasting"):
+        training(torch.randn(4, 4))
+
+
+def test_replica_grouped_weight_spans_the_processes():
+    """S-27 with S-28: groups are laid out over the global replicas."""
+    class Grouped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = torch.nn.Parameter(torch.zeros(2, 3))
+
+        def forward(self, x):
+            return poptorch.identity_loss((x * self.W).sum(), reduction="sum")
+
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    training = poptorch.trainingModel(Grouped(), opts)
+    training.W.replicaGrouping(poptorch.CommGroupType.Consecutive, 2,
+                               poptorch.VariableRetrievalMode.OnePerGroup)
+    with pytest.raises(poptorch.Error, match=r"with replicationFactor 1 × 2 processes and "
+                       r"this grouping its dimension 0 must be the number of replica "
+                       r"groups \(1\)"):
+        training(torch.randn(2, 3))
+
+
 def test_global_replicas_in_session_options():
     from popart_compiler.session_options import SessionOptions
     o = SessionOptions.from_dict({"replication_factor": 2, "num_distributed_processes": 3,
