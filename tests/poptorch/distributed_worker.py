@@ -155,7 +155,7 @@ def _scenario_fault(rank, world, fault):
             raise RuntimeError("process 1 failed on purpose")
         if fault == "die":
             os._exit(3)
-        time.sleep(120)  # "hang": never reaches the weight update
+        time.sleep(60)  # "hang": never reaches the weight update (killed by the test)
     start = time.monotonic()
     try:
         training(x, t)

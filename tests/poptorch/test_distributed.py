@@ -54,9 +54,11 @@ def _env(**extra):
     return env
 
 
-def _run(commands, envs, wait_s=WAIT_S):
-    """Start each command in its own session; wait for all (bounded); kill every
-    process group that is left. Returns the exit codes and combined outputs."""
+def _run(commands, envs, wait_s=WAIT_S, wait_for=None):
+    """Start each command in its own session; wait (bounded) for those in
+    ``wait_for`` (default all); kill every process group that is left. Returns the
+    exit codes (``None`` for a process killed without being waited for) and the
+    combined outputs of the processes waited for."""
     procs = []
     try:
         for cmd, env in zip(commands, envs):
@@ -64,9 +66,10 @@ def _run(commands, envs, wait_s=WAIT_S):
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         deadline = time.monotonic() + wait_s
+        waited = range(len(procs)) if wait_for is None else wait_for
         outputs = []
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        for i in waited:
+            out, _ = procs[i].communicate(timeout=max(1.0, deadline - time.monotonic()))
             outputs.append(out)
         return [p.returncode for p in procs], outputs
     finally:
@@ -76,11 +79,12 @@ def _run(commands, envs, wait_s=WAIT_S):
                 p.wait()
 
 
-def _launch(scenario, out_dir, world=2, **extra_env):
+def _launch(scenario, out_dir, world=2, wait_for=None, **extra_env):
     port = str(_free_port())
     envs = [_env(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=port, **extra_env) for r in range(world)]
-    return _run([[sys.executable, WORKER, scenario, str(out_dir)]] * world, envs)
+    return _run([[sys.executable, WORKER, scenario, str(out_dir)]] * world, envs,
+                wait_for=wait_for)
 
 
 def _read(out_dir, rank):
@@ -150,7 +154,8 @@ def test_failed_process_makes_the_other_fail_with_a_clear_error(tmp_path, fault)
 def test_hung_process_times_out(tmp_path):
     """Process 1 never reaches the weight update: process 0 fails after the collective
     timeout set by POPTORCH_DISTRIBUTED_TIMEOUT instead of hanging."""
-    codes, logs = _launch("hang", tmp_path, **{collectives.TIMEOUT_ENV: "4"})
+    codes, logs = _launch("hang", tmp_path, wait_for=[0],
+                          **{collectives.TIMEOUT_ENV: "4"})
     assert codes[0] == 0, logs
     message = _read(tmp_path, 0)
     seconds = float(message.split("s ", 1)[0])
