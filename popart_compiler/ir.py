@@ -51,8 +51,10 @@ def _qualified_name(node: fx.Node) -> str:
 def _is_loss_node(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
+    # ``poptorch::ctc_loss`` and the like mirror an ATen loss as one opaque node.
     return (_qualified_name(node) == IDENTITY_LOSS_OP
-            or (_qualified_name(node).startswith("aten::") and _op_name(node) in LOSS_OPS))
+            or (_qualified_name(node).startswith(("aten::", "poptorch::"))
+                and _op_name(node) in LOSS_OPS))
 
 
 def _aliased_base(node: fx.Node) -> fx.Node:
