@@ -104,6 +104,27 @@ def _written_nodes(graph: fx.Graph) -> List[fx.Node]:
     return written
 
 
+#: Placeholder order of a :class:`Graph`: parameters, buffers, then the rest as captured.
+_KIND_ORDER = {InputKind.PARAMETER: 0, InputKind.BUFFER: 1}
+
+
+def _state_first(program: ExportedProgram) -> List[fx.Node]:
+    """Put the parameter and buffer placeholders first, in that order (``torch.export``
+    may lift a constant created in ``forward`` ahead of them); returns the placeholders.
+    The signature's input specs are reordered with them."""
+    graph = program.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    specs = program.graph_signature.input_specs
+    pairs = sorted(zip(specs, placeholders), key=lambda p: _KIND_ORDER.get(p[0].kind, 2))
+    if [node for _, node in pairs] != placeholders:
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        for _, node in pairs:
+            first_op.prepend(node)
+        specs[:] = [spec for spec, _ in pairs]
+        program.graph_module.recompile()
+    return [node for _, node in pairs]
+
+
 @dataclasses.dataclass
 class TensorInfo:
     """Shape and dtype of a graph value."""
@@ -143,7 +164,7 @@ class Graph:
         self.persistent: Dict[str, bool] = {}
         user_nodes: List[fx.Node] = []
         kinds = []
-        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        placeholders = _state_first(program)
         for spec, node in zip(sig.input_specs, placeholders):
             kinds.append(spec.kind)
             if spec.kind == InputKind.PARAMETER:

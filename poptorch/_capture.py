@@ -113,6 +113,7 @@ class _IpuDeviceMode(TorchFunctionMode):
             return args[0]
         if func in VALUE_READS:
             return _read_value(func, args, kwargs)
+        func = _opaque_ops.redirect_for(func) or func
         try:
             result = func(*args, **kwargs)
         except Exception as exc:

@@ -7,23 +7,28 @@ composite ops reach a kernel tagged ``dynamic_output_shape`` for an *internal* b
 ``[N, T, 2 * max(target_lengths) + 1]``, although the loss itself is ``[N]`` or a scalar.
 Such a function cannot be traced op by op, yet its output is as static as any other.
 
+The same holds for Python functions of PyTorch that read tensor values only to
+validate them (``F.gaussian_nll_loss`` checks ``torch.any(var < 0)``).
+
 During capture each such function is recorded as ONE graph node instead: a
-``torch.library`` op ``poptorch::<name>.<overload>`` that mirrors the schema of the ATen
-composite, runs PyTorch's own kernel when the graph executes, declares its output
-shape to the tracer (its fake kernel) and differentiates by running the ATen op again
-under autograd (so the IPU Model's results and gradients are PyTorch's). Adding an op
-of this kind takes one :data:`_OPAQUE` entry: the public attribute that reaches it, the
-ATen overload packet and the output declaration.
+``torch.library`` op ``poptorch::<name>[.<overload>]`` that mirrors the schema of the
+ATen composite (or declares the Python function's), runs PyTorch's own kernel when the
+graph executes, declares its output shape to the tracer (its fake kernel) and
+differentiates by running that kernel again under autograd, so the IPU Model's results
+and gradients are PyTorch's. Adding a function of this kind takes one :data:`_OPAQUE`
+entry: where it is looked up, the ATen packet or schema, and the output declaration.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+import functools
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["opaque_functions", "OPAQUE_OPS"]
+__all__ = ["opaque_functions", "redirect_for", "OPAQUE_OPS"]
 
 _LIB = torch.library.Library("poptorch", "FRAGMENT")  # noqa: TOR901
 
@@ -36,6 +41,23 @@ def _ctc_loss_output(log_probs: torch.Tensor, targets, input_lengths, target_len
     return log_probs.new_empty((log_probs.shape[1],) if reduction == 0 and batched else ())
 
 
+def _combinations_output(x: torch.Tensor, r: int = 2, with_replacement: bool = False):
+    """``aten::combinations``: ``[C(n, r), r]`` (``C(n + r - 1, r)`` with replacement)."""
+    n = x.shape[0]
+    if r == 0:
+        return x.new_empty((0,))
+    return x.new_empty((math.comb(n + r - 1 if with_replacement else n, r), r))
+
+
+def _gaussian_nll_loss_output(input: torch.Tensor, target: torch.Tensor,  # noqa: A002
+                              var: torch.Tensor, full: bool = False, eps: float = 1e-6,
+                              reduction: str = "mean"):
+    """``F.gaussian_nll_loss`` (which checks ``var >= 0`` by reading its values)."""
+    if reduction != "none":
+        return input.new_empty(())
+    return input.new_empty(torch.broadcast_shapes(input.shape, target.shape))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Opaque:
     """One function recorded as an opaque op.
@@ -43,18 +65,36 @@ class _Opaque:
     Attributes:
         owner / attribute: where PyTorch's Python code looks the function up
             (``torch.ctc_loss``: ``F.ctc_loss`` and ``nn.CTCLoss`` call it).
-        aten: the ATen overload packet it dispatches to; every overload is mirrored.
-        output: fake kernel: the overload's arguments → an empty tensor (or tuple) of
-            the output's shape and dtype.
+        output: fake kernel: the op's arguments → an empty tensor (or tuple) of the
+            output's shape and dtype.
+        aten: the ATen overload packet the function dispatches to (every overload is
+            mirrored, with ATen's schema and kernel); or ``None`` for a Python function,
+            mirrored with ``schema`` and the function itself as kernel.
+        schema: the op's schema without its name (Python functions only).
+        applies: whether a call's arguments go to the opaque op (else to the function).
     """
     owner: Any
     attribute: str
-    aten: torch._ops.OpOverloadPacket
     output: Callable[..., Any]
+    aten: Optional[torch._ops.OpOverloadPacket] = None
+    schema: str = ""
+    applies: Callable[..., bool] = lambda *args, **kwargs: True
+
+    @property
+    def name(self) -> str:
+        if self.aten is not None:
+            return self.aten._qualified_op_name.split("::", 1)[1]
+        return self.attribute
 
 
 _OPAQUE: Tuple[_Opaque, ...] = (
-    _Opaque(torch, "ctc_loss", torch.ops.aten.ctc_loss, _ctc_loss_output),
+    _Opaque(torch, "ctc_loss", _ctc_loss_output, torch.ops.aten.ctc_loss),
+    _Opaque(torch, "combinations", _combinations_output, torch.ops.aten.combinations),
+    _Opaque(torch.nn.functional, "gaussian_nll_loss", _gaussian_nll_loss_output,
+            schema="(Tensor input, Tensor target, Tensor var, bool full=False, "
+                   "float eps=1e-06, str reduction=\"mean\") -> Tensor",
+            applies=lambda input, target, var, *args, **kwargs: isinstance(
+                var, torch.Tensor)),
 )
 
 
@@ -64,8 +104,8 @@ def _save_inputs(ctx, inputs: Tuple[Any, ...], output: Any) -> None:
     ctx.save_for_backward(*[x for x in inputs if isinstance(x, torch.Tensor)])
 
 
-def _recompute_backward(aten_op: torch._ops.OpOverload) -> Callable:
-    """Backward of an opaque op: run the ATen op again under autograd and take the
+def _recompute_backward(kernel: Callable) -> Callable:
+    """Backward of an opaque op: run its kernel again under autograd and take the
     vector-Jacobian product, so gradients are exactly PyTorch's."""
 
     def backward(ctx, *grads: torch.Tensor):
@@ -78,7 +118,7 @@ def _recompute_backward(aten_op: torch._ops.OpOverload) -> Callable:
         with torch.enable_grad():
             for i in wanted:
                 inputs[i] = inputs[i].detach().requires_grad_()
-            outputs = aten_op(*inputs)
+            outputs = kernel(*inputs)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
@@ -92,48 +132,78 @@ def _recompute_backward(aten_op: torch._ops.OpOverload) -> Callable:
     return backward
 
 
-def _mirror(entry: _Opaque) -> torch._ops.OpOverloadPacket:
-    """Define ``poptorch::<name>.<overload>`` for every overload of ``entry.aten``."""
-    name = entry.aten._qualified_op_name.split("::", 1)[1]
+def _overloads(entry: _Opaque) -> List[Tuple[str, str, Callable]]:
+    """(local name, schema with name, kernel) of each op to define for ``entry``."""
+    if entry.aten is None:
+        return [(entry.name, entry.name + entry.schema, getattr(entry.owner,
+                                                                 entry.attribute))]
+    found = []
     for overload in entry.aten.overloads():
         aten_op = getattr(entry.aten, overload)
-        schema = str(aten_op._schema).split("::", 1)[1]
+        local = entry.name if overload == "default" else f"{entry.name}.{overload}"
+        found.append((local, str(aten_op._schema).split("::", 1)[1], aten_op))
+    return found
+
+
+def _mirror(entry: _Opaque) -> torch._ops.OpOverloadPacket:
+    """Define ``poptorch::<name>[.<overload>]`` for ``entry``."""
+    for local, schema, kernel in _overloads(entry):
         _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
-        local = name if overload == "default" else f"{name}.{overload}"
-        _LIB.impl(local, aten_op, "CompositeExplicitAutograd")
+        _LIB.impl(local, kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(f"poptorch::{local}", entry.output, lib=_LIB)
-        torch.library.register_autograd(f"poptorch::{local}", _recompute_backward(aten_op),
+        torch.library.register_autograd(f"poptorch::{local}", _recompute_backward(kernel),
                                         setup_context=_save_inputs, lib=_LIB)
-    return getattr(torch.ops.poptorch, name)
+    return getattr(torch.ops.poptorch, entry.name)
 
 
-#: ATen overload packet → its opaque mirror in the ``poptorch`` namespace.
-OPAQUE_OPS: Dict[torch._ops.OpOverloadPacket, torch._ops.OpOverloadPacket] = {
-    entry.aten: _mirror(entry) for entry in _OPAQUE}
+#: Opaque op of each entry, by the name of the function it replaces.
+OPAQUE_OPS: Dict[str, torch._ops.OpOverloadPacket] = {
+    f"{entry.owner.__name__}.{entry.attribute}": _mirror(entry) for entry in _OPAQUE}
 
 
-def _redirect(mirror: torch._ops.OpOverloadPacket) -> Callable:
+def _redirect(entry: _Opaque, original: Callable) -> Callable:
+    mirror = OPAQUE_OPS[f"{entry.owner.__name__}.{entry.attribute}"]
+
+    @functools.wraps(original)
     def call(*args, **kwargs):
-        return mirror(*args, **kwargs)
+        if entry.applies(*args, **kwargs):
+            return mirror(*args, **kwargs)
+        return original(*args, **kwargs)
     return call
+
+
+#: PyTorch's function → the function that routes its calls to the opaque op.
+_REDIRECTS: Dict[Callable, Callable] = {
+    getattr(entry.owner, entry.attribute): _redirect(entry, getattr(entry.owner,
+                                                                    entry.attribute))
+    for entry in _OPAQUE}
+
+
+def redirect_for(func: Callable) -> Optional[Callable]:
+    """The opaque routing of ``func`` if it is one of :data:`_OPAQUE`'s functions (for
+    calls the capture sees directly, however the caller got hold of ``func``)."""
+    try:
+        return _REDIRECTS.get(func)
+    except TypeError:  # unhashable callable
+        return None
 
 
 @contextlib.contextmanager
 def opaque_functions() -> Iterator[Sequence[str]]:
-    """While capturing, route every :data:`_OPAQUE` function to its opaque op.
+    """While capturing, route every :data:`_OPAQUE` function to its opaque op where
+    PyTorch's own Python code looks it up (``F.ctc_loss`` calls ``torch.ctc_loss``).
 
-    The mirrors compute exactly what the ATen ops compute, also eagerly, so code that
-    runs outside the capture meanwhile (another thread) gets the same values.
+    The opaque ops compute exactly what the functions compute, also eagerly, so code
+    that runs outside the capture meanwhile (another thread) gets the same values.
 
     Yields:
-        The qualified names of the redirected functions.
+        The names of the redirected functions.
     """
-    saved = []
-    for entry in _OPAQUE:
-        saved.append((entry, getattr(entry.owner, entry.attribute)))
-        setattr(entry.owner, entry.attribute, _redirect(OPAQUE_OPS[entry.aten]))
+    saved = [(entry, getattr(entry.owner, entry.attribute)) for entry in _OPAQUE]
+    for entry, original in saved:
+        setattr(entry.owner, entry.attribute, _REDIRECTS[original])
     try:
-        yield [f"{entry.owner.__name__}.{entry.attribute}" for entry in _OPAQUE]
+        yield list(OPAQUE_OPS)
     finally:
         for entry, original in saved:
             setattr(entry.owner, entry.attribute, original)
