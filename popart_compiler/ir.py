@@ -27,7 +27,7 @@ LOSS_OPS = frozenset({
     "hinge_embedding_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
     "cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss",
     "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
-    "ctc_loss",
+    "ctc_loss", "gaussian_nll_loss",
 })
 #: Qualified name of the ``poptorch.identity_loss`` custom op.
 IDENTITY_LOSS_OP = "poptorch::identity_loss"

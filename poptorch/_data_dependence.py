@@ -36,6 +36,14 @@ _CONTROL_FLOW = (
     "Python number.")
 _WHERE = ("Keep the shape fixed instead: torch.where(mask, x, 0) (or x * mask) keeps "
           "x's shape where x[mask] or torch.masked_select would drop elements.")
+#: What to do when PyTorch's own Python code reads a tensor value, by function name.
+_LIBRARY_READS = {
+    "_detect_is_causal_mask": (
+        "PyTorch inspects the attention mask's values to detect a causal mask: pass "
+        "is_causal / tgt_is_causal / src_is_causal explicitly (True only if the mask is "
+        "causal), or build the mask inside forward from constants, e.g. with "
+        "nn.Transformer.generate_square_subsequent_mask(n)."),
+}
 #: What to use instead of each op with a data-dependent output shape (by ATen name or
 #: the Python name it is called by).
 _ALTERNATIVES = {
@@ -98,17 +106,21 @@ def _describe(frame: Optional[traceback.FrameSummary]) -> str:
     return f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
 
 
-def _location(frames: List[traceback.FrameSummary]) -> str:
-    """"<user line>" or "<user line>, inside PyTorch's <file:line> (`code`)"."""
-    where = _describe(user_frame(frames))
-    cause = None
+def _library_cause(frames: List[traceback.FrameSummary]) -> Optional[traceback.FrameSummary]:
+    """The innermost frame of PyTorch's own (non-tracing) code below the user's."""
     for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
-        if _is_user(frame) or path.startswith(_OURS):
-            break
+        if _is_user(frame):
+            return None
         if path.startswith(_TORCH) and not path.startswith(_MACHINERY):
-            cause = frame
-            break
+            return frame
+    return None
+
+
+def _location(frames: List[traceback.FrameSummary], library: bool = True) -> str:
+    """"<user line>" or "<user line>, inside PyTorch's <file:line> (`code`)"."""
+    where = _describe(user_frame(frames))
+    cause = _library_cause(frames) if library else None
     if cause is not None:
         rel = os.path.relpath(os.path.abspath(cause.filename), os.path.dirname(_TORCH))
         where += (f", inside PyTorch's {cause.name} at {rel}:{cause.lineno}: "
@@ -150,17 +162,20 @@ def shape_error(op: str, frames: List[traceback.FrameSummary]) -> Error:
     """``op`` produced a tensor whose shape depends on tensor values."""
     return py_error(
         f"The model's forward computes a tensor whose shape depends on tensor values "
-        f"({op} at {_location(frames)}). PopTorch captures forward once into a static "
-        f"graph, so every shape must be known at compile time. {_alternative(op)}")
+        f"({op} at {_location(frames, library=False)}). PopTorch captures forward once "
+        "into a static graph, so every shape must be known at compile time. "
+        f"{_alternative(op)}")
 
 
 def read_error(read: str, frames: List[traceback.FrameSummary]) -> Error:
     """Python code read the value of a tensor that is only known at run time."""
+    cause = _library_cause(frames)
+    advice = _LIBRARY_READS.get(cause.name, _CONTROL_FLOW) if cause else _CONTROL_FLOW
     return py_error(
         f"The model's forward uses the value of a tensor in Python control flow "
         f"({read} at {_location(frames)}). PopTorch captures forward once into a static "
         "graph, so a value known only at run time cannot choose what Python does "
-        "(if/while on a tensor, .item(), .tolist(), bool(tensor)). " + _CONTROL_FLOW)
+        "(if/while on a tensor, .item(), .tolist(), bool(tensor)). " + advice)
 
 
 def data_dependent_error(exc: BaseException) -> Error:

@@ -2,7 +2,8 @@
 tensor values runs on the IPU Model, in inference and training, equal to plain PyTorch.
 
 A sweep over more than 200 distinct ATen ops (``op_sweep_cases.py``), one capture per
-case and mode, plus the count of distinct ATen ops the captured graphs contain.
+case and mode, plus the count of distinct ATen ops the captured graphs contain. The
+sweep takes about two minutes on two cores, so it is marked slow (it runs in CI).
 """
 import importlib.util
 import sys
@@ -27,11 +28,13 @@ CASES = _load("op_sweep_cases").CASES
 _OPS_SEEN = {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_inference_equals_plain_pytorch(case):
     _OPS_SEEN[case.name] = sweep.check_inference(case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if c.grad],
                          ids=[c.name for c in CASES if c.grad])
 def test_one_training_step_equals_plain_pytorch(case):
@@ -43,6 +46,7 @@ def test_case_names_are_unique():
     assert len(names) == len(set(names))
 
 
+@pytest.mark.slow
 def test_sweep_covers_more_than_200_distinct_aten_ops():
     ops = set()
     for case in CASES:
