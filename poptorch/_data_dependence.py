@@ -61,6 +61,10 @@ _ALTERNATIVES = {
     "one_hot": "Pass num_classes explicitly: F.one_hot(x, num_classes).",
     "repeat_interleave": "Pass output_size=<sum of repeats> to torch.repeat_interleave, "
                          "or repeat by a Python int.",
+    "pack_padded_sequence": "Packed sequences have data-dependent sizes (the sum of the "
+                            "lengths): run the recurrent layer on the padded batch and "
+                            "mask the padded steps (torch.where), or pick each sequence's "
+                            "last output with torch.gather.",
     "linalg_lstsq": "Use torch.linalg.pinv(A) @ B, or torch.linalg.solve(A, B) for "
                     "square A: their shapes do not depend on the rank of A.",
 }

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+
 __all__ = ["opaque_functions", "redirect_for", "OPAQUE_OPS"]
 
 _LIB = torch.library.Library("poptorch", "FRAGMENT")  # noqa: TOR901
@@ -71,14 +72,15 @@ class _Opaque:
             mirrored, with ATen's schema and kernel); or ``None`` for a Python function,
             mirrored with ``schema`` and the function itself as kernel.
         schema: the op's schema without its name (Python functions only).
-        applies: whether a call's arguments go to the opaque op (else to the function).
+        prepare: a call's ``(args, kwargs)`` → those of the opaque op, or ``None`` when
+            this call goes to the function itself (default: unchanged).
     """
     owner: Any
     attribute: str
     output: Callable[..., Any]
     aten: Optional[torch._ops.OpOverloadPacket] = None
     schema: str = ""
-    applies: Callable[..., bool] = lambda *args, **kwargs: True
+    prepare: Callable[..., Any] = lambda *args, **kwargs: (args, kwargs)
 
     @property
     def name(self) -> str:
@@ -93,8 +95,9 @@ _OPAQUE: Tuple[_Opaque, ...] = (
     _Opaque(torch.nn.functional, "gaussian_nll_loss", _gaussian_nll_loss_output,
             schema="(Tensor input, Tensor target, Tensor var, bool full=False, "
                    "float eps=1e-06, str reduction=\"mean\") -> Tensor",
-            applies=lambda input, target, var, *args, **kwargs: isinstance(
-                var, torch.Tensor)),
+            prepare=lambda input, target, var, *args, **kwargs: (
+                (input, target, var, *args), kwargs) if isinstance(var, torch.Tensor)
+            else None),
 )
 
 
@@ -140,6 +143,8 @@ def _overloads(entry: _Opaque) -> List[Tuple[str, str, Callable]]:
     found = []
     for overload in entry.aten.overloads():
         aten_op = getattr(entry.aten, overload)
+        if aten_op._schema.is_mutable:
+            continue  # out= variants
         local = entry.name if overload == "default" else f"{entry.name}.{overload}"
         found.append((local, str(aten_op._schema).split("::", 1)[1], aten_op))
     return found
@@ -166,9 +171,10 @@ def _redirect(entry: _Opaque, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def call(*args, **kwargs):
-        if entry.applies(*args, **kwargs):
-            return mirror(*args, **kwargs)
-        return original(*args, **kwargs)
+        prepared = entry.prepare(*args, **kwargs)
+        if prepared is None:
+            return original(*args, **kwargs)
+        return mirror(*prepared[0], **prepared[1])
     return call
 
 
