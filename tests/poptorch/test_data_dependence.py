@@ -239,3 +239,17 @@ def test_gaussian_nll_loss_validation_read_does_not_block_capture():
     torch.optim.SGD(ref.parameters(), lr=0.5).step()
     torch.testing.assert_close(loss, ref_loss.detach())
     torch.testing.assert_close(model.log_var.detach(), ref.log_var.detach())
+
+
+def test_opaque_op_with_several_device_iterations_equals_plain_pytorch():
+    class BatchFirstCtc(nn.Module):
+        def forward(self, x, targets):  # x: [N, T, C]
+            return F.ctc_loss(x.transpose(0, 1).log_softmax(2), targets, [T] * N,
+                              TARGET_LENGTHS, reduction="none")
+
+    model = BatchFirstCtc()
+    inference = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(2))
+    x, targets = torch.randn(2 * N, T, C), torch.randint(1, C, (2 * N, 5))
+    expected = torch.cat([model(x[i * N:(i + 1) * N], targets[i * N:(i + 1) * N])
+                          for i in range(2)])
+    torch.testing.assert_close(inference(x, targets), expected)
