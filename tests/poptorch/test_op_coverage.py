@@ -3,7 +3,7 @@ tensor values runs on the IPU Model, in inference and training, equal to plain P
 
 A sweep over more than 200 distinct ATen ops (``op_sweep_cases.py``), one capture per
 case and mode, plus the count of distinct ATen ops the captured graphs contain. The
-sweep takes about two minutes on two cores, so it is marked slow (it runs in CI).
+sweep takes two to three minutes on two cores, so it is marked slow (it runs in CI).
 """
 import importlib.util
 import sys
