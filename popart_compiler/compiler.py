@@ -280,13 +280,22 @@ class Compiler:
 
     @staticmethod
     def _check_inputs(graph: Graph) -> None:
-        """Input dtypes the IPU takes (S-45); no zero-sized tensor anywhere (S-3)."""
+        """Input and output dtypes the IPU takes (S-45; complex values only inside the
+        graph); no zero-sized tensor anywhere (S-3)."""
         for node in graph.placeholders:
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor) and val.dtype in UNSUPPORTED_DTYPES:
                 raise backend_error("Unsupported tensor input type from pytorch: "
                                     f"{UNSUPPORTED_DTYPES[val.dtype]}. Convert it with "
                                     ".float() or .half() before calling the model.")
+        for info in graph.user_outputs:
+            if info is not None and info.dtype in UNSUPPORTED_DTYPES:
+                raise backend_error(
+                    "Unsupported tensor output type: "
+                    f"{UNSUPPORTED_DTYPES[info.dtype]}. The IPU has no complex or bfloat16 "
+                    "types: complex values may only be intermediate results inside the "
+                    "model (e.g. of torch.fft); return torch.view_as_real(x), x.real, "
+                    "x.imag or x.abs() instead.")
         for node in graph.module.graph.nodes:
             val = node.meta.get("val")
             for v in val if isinstance(val, (list, tuple)) else (val,):
