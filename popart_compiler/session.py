@@ -13,6 +13,7 @@ import abc
 import contextlib
 import hashlib
 import random
+import threading
 import time
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -31,6 +32,11 @@ from .schedule import StagedProgram
 __all__ = ["InferenceSession", "TrainingSession", "reduce_output", "device_dtype"]
 
 _DEVICE_DTYPES = {torch.float64: torch.float32, torch.int64: torch.int32}
+
+#: One ``torch.autograd.grad`` at a time in the process: two training sessions running
+#: backward in two threads at once can make torch's autograd engine fail ("A leaf node
+#: was passed to _will_engine_execute_node ..."), seen on torch 2.13.
+_AUTOGRAD_LOCK = threading.Lock()
 
 
 def device_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -620,7 +626,8 @@ class TrainingSession(_Session):
     def _gradients(self, loss: torch.Tensor, wrt: List[torch.Tensor], scale: float,
                    inputs_finite: bool) -> List[Optional[torch.Tensor]]:
         seed = torch.full_like(loss, scale)
-        grads = list(torch.autograd.grad(loss, wrt, seed, allow_unused=True))
+        with _AUTOGRAD_LOCK:
+            grads = list(torch.autograd.grad(loss, wrt, seed, allow_unused=True))
         if self.options.fp_exceptions and inputs_finite and \
                 bool(torch.isfinite(loss).all()):
             for g in grads:
