@@ -242,5 +242,7 @@ def program_for(executor, bound, tensors: List[torch.Tensor], spec, sess_opts) -
                         sess_opts.device, sess_opts.backend) if directory else None
         program = obtain_program(executor, directory, key, lambda: capture_program(
             executor, bound, spec, micro, sess_opts.device))
+        if executor._serialize_program and program.blobs is None:
+            program.blobs = to_blobs(program)
     export_proto_if_requested(program)
     return program

@@ -92,6 +92,7 @@ class PoplarExecutor:
         self._program = None  # the Program compiled (see _program.py)
         self._loaded_program = None  # set by loadExecutable: compiled instead of capturing
         self._capture_args = None  # (bound, spec, micro-batch) of the last capture
+        self._serialize_program = False  # keep the uncompiled program (compileAndExport)
         self._input_spec: Optional[Spec] = None
         self._input_names: List[str] = []
         self._num_positional = 0
@@ -378,7 +379,11 @@ class PoplarExecutor:
                          **kwargs) -> None:
         """:meth:`compile` with these arguments, then :meth:`save` to ``filename`` with
         the RNG state (api §5.4, S-62): offline precompilation."""
-        self.compile(*args, **kwargs)
+        self._serialize_program = True
+        try:
+            self.compile(*args, **kwargs)
+        finally:
+            self._serialize_program = False
         self.save(filename, export_model=export_model, save_rng_state=True)
 
     def save(self, filename: str, export_model: bool = True,
