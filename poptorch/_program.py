@@ -5,8 +5,8 @@
 captured with. :func:`to_blobs` stores it with ``torch.export``'s serializer (the
 program as JSON, without its weights) and safetensors (constants, host outputs);
 :func:`from_blobs` rebuilds it. Weights are never part of a program: the executor
-uploads its host model's tensors (S-62), so a cache entry serves any weights. The rebuilt program is a ``torch.export`` program of
-ATen ops, so a training session differentiates it with PyTorch autograd exactly like a
+uploads its host model's tensors (S-62), so a cache entry serves any weights. The
+rebuilt program is a ``torch.export`` program of ATen ops, so a training session differentiates it with PyTorch autograd exactly like a
 freshly captured one; no Python source of the model is needed.
 """
 from __future__ import annotations
@@ -135,12 +135,12 @@ def state_signature(program: ExportedProgram) -> List[Dict[str, Any]]:
 
 
 def _program_state(signature: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
-    """A placeholder ``state_dict`` for a rebuilt program: zeros of the stored shapes
-    and dtypes. Their values are never used: the executor uploads the host model's
+    """A placeholder ``state_dict`` for a rebuilt program: uninitialised tensors of
+    the stored shapes and dtypes. Their values are never used: the executor uploads the host model's
     weights before any run (S-62: weights come from the wrapper's model)."""
     state: Dict[str, torch.Tensor] = {}
     for entry in signature:
-        value = torch.zeros(entry["shape"], dtype=dtype_of(entry["dtype"]))
+        value = torch.empty(entry["shape"], dtype=dtype_of(entry["dtype"]))
         if entry["kind"] == "parameter":
             value = torch.nn.Parameter(value, requires_grad=entry["requires_grad"])
         state[entry["name"]] = value
