@@ -6,8 +6,9 @@ captured with. :func:`to_blobs` stores it with ``torch.export``'s serializer (th
 program as JSON, without its weights) and safetensors (constants, host outputs);
 :func:`from_blobs` rebuilds it. Weights are never part of a program: the executor
 uploads its host model's tensors (S-62), so a cache entry serves any weights. The
-rebuilt program is a ``torch.export`` program of ATen ops, so a training session differentiates it with PyTorch autograd exactly like a
-freshly captured one; no Python source of the model is needed.
+rebuilt program is a ``torch.export`` program of ATen ops, so a training session
+differentiates it with PyTorch autograd exactly like a freshly captured one; no Python
+source of the model is needed.
 """
 from __future__ import annotations
 
