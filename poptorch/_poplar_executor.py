@@ -24,8 +24,9 @@ from ._capture import Captured
 from ._executable_cache import program_for
 from ._impl import isRunningOnIpu
 from ._logging import logger
+from ._progress import ProgressBar
 from ._replica_grouping import ReplicaGroupingProxy
-from .options import Options, _ProgressBar
+from .options import Options
 
 __all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
 
@@ -98,7 +99,7 @@ class PoplarExecutor:
         self._num_positional = 0
         self._warned_contiguous = False
         self._warned_requires_grad = False
-        self._progress: Optional[_ProgressBar] = None
+        self._progress: Optional[ProgressBar] = None
         self._host_weights_stale = False
         self._host_weights_version = 0
         self._uploaded_version = -1
@@ -220,12 +221,12 @@ class PoplarExecutor:
             out.append(t)
         return out
 
-    def _session_options(self) -> Tuple[SessionOptions, _ProgressBar]:
+    def _session_options(self) -> Tuple[SessionOptions, ProgressBar]:
         """The session options and the compilation progress bar (a silent timer when
         ``showCompilationProgressBar(False)``)."""
         o = self._options
         values = o.toDict()
-        bar = values.pop("compilation_progress_bar_fn", None) or _ProgressBar(show=False)
+        bar = values.pop("compilation_progress_bar_fn", None) or ProgressBar(show=False)
         anchors = []
         for short, (long_name, _inherit, mode, period) in o.anchored_tensors.items():
             anchors.append(Anchor(long_name, int(mode), int(period) if int(mode) == 1 else 1,

@@ -31,7 +31,7 @@ import json
 import os
 import tempfile
 import zipfile
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 from safetensors.torch import load as _st_load
@@ -48,8 +48,9 @@ FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 
 #: Modules whose classes the tagged JSON encoding may rebuild (options and enums).
-_ALLOWED_MODULES = ("poptorch.options", "poptorch._execution_strategy", "poptorch.enums",
-                    "poptorch.optim")
+_ALLOWED_MODULES = ("poptorch.options", "poptorch._options_groups",
+                    "poptorch._options_dict", "poptorch._execution_strategy",
+                    "poptorch.enums", "poptorch.optim")
 
 
 def _sha256(data: bytes) -> str:
@@ -259,8 +260,3 @@ def decode(value: Any) -> Any:
 
 def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
-
-
-def optional_blob(blobs: Dict[str, bytes], name: str) -> Optional[bytes]:
-    """``blobs[name]`` or ``None``."""
-    return blobs.get(name)

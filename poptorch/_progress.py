@@ -1,0 +1,46 @@
+"""The compilation progress bar (a tqdm bar on stderr) that also times compilation."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+__all__ = ["ProgressBar"]
+
+
+class ProgressBar:
+    """The ``compilation_progress_bar_fn`` of :meth:`Options.toDict`: a callable
+    ``(progress, total)`` drawing a tqdm bar titled "Graph compilation" on stderr, which
+    also times the compilation (``elapsed``, seconds, set when it reaches ``total`` or
+    is closed).
+
+    Args:
+        show: draw the bar (``False``: only time the compilation).
+    """
+
+    def __init__(self, show: bool = True):
+        self.show = show
+        self._bar = None
+        self.start = time.perf_counter()
+        self.elapsed: Optional[float] = None
+
+    def __call__(self, progress: int, total: int) -> None:
+        if self.show and self._bar is None and self.elapsed is None:
+            from tqdm import tqdm
+            self._bar = tqdm(desc="Graph compilation", total=total, file=sys.stderr,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                             "{n}/{total} [{elapsed}<{remaining}]")
+        if self._bar is not None and progress != self._bar.n:
+            self._bar.n = progress
+            self._bar.refresh()
+        if progress >= total:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the timer and close the bar."""
+        if self.elapsed is None:
+            self.elapsed = time.perf_counter() - self.start
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
