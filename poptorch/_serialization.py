@@ -252,8 +252,9 @@ def decode(value: Any) -> Any:
         cls = _class_of(value["__object__"])
         obj = cls.__new__(cls)
         state = decode(value.get("state", {"__dict__": []}))
-        for key, item in state.items():
-            object.__setattr__(obj, key, item)
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise backend_error(f"Invalid file: bad state for {value['__object__']}")
+        obj.__dict__.update(state)  # no setter or __init__ of the class runs
         return obj
     return {k: decode(v) for k, v in value.items()}
 

@@ -39,19 +39,6 @@ def data(n=8, seed=0):
     return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
-@pytest.fixture
-def count_captures(monkeypatch):
-    """Counts calls of ``torch.export.export`` (PopTorch's capture)."""
-    calls = []
-    real = torch.export.export
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(torch.export, "export", counting)
-    return calls
-
-
 def rewrite(path, **changes):
     """Rewrite a container with some blobs replaced (valid checksums)."""
     blobs = _serialization.read_container(str(path))
@@ -59,15 +46,15 @@ def rewrite(path, **changes):
     _serialization.write_container(str(path), blobs)
 
 
-def test_inference_export_and_load_match_the_model(tmp_path, count_captures):
+def test_inference_export_and_load_match_the_model(tmp_path, captures):
     model = Net().eval()
     x, _ = data()
     path = tmp_path / "net.poptorch"
     exe = poptorch.inferenceModel(model)
     exe.compileAndExport(str(path), x)
-    assert len(count_captures) == 1
+    assert len(captures) == 1
     loaded = poptorch.load(str(path))
-    assert len(count_captures) == 1  # nothing captured again
+    assert len(captures) == 1  # nothing captured again
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
     assert isinstance(loaded.model, poptorch._export.ExportedModel)
     with pytest.raises(poptorch.Error, match="Shape mismatch for x"):
@@ -100,14 +87,14 @@ def test_training_continues_bit_identically_after_load(tmp_path):
 
 
 def test_load_executable_uses_the_wrappers_weights_without_capturing(tmp_path,
-                                                                    count_captures):
+                                                                    captures):
     x, _ = data()
     path = tmp_path / "net.poptorch"
     poptorch.inferenceModel(Net()).compileAndExport(str(path), x, export_model=False)
     other = Net()  # other weights, same architecture
     exe = poptorch.inferenceModel(other)
     exe.loadExecutable(str(path))
-    assert len(count_captures) == 1
+    assert len(captures) == 1
     assert exe.isCompiled()
     torch.testing.assert_close(exe(x), other(x), rtol=0, atol=0)
 
@@ -391,3 +378,28 @@ def test_exported_file_runs_in_a_process_without_the_model_source(tmp_path):
     expected = json.loads((tmp_path / "expected.json").read_text())
     got = json.loads((tmp_path / "got.json").read_text())
     assert got == expected
+
+
+def test_tagged_json_rebuilds_only_poptorch_option_classes():
+    opts = poptorch.Options().deviceIterations(3).randomSeed(4)
+    opts.Training.gradientAccumulation(2)
+    opts.setAvailableMemoryProportion({"IPU0": 0.5})
+    back = _serialization.decode(json.loads(json.dumps(_serialization.encode(opts))))
+    assert isinstance(back, poptorch.Options)
+    assert back.device_iterations == 3 and back.random_seed == 4
+    assert back.Training.gradient_accumulation == 2
+    assert back.available_memory_proportion == {0: 0.5}
+    for evil in ({"__object__": "os:system", "state": {"__dict__": []}},
+                 {"__enum__": "subprocess:Popen", "name": "x"}):
+        with pytest.raises(poptorch.Error, match="is not a poptorch option class"):
+            _serialization.decode(evil)
+    with pytest.raises(poptorch.Error, match="cannot be stored in an executable file"):
+        _serialization.encode({"f": len})
+
+
+def test_a_model_loaded_without_its_source_cannot_be_recaptured(exported):
+    loaded = poptorch.load(str(exported))
+    loaded.destroy()
+    with pytest.raises(poptorch.Error, match="loaded from an exported file without its "
+                                             "Python source"):
+        loaded(torch.randn(8, 6))
