@@ -8,8 +8,9 @@ SHA-256 key computed **before** capturing (capture is the work the cache saves) 
 
 * the format version, the ``poptorch``, ``torch`` and Python versions and a
   ``backend`` entry (execution backend and device, from the options);
-* the model: for every sub-module its path, class, ``training`` flag, plain
-  attribute values (numbers, strings, ...) and forward hooks (``BeginBlock``), the
+* the model: for every sub-module its path, class, attribute values (numbers,
+  strings, ... and the type of other objects; ``training``, ``Block`` ids included) and
+  forward hooks (``BeginBlock``), the
   SHA-256 of the source file of every class involved, the name, kind, shape, dtype
   and ``requires_grad`` of every parameter and buffer, and the values of plain tensor
   attributes (they become constants of the program);
@@ -90,6 +91,12 @@ def _source_hash(cls: type, hashes: Dict[str, str]) -> bool:
     return True
 
 
+def _tensor_hash(value: torch.Tensor) -> str:
+    """Dtype, shape and SHA-256 of the bytes of a plain tensor attribute."""
+    data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return f"{value.dtype}{list(value.shape)}:{hashlib.sha256(data.numpy()).hexdigest()}"
+
+
 def _hook_description(hook: Any) -> Any:
     cls = type(hook)
     state = vars(hook) if hasattr(hook, "__dict__") else {}
@@ -109,14 +116,11 @@ def _model_description(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
                             "read.", cls.__module__, cls.__qualname__)
                 return None
             attrs = {k: _simple(v) for k, v in sorted(vars(module).items())
-                     if not k.startswith("_") and not isinstance(v, torch.Tensor)}
+                     if not isinstance(v, torch.Tensor)}
             hooks = [_hook_description(h) for table in (
                 module._forward_pre_hooks, module._forward_hooks)
                 for h in table.values()]
-            constants = {k: hashlib.sha256(v.detach().cpu().contiguous().numpy()
-                                           .tobytes()).hexdigest()
-                         + f"{v.dtype}{list(v.shape)}"
-                         for k, v in sorted(vars(module).items())
+            constants = {k: _tensor_hash(v) for k, v in sorted(vars(module).items())
                          if isinstance(v, torch.Tensor)
                          and not isinstance(v, torch.nn.Parameter)}
             modules.append([path, f"{cls.__module__}.{cls.__qualname__}", module.training,
