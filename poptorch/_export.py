@@ -14,11 +14,10 @@ caller passes ``unpickle_model=True``.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 

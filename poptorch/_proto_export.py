@@ -9,6 +9,7 @@ are the flat tensor inputs of one micro-batch. Needs the optional ``onnx`` extra
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from popart_compiler.errors import backend_error
@@ -28,12 +29,12 @@ def export_proto(program, path: str, binary: bool) -> None:
         poptorch.Error: ``onnx`` / ``onnxscript`` are not installed, or torch cannot
             express an op of the program in ONNX.
     """
-    try:
-        import onnx  # noqa: F401 - checked here for a clear message
-        import onnxscript  # noqa: F401
-    except ImportError as exc:
-        raise backend_error(f"{_FILE_VARIABLE} needs the onnx and onnxscript packages: "
-                            "pip install 'poptorch[onnx]'.") from exc
+    missing = [name for name in ("onnx", "onnxscript")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise backend_error(f"{_FILE_VARIABLE} needs the onnx and onnxscript packages "
+                            f"(missing: {', '.join(missing)}): pip install "
+                            "'poptorch[onnx]'.")
     import torch
     try:
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False)

@@ -7,6 +7,8 @@ from typing import Any, Dict
 
 import torch
 
+from popart_compiler.errors import py_error
+
 from . import _instrument, enums
 
 __all__ = ["ReplicaGroupingProxy", "one_replica_slices"]
