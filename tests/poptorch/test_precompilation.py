@@ -271,6 +271,9 @@ def test_offline_precompilation_and_edit_opts_fn(tmp_path):
         (o.connection_type, o.exists("ipu_version"))))
     assert seen == [(poptorch.ConnectionType.Always.value, False)]
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    # S-62: only run-time options may change after loading
+    with pytest.raises(poptorch.Error, match="compile-time option replication_factor"):
+        poptorch.load(str(path), edit_opts_fn=lambda o: o.replicationFactor(2))
 
 
 def test_import_metadata_describes_the_file(exported):
