@@ -429,7 +429,10 @@ class PoplarExecutor:
         if self.isCompiled():
             self.destroy()
         self._loaded_program = program
-        self._compile(None, [], program.input_spec)
+        try:
+            self._compile(None, [], program.input_spec)
+        finally:
+            self._loaded_program = None
 
     # -- running ----------------------------------------------------------------------
 
