@@ -192,6 +192,9 @@ class Graph:
             for gm in self.module.modules() if isinstance(gm, fx.GraphModule)
             for n in gm.graph.nodes)
         self.loss_nodes = [n for n in self.module.graph.nodes if _is_loss_node(n)]
+        #: block id → ``placement.Placement`` of the blocks the capture recorded
+        #: (api §9), in order of first use; empty without annotations.
+        self.blocks: Dict[str, object] = {}
 
     @staticmethod
     def _info(node: fx.Node) -> Optional[TensorInfo]:

@@ -27,6 +27,7 @@ from torch.export.graph_signature import InputKind
 
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
+from popart_compiler.placement import Placement
 
 from . import _instrument
 from ._args import Spec
@@ -71,7 +72,8 @@ def capture_program(executor, bound, spec, micro: List[torch.Tensor],
         else contextlib.nullcontext()
     with suspend, one_replica_slices(executor._user_model, executor.per_replica_params):
         captured = capture(model, _forward_of(model), bound, spec, micro,
-                           executor._training, device)
+                           executor._training, device,
+                           strategy=executor._options._execution_strategy)
     return Program(captured, spec, list(bound.names), bound.num_positional)
 
 
@@ -237,7 +239,9 @@ def decode_signature(data: Optional[List[Dict[str, Any]]]) -> inspect.Signature:
 
 def to_blobs(program: Program) -> Dict[str, bytes]:
     """``program.json``, ``constants.safetensors``, ``host_outputs.safetensors`` and
-    ``structure.json`` of an (uncompiled) captured program. Weights are left out.
+    ``structure.json`` (input / output structure, weight layout, the placement of the
+    blocks the capture recorded) of an (uncompiled) captured program. Weights are left
+    out.
 
     Raises:
         poptorch.Error: the program holds something that cannot be stored (a custom
@@ -258,6 +262,8 @@ def to_blobs(program: Program) -> Dict[str, bytes]:
         "outputs": encode_spec(captured.output_spec, "the outputs"),
         "output_leaves": list(captured.output_leaves),
         "state": state_signature(exported),
+        "blocks": [[name, dataclasses.asdict(where)]
+                   for name, where in captured.graph.blocks.items()],
     }
     return {
         "program.json": _serialize_program(exported),
@@ -298,7 +304,9 @@ def from_blobs(blobs: Dict[str, bytes],
         raise backend_error(f"The stored program cannot be read by torch "
                             f"{torch.__version__}: {type(exc).__name__}: {exc}") from exc
     host = tensors_from_bytes(blobs["host_outputs.safetensors"])
-    captured = Captured(Graph(exported), decode_spec(structure["outputs"]),
+    graph = Graph(exported)
+    graph.blocks = {name: Placement(**where) for name, where in structure["blocks"]}
+    captured = Captured(graph, decode_spec(structure["outputs"]),
                         list(structure["output_leaves"]),
                         [host[str(i)] for i in range(len(host))])
     return Program(captured, decode_spec(structure["inputs"], types_by_name),

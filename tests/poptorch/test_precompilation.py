@@ -403,3 +403,30 @@ def test_a_model_loaded_without_its_source_cannot_be_recaptured(exported):
     with pytest.raises(poptorch.Error, match="loaded from an exported file without its "
                                              "Python source"):
         loaded(torch.randn(8, 6))
+
+
+def test_a_pipelined_training_model_keeps_its_placement_after_load(tmp_path):
+    """Block placements recorded at capture travel with the program."""
+    class TwoBlocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 4)
+
+        def forward(self, x, t):
+            with poptorch.Block("A", ipu_id=0):
+                y = self.a(x)
+            with poptorch.Block("B", ipu_id=1):
+                y = self.b(y)
+                loss = F.cross_entropy(y, t)
+            return y, loss
+
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution("A", "B"))
+    trainer = poptorch.trainingModel(TwoBlocks(), opts)
+    x, t = data()
+    trainer.compileAndExport(str(tmp_path / "p.poptorch"), x, t)
+    expected = [trainer(x, t)[1] for _ in range(2)]
+    loaded = poptorch.load(str(tmp_path / "p.poptorch"))
+    assert [loaded(x, t)[1] for _ in range(2)] == expected
+    assert loaded.placementSummary() == trainer.placementSummary()
