@@ -73,7 +73,8 @@ def capture_program(executor, bound, spec, micro: List[torch.Tensor],
     with suspend, one_replica_slices(executor._user_model, executor.per_replica_params):
         captured = capture(model, _forward_of(model), bound, spec, micro,
                            executor._training, device,
-                           strategy=executor._options._execution_strategy)
+                           strategy=executor._options._execution_strategy,
+                           module_namescope=executor._options._module_namescope_enabled)
     return Program(captured, spec, list(bound.names), bound.num_positional)
 
 
