@@ -23,20 +23,18 @@ from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOpt
 from . import _instrument, enums
 from ._args import (ArgsParser, BoundArgs, Spec, check_batch, flatten, leaf_names,
                     unflatten, validate)
-from ._capture import Captured, capture
+from ._capture import Captured
+from ._executable_cache import program_for
 from ._impl import isRunningOnIpu
 from ._logging import logger
 from ._progress import ProgressBar
+from ._replica_grouping import ReplicaGroupingProxy
 from .options import Options
 
 __all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
 
 #: The message of every method that needs a compiled executable.
 NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
-
-#: PopTorch executor methods this version does not provide (a clear AttributeError
-#: instead of the lookup on the user's model).
-_NOT_AVAILABLE = frozenset({"save", "compileAndExport", "loadExecutable"})
 
 #: Training executors by ``id(user model)`` (live ones only).
 _TRAINING_WRAPPERS: "weakref.WeakValueDictionary[int, PoplarExecutor]" = \
@@ -115,6 +113,10 @@ class PoplarExecutor:
         self._device = None
         self._attached = False
         self._captured: Optional[Captured] = None
+        self._program = None  # the Program compiled (see _program.py)
+        self._loaded_program = None  # set by loadExecutable: compiled instead of capturing
+        self._capture_args = None  # (bound, spec, micro-batch) of the last capture
+        self._serialize_program = False  # keep the uncompiled program (compileAndExport)
         self._input_spec: Optional[Spec] = None
         self._input_names: List[str] = []
         self._num_positional = 0
@@ -159,18 +161,13 @@ class PoplarExecutor:
     def __getattr__(self, name: str):
         if name.startswith("__") or name in ("_user_model", "_training", "_attr_tracker"):
             raise AttributeError(name)
-        if name in _NOT_AVAILABLE:
-            raise AttributeError(
-                f"PoplarExecutor.{name}() is not available in this version of the IPU Model "
-                "simulator: exporting and loading executables is not implemented yet. "
-                "Re-create the wrapper and compile it instead.")
         model = self.__dict__["_user_model"]
         value = getattr(model, name)
         if isinstance(value, torch.nn.Parameter):
             with _instrument.syncing():
                 direct = model._parameters.get(name) is value
             if direct:
-                return _ReplicaGroupingProxy(self, name, value)
+                return ReplicaGroupingProxy(self, name, value)
         return value
 
     def __deepcopy__(self, memo):
@@ -301,9 +298,6 @@ class PoplarExecutor:
         sess_opts.small_ipu_model = small
         connection = int(o.connection_type)
         offline = connection == int(enums.ConnectionType.Never)
-        factor = self._batch_factor()
-        device_inputs = self._device_inputs(tensors)
-        micro = [t[: t.shape[0] // factor] if t.dim() else t for t in device_inputs]
 
         def acquire(num_ipus):
             return acquire_device(num_ipus, sess_opts.ipu_model_version,
@@ -314,19 +308,10 @@ class PoplarExecutor:
                                   auto_round_num_ipus=bool(o.auto_round_num_ipus))
 
         progress = self._progress
-        model = self._model
-        # Capture reads shapes, not values: no implicit device → host copy for a model
-        # trained by another executor (it could wait on that executor from inside
-        # the process-wide capture lock).
-        suspend = _instrument.suspended(self._user_model) if self._training \
-            else _instrument.syncing()
         try:
             progress(0, 10)
-            with suspend, _one_replica_slices(self._user_model, self.per_replica_params):
-                captured = capture(model, _forward_of(model), bound, spec, micro,
-                                   self._training, sess_opts.device,
-                                   strategy=o._execution_strategy,
-                                   module_namescope=o._module_namescope_enabled)
+            program = program_for(self, bound, tensors, spec, sess_opts)
+            captured = program.captured
             progress(4, 10)
             exe = Compiler.compile(captured.graph, sess_opts, self._training,
                                    progress=lambda p, t: progress(4 + (5 * p) // t, 10),
@@ -341,10 +326,11 @@ class PoplarExecutor:
         # Committed only once complete: a failure (or Ctrl-C) while creating the
         # session or uploading the state leaves the executor uncompiled.
         try:
+            self._program = program
             self._captured = captured
-            self._input_spec = spec
-            self._input_names = list(bound.names)
-            self._num_positional = bound.num_positional
+            self._input_spec = program.input_spec
+            self._input_names = list(program.input_names)
+            self._num_positional = program.num_positional
             self._executable = exe
             self._device = device
             self._ran = False
@@ -426,6 +412,64 @@ class PoplarExecutor:
             return
         bound, tensors, spec = self._bind(args, kwargs)
         self._compile(bound, tensors, spec)
+
+    def compileAndExport(self, filename: str, *args, export_model: bool = True,
+                         **kwargs) -> None:
+        """:meth:`compile` with these arguments, then :meth:`save` to ``filename`` with
+        the RNG state (api §5.4, S-62): offline precompilation."""
+        self._serialize_program = True
+        try:
+            self.compile(*args, **kwargs)
+        finally:
+            self._serialize_program = False
+        self.save(filename, export_model=export_model, save_rng_state=True)
+
+    def save(self, filename: str, export_model: bool = True,
+             save_rng_state: bool = True) -> None:
+        """Write the compiled executable and its metadata to one file (api §5.5, S-62).
+        The format is described in the README ("Precompiled executables").
+
+        Args:
+            filename: the file; its parent directory is created. A directory gets
+                ``<dir>/model.poptorch`` (with a warning).
+            export_model: also store the model (weights, layout and, if picklable,
+                the pickled Python object), the training optimizer and its state, so
+                that :func:`poptorch.load` can rebuild everything.
+            save_rng_state: store :attr:`rng_state`.
+
+        Raises:
+            poptorch.Error: not compiled (``NO_EXECUTABLE``); nothing to export (no
+                device work); values that cannot be stored (custom-class constants,
+                custom-parser arguments, unsupported optimizer classes).
+            AssertionError: the parent of ``filename`` exists but is not a directory.
+        """
+        from ._export import save
+        save(self, filename, export_model, save_rng_state)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Load an executable saved by :meth:`save` into this wrapper, which must wrap
+        an equivalent model with the same compile-time options (api §5.6, S-62). No
+        capture takes place; the weights uploaded are this wrapper's model's current
+        host weights (not the file's), with its optimizer and RNG settings.
+
+        Raises:
+            poptorch.Error: "Invalid file <f>: <reason>": unreadable or corrupted file,
+                another format or PopTorch version, a training / inference mismatch, a
+                model with other weights or ``forward`` arguments, other compile-time
+                options.
+        """
+        from ._export import load_executable
+        load_executable(self, filename)
+
+    def _loadProgram(self, program) -> None:
+        """Compile ``program`` (read from a file) instead of capturing the model."""
+        if self.isCompiled():
+            self.destroy()
+        self._loaded_program = program
+        try:
+            self._compile(None, [], program.input_spec)
+        finally:
+            self._loaded_program = None
 
     # -- running ----------------------------------------------------------------------
 
@@ -886,6 +930,7 @@ class PoplarExecutor:
         compiles again (possibly for other input types). Nothing ran on the device,
         so there is nothing to copy back."""
         self._executable = None
+        self._program = None
         self._session = None
         self._attached = False
         self._captured = None
@@ -1111,69 +1156,6 @@ _RECOMPILE = ("The inputs given at run time differ from the ones the model was c
 
 def _forward_of(model: torch.nn.Module) -> Callable:
     return model.forward
-
-
-class _ReplicaGroupingProxy:
-    """What ``executor.<name>`` returns for a parameter that is a direct attribute of
-    the model (api §5.22): attribute reads go to the parameter; ``replicaGrouping``
-    declares a replica-grouped weight (S-27). Not itself a tensor."""
-
-    def __init__(self, executor: "PoplarExecutor", name: str, param: torch.nn.Parameter):
-        object.__setattr__(self, "_executor", executor)
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_param", param)
-
-    def __getattr__(self, attr: str):
-        return getattr(self._param, attr)
-
-    def __repr__(self) -> str:
-        return repr(self._param)
-
-    def replicaGrouping(self, comm_group_type: enums.CommGroupType, shards: int,
-                        variable_retrieval_mode: enums.VariableRetrievalMode) -> None:
-        """Give this weight one value per replica group (S-27). Call before compiling.
-
-        Args:
-            comm_group_type: ``Consecutive`` / ``Orthogonal`` (groups of ``shards``
-                replicas), ``All`` (one group) or ``NoGrouping`` (one per replica).
-            shards: replicas per group.
-            variable_retrieval_mode: ``OnePerGroup`` (the host tensor holds one value
-                per group, stacked on dimension 0) or ``AllReplicas`` (reading back
-                gives one value per replica).
-
-        Raises:
-            AssertionError: arguments of the wrong type.
-            poptorch.Error: the model is already compiled.
-        """
-        if not isinstance(comm_group_type, enums.CommGroupType):
-            raise AssertionError("comm_group_type must be a poptorch.CommGroupType")
-        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
-            raise AssertionError("shards must be a positive integer")
-        if not isinstance(variable_retrieval_mode, enums.VariableRetrievalMode):
-            raise AssertionError("variable_retrieval_mode must be a "
-                                 "poptorch.VariableRetrievalMode")
-        if self._executor.isCompiled():
-            raise py_error(f"replicaGrouping of {self._name} must be called before the model "
-                           "is compiled.")
-        self._executor.per_replica_params[self._name] = (
-            comm_group_type, shards, variable_retrieval_mode)
-
-
-@contextlib.contextmanager
-def _one_replica_slices(model: torch.nn.Module, groupings: Dict[str, Any]):
-    """Capture replica-grouped weights with the shape of one group's slice (S-27)."""
-    swapped = []
-    with _instrument.syncing():
-        for name in groupings:
-            param = model._parameters[name]
-            swapped.append((param, param.data))
-            param.data = param.data[0]
-    try:
-        yield
-    finally:
-        with _instrument.syncing():
-            for param, data in swapped:
-                param.data = data
 
 
 def _optimizer_mixin():
