@@ -22,6 +22,8 @@ from popart_compiler.ir import Graph
 
 from . import _impl
 from ._args import BoundArgs, Spec, flatten, unflatten
+from ._capture_warnings import at_user_code
+from ._dtype_rules import DtypeRulesMode
 from ._logging import logger
 
 __all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
@@ -166,10 +168,14 @@ def _where(frame: Optional[traceback.FrameSummary]) -> str:
     return f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
 
 
+def _is_internal(filename: str) -> bool:
+    """Whether ``filename`` is torch's, ours, the standard library's or generated."""
+    return os.path.abspath(filename).startswith(_INTERNAL) or filename.startswith("<")
+
+
 def _user_frame_of(frames) -> Optional[traceback.FrameSummary]:
     """The innermost of ``frames`` in user code (not torch / poptorch)."""
-    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_INTERNAL)
-            and not f.filename.startswith("<")]
+    user = [f for f in frames if not _is_internal(f.filename)]
     return user[-1] if user else None
 
 
@@ -392,7 +398,8 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         example = tuple(t.detach() for t in micro_batch)
         _reset_blocks()
         with _impl.device_context(training), _quiet_torch_logs(), \
-                _device_weights(model), _IpuDeviceMode(device), \
+                at_user_code(_user_frame_of, _is_internal), \
+                _device_weights(model), _IpuDeviceMode(device), DtypeRulesMode(), \
                 _no_distribution_validation():
             program = torch.export.export(model, example, strict=False)
         _check_state_unchanged(model, before)
