@@ -8,6 +8,7 @@ kernels instead of a Python loop.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -17,6 +18,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .logging import logger
 
 __all__ = ["vectorize", "simplify"]
+
+#: vmap's warning for an op it runs through its (slower, equally exact) loop fallback.
+_NO_BATCHING_RULE = r"There is a performance drop because we have not yet implemented " \
+    r"the batching rule"
 
 
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
@@ -95,7 +100,11 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
     examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)
                 for x in inputs]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # An op without a batching rule is traced as a loop over the micro-batches:
+            # the same values, so vmap's "performance drop ... please file us an
+            # issue" note is PyTorch's business, not the user's.
+            warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
             gm = make_fx(vmapped, tracing_mode="fake")(*state, *examples)
     except Exception as e:  # no batching rule, data-dependent op, ...
         logger.debug("Running micro-batches one by one: vectorization failed (%s)", e)
