@@ -68,6 +68,7 @@ def test_embedding_bag_trains_like_pytorch():
     torch.testing.assert_close(model.bag.weight, ref.bag.weight)
 
 
+@pytest.mark.slow
 def test_gpt2_causal_lm_trains_like_pytorch(monkeypatch):
     """HuggingFace GPT2LMHeadModel (n_embd 64, 2 layers, 4 heads, vocab 200) trained
     with labels: its key/value cache starts from empty tensors even in training."""
@@ -118,3 +119,40 @@ def test_zero_sized_user_inputs_and_outputs_are_still_rejected():
     with pytest.raises(poptorch.Error, match=r"Zero-sized tensors are unsupported \(Got "
                                              r"shape \[0\]\)"):
         poptorch.inferenceModel(nn.Identity())(torch.ones(0))
+
+
+@pytest.mark.slow
+def test_bert_sequence_classification_trains_like_pytorch(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import transformers
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=100, max_position_embeddings=32,
+                                     hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    bert = transformers.BertForSequenceClassification(config).train()
+
+    class Classifier(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask, labels):
+            return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    model, ref = Classifier(bert), Classifier(copy.deepcopy(bert))
+    ids, labels = torch.randint(0, 100, (4, 10)), torch.tensor([0, 1, 1, 0])
+    mask = torch.ones(4, 10, dtype=torch.long)
+    mask[:, 7:] = 0
+    loss = poptorch.trainingModel(model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1))(ids, mask, labels)
+    ref_loss = ref(ids, mask, labels)
+    torch.testing.assert_close(loss, ref_loss.detach())
+    ref_loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
