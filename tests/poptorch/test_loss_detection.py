@@ -64,45 +64,41 @@ def test_the_factor_reaches_the_gradient():
     torch.testing.assert_close(step(0.5), step(1.0) * 0.5)
 
 
-def test_two_independent_losses_without_identity_loss_still_raise():
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(2, 2)
+class Tiny(nn.Module):
+    """``Linear(2, 2)`` followed by ``body(model, x, t)``."""
 
-        def forward(self, x, t):
-            o = F.log_softmax(self.fc(x), 1)
-            return (F.nll_loss(o, t) + 5 * F.nll_loss(o, t)) * 0.5
+    def __init__(self, body):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.body = body
 
-    with pytest.raises(poptorch.Error, match="Multiple independent losses found in graph"):
-        poptorch.trainingModel(M())(torch.ones(1, 2), torch.tensor([1]))
+    def forward(self, x, t):
+        return self.body(self, x, t)
 
 
-def test_a_loss_that_is_not_returned_still_raises():
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(2, 2)
-
-        def forward(self, x, t):
-            out = self.fc(x)
-            (F.mse_loss(out, t) * 0.5).detach()
-            return out
-
-    with pytest.raises(poptorch.Error, match="final loss must be returned"):
-        poptorch.trainingModel(M())(torch.ones(1, 2), torch.ones(1, 2))
+def _combined_without_identity_loss(m, x, t):
+    o = F.log_softmax(m.fc(x), 1)
+    return (F.nll_loss(o, t) + 5 * F.nll_loss(o, t)) * 0.5
 
 
-def test_two_different_values_of_the_loss_returned_are_ambiguous():
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(2, 2)
+def _loss_not_returned(m, x, t):
+    out = m.fc(x)
+    (F.mse_loss(out, t) * 0.5).detach()
+    return out
 
-        def forward(self, x, t):
-            loss = F.mse_loss(self.fc(x), t)
-            return loss * 0.5, loss * 2
 
-    with pytest.raises(poptorch.Error, match="returns 2 different values computed from "
-                                             "its final loss"):
-        poptorch.trainingModel(M())(torch.ones(1, 2), torch.ones(1, 2))
+def _loss_returned_twice(m, x, t):
+    loss = F.mse_loss(m.fc(x), t)
+    return loss * 0.5, loss * 2
+
+
+@pytest.mark.parametrize("body, target, message", [
+    (_combined_without_identity_loss, torch.tensor([1]),
+     "Multiple independent losses found in graph"),
+    (_loss_not_returned, torch.ones(1, 2), "final loss must be returned"),
+    (_loss_returned_twice, torch.ones(1, 2),
+     "returns 2 different values computed from its final loss"),
+])
+def test_losses_that_are_not_one_returned_loss_still_raise(body, target, message):
+    with pytest.raises(poptorch.Error, match=message):
+        poptorch.trainingModel(Tiny(body))(torch.ones(1, 2), target)
