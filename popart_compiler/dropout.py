@@ -5,10 +5,9 @@ whatever mode the PyTorch module was in when it was captured. :func:`remove_drop
 is that rewrite on a captured ATen graph: one rule for every dropout variant, read from
 the ops' schemas rather than from a list of modules.
 
-* Ops whose name contains ``dropout`` and that return one tensor of the shape of their
-  first argument (``dropout``, ``feature_dropout`` — ``Dropout1d/2d/3d`` —,
-  ``alpha_dropout``, ``feature_alpha_dropout`` and their in-place forms) are replaced by
-  that argument.
+* Ops whose name contains ``dropout`` and that return one tensor (``dropout``,
+  ``feature_dropout`` — ``Dropout1d/2d/3d`` —, ``alpha_dropout``,
+  ``feature_alpha_dropout`` and their in-place forms) are replaced by their input.
 * Other ops that take a dropout probability (arguments named ``dropout`` or
   ``dropout_p``: ``scaled_dot_product_attention`` and its kernels, ``lstm`` / ``gru`` /
   ``rnn_*`` between layers) get probability ``0.0``; dropout ops returning more than

@@ -17,7 +17,8 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-__all__ = ["Graph", "LOSS_OPS", "LOSS_ARITHMETIC_OPS", "IDENTITY_LOSS_OP", "uses_random_numbers"]
+__all__ = ["Graph", "LOSS_OPS", "LOSS_ARITHMETIC_OPS", "IDENTITY_LOSS_OP",
+           "uses_random_numbers"]
 
 #: ATen ops that mark a loss (spec S-40), by overload packet name.
 LOSS_OPS = frozenset({
