@@ -8,8 +8,9 @@ kernels instead of a Python loop.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -80,6 +81,25 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+@contextlib.contextmanager
+def _quiet_vmap_fallback() -> Iterator[None]:
+    """An op without a vmap batching rule is traced as a loop over the micro-batches:
+    the same values, so vmap's "performance drop ... please file us an issue" note
+    (a Python warning, or a line on stderr when it comes from inside the dispatcher) is
+    PyTorch's business, not the user's. The note is switched back on afterwards (its
+    default)."""
+    switch = getattr(torch._C._functorch, "_set_vmap_fallback_warning_enabled", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
+        if switch is not None:
+            switch(False)
+        try:
+            yield
+        finally:
+            if switch is not None:
+                switch(True)
+
+
 def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
               slots: int) -> Optional[fx.GraphModule]:
     """Trace ``fn(*state, *inputs)`` vmapped over ``slots`` micro-batches.
@@ -100,11 +120,7 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
     examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)
                 for x in inputs]
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            # An op without a batching rule is traced as a loop over the micro-batches:
-            # the same values, so vmap's "performance drop ... please file us an
-            # issue" note is PyTorch's business, not the user's.
-            warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
+        with torch.no_grad(), _quiet_vmap_fallback():
             gm = make_fx(vmapped, tracing_mode="fake")(*state, *examples)
     except Exception as e:  # no batching rule, data-dependent op, ...
         logger.debug("Running micro-batches one by one: vectorization failed (%s)", e)

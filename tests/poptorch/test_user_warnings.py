@@ -115,3 +115,36 @@ def test_progress_bar_is_animated_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", stream)
     poptorch.inferenceModel(nn.Linear(2, 2))(torch.ones(1, 2))
     assert stream.getvalue().count("Graph compilation") > 1
+
+
+@pytest.mark.slow
+def test_bert_style_sdpa_inference_prints_no_vmap_note(monkeypatch, capfd):
+    """HuggingFace BERT inference over several micro-batches vectorises attention whose
+    CPU kernel has no batching rule; PyTorch's note about it is printed from inside its
+    dispatcher (on stderr, not as a Python warning)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import transformers
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=100, max_position_embeddings=32)
+    torch.manual_seed(0)
+    bert = transformers.BertForSequenceClassification(config).train()
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask):
+            return self.bert(input_ids=ids, attention_mask=mask).logits
+
+    ids = torch.randint(0, 100, (8, 10))
+    mask = torch.ones(8, 10, dtype=torch.long)
+    mask[:, 7:] = 0
+    model = poptorch.inferenceModel(Logits(), poptorch.Options().deviceIterations(4))
+    out, record = _captured_warnings(lambda: model(ids, mask))
+    err = capfd.readouterr().err
+    assert "performance drop" not in err and "file us an issue" not in err
+    assert not [str(w.message) for w in record if "performance drop" in str(w.message)]
+    bert.eval()  # dropout is the identity in inference models (S-34)
+    torch.testing.assert_close(out, Logits()(ids, mask), rtol=1e-5, atol=1e-5)
