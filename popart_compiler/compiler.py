@@ -8,17 +8,19 @@ on the device and prepares the runners of the backend.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-from . import backends
+from . import backends, placement
 from .errors import backend_error
 from .dropout import remove_dropout
 from .ir import Graph, uses_random_numbers
 from .logging import logger
+from .placement import PlacementPlan, StrategySettings
 from .session_options import OUTPUT_MODES, Anchor, SessionOptions
 
 __all__ = ["Compiler", "Executable", "UNSUPPORTED_DTYPES"]
@@ -57,6 +59,8 @@ class Executable:
         vectorized_slots: micro-batches per call of ``vectorized``.
         tensor_names: every tensor name of the program (S-16).
         compile_seconds: wall-clock time of the compilation.
+        placement: where each op runs (IPU, pipeline stage, phase; api §9); every
+            node of ``module`` carries ``node.meta["placement"]``.
     """
     graph: Graph
     options: SessionOptions
@@ -69,10 +73,41 @@ class Executable:
     tensor_names: List[str]
     compile_seconds: float = 0.0
     vectorized_slots: int = 1
+    placement: Optional[PlacementPlan] = None
 
     @property
     def module(self) -> fx.GraphModule:
         return self.graph.module
+
+    @property
+    def staged(self) -> bool:
+        """The program has several stages (run with the stage schedule)."""
+        return self.placement is not None and len(self.placement.stages) > 1
+
+    def placement_summary(self, backward: bool = True) -> str:
+        """The placement as a readable table: one row per (IPU, stage, phase) with the
+        forward op count, the backward op count (training), and the number and bytes
+        of the parameters updated there (spec api §9).
+
+        Args:
+            backward: training only: count the backward ops in the joint
+                forward/backward graph (built with ``aot_export_joint_with_descriptors``
+                for this report; about 0.1 s for a small model). ``False`` or a graph
+                that cannot be differentiated ahead of time shows ``-``.
+        """
+        plan = self.placement or placement.plan_placement(
+            self.module, self.graph.blocks, self.graph.parameters, StrategySettings(),
+            self.training)
+        joint = self.joint_graph() if self.training and backward else None
+        return placement.placement_table(self.module, plan, self.graph.parameters, joint)
+
+    def joint_graph(self) -> Optional[fx.GraphModule]:
+        """The joint forward/backward graph of a training program with every node
+        placed (:func:`placement.place_joint_graph`), or ``None`` when it cannot be
+        built ahead of time. Only for reports: training runs autograd on ``module``."""
+        if not self.training or self.placement is None:
+            return None
+        return placement.joint_graph(self.graph, self.placement)
 
     @property
     def num_user_outputs(self) -> int:
@@ -124,6 +159,8 @@ class Compiler:
             Error: unsupported input dtype or zero-sized tensor; output-mode period
                 inconsistent with ``device_iterations``; gradient accumulation in
                 inference; training graph without exactly one final, returned loss;
+                the execution strategy's rules (S-60, S-63…S-65, see
+                :func:`placement.plan_placement`);
                 in-place buffer updates with replicas fed different data while
                 ``broadcast_buffers`` is on; unknown anchor; multi-process training.
         """
@@ -147,10 +184,16 @@ class Compiler:
         Compiler._check_replica_groupings(graph, options)
         report(3, total)
         activation, state = Compiler._resolve_anchors(graph, options, training)
+        plan = placement.plan_placement(
+            graph.module, graph.blocks, graph.parameters,
+            StrategySettings.from_raw(options.raw), training,
+            device_iterations=options.device_iterations,
+            gradient_accumulation=options.gradient_accumulation,
+            replicas=options.replication_factor)
         report(4, total)
         vectorized, chunk = None, 1
         slots = options.device_iterations * options.replication_factor
-        if (not training and slots > 1 and not graph.mutated_buffers
+        if (not training and slots > 1 and len(plan.stages) == 1 and not graph.mutated_buffers
                 and not graph.mutated_inputs and not graph.mutated_constants
                 and not options.synthetic_data and not options.fp_exceptions
                 and not options.replica_groupings and graph.has_device_work()):
@@ -163,10 +206,13 @@ class Compiler:
                         "behaviour.")
         names = Compiler._tensor_names(graph, training, options)
         exe = Executable(graph, options, training, loss_index,
-                         num_ipus=options.replication_factor,
+                         num_ipus=plan.ipus_per_replica * options.replication_factor,
                          activation_anchors=activation, state_anchors=state,
                          vectorized=vectorized, tensor_names=names,
-                         vectorized_slots=chunk if vectorized is not None else 1)
+                         vectorized_slots=chunk if vectorized is not None else 1,
+                         placement=plan)
+        if logger.isEnabledFor(logging.DEBUG):
+            placement.log_placement(exe.placement_summary(backward=False))
         exe.compile_seconds = time.perf_counter() - start
         report(total, total)
         return exe

@@ -77,10 +77,28 @@ class IpuModel:
         return self.tiles_per_ipu * self.target.sram_per_tile
 
 
+def _round_num_ipus(num_ipus: int, auto_round: bool) -> int:
+    """IPUs to reserve on hardware: a power of two (S-64; the IPU Model does not
+    apply this rule)."""
+    rounded = 1 << max(0, num_ipus - 1).bit_length()
+    if rounded == num_ipus:
+        return num_ipus
+    if not auto_round:
+        raise backend_error(
+            f"The model requests {num_ipus} IPUs but the hardware target must reserve a "
+            f"power of 2 IPUs: at least {rounded} IPUs must be reserved. Use a model "
+            f"placed on {rounded} IPUs (or another power of two), or call "
+            "poptorch.Options().autoRoundNumIPUs(True) to reserve the rounded-up number.")
+    logger.warning("The model requests %d IPUs: reserving %d, the next power of 2 "
+                   "(autoRoundNumIPUs).", num_ipus, rounded)
+    return rounded
+
+
 def acquire_device(num_ipus: int, version: str = "ipu2", *, use_ipu_model: bool = True,
                    explicit_model_request: Optional[bool] = None, small: bool = False,
                    offline: bool = False, ipu_id: Optional[int] = None,
-                   torch_device: str = "cpu") -> Optional[IpuModel]:
+                   torch_device: str = "cpu",
+                   auto_round_num_ipus: bool = False) -> Optional[IpuModel]:
     """Select and acquire the device, as PopTorch does (S-64, S-81, S-82).
 
     Args:
@@ -93,18 +111,25 @@ def acquire_device(num_ipus: int, version: str = "ipu2", *, use_ipu_model: bool 
         offline: ``ConnectionType.Never``: compile only, no device is returned.
         ipu_id: a specific device id (``Options.useIpuId``).
         torch_device: where the kernels run.
+        auto_round_num_ipus: reserve the next power of two when a hardware target
+            (physical IPUs or an offline target) needs one (S-64).
 
     Returns:
         The attached :class:`IpuModel`, or ``None`` for offline compilation.
 
     Raises:
         Error: more than 64 IPUs; offline compilation with the IPU Model explicitly
-            requested; offline targeting of a specific id; physical IPUs requested.
+            requested; offline targeting of a specific id; a hardware target (physical
+            IPUs, or an offline target) asked for a number of IPUs that is not a power
+            of two without ``auto_round_num_ipus``; physical IPUs requested.
     """
     if num_ipus > MAX_IPUS:
         raise backend_error(
             f"Too many IPUs requested ({num_ipus}). Experiments that need more than "
             f"{MAX_IPUS} IPUs require distributed execution (Options.Distributed).")
+    hardware = not use_ipu_model or (offline and not explicit_model_request)
+    if hardware:
+        num_ipus = _round_num_ipus(num_ipus, auto_round_num_ipus)
     if offline:
         if explicit_model_request:
             raise backend_error("ConnectionType.Never / poptorch.Options.useOfflineIpuTarget "

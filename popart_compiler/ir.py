@@ -207,6 +207,9 @@ class Graph:
         self.mutated_inputs = {i for i, n in enumerate(user_nodes) if n in written}
         self.random = uses_random_numbers(self.module)
         self.loss_nodes = [n for n in self.module.graph.nodes if _is_loss_node(n)]
+        #: block id → ``placement.Placement`` of the blocks the capture recorded
+        #: (api §9), in order of first use; empty without annotations.
+        self.blocks: Dict[str, object] = {}
 
     @staticmethod
     def _info(node: fx.Node) -> Optional[TensorInfo]:

@@ -24,6 +24,7 @@ from .errors import Error, backend_error
 from .ipu_model import IpuModel
 from .logging import logger
 from .optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
+from .schedule import StagedProgram
 
 __all__ = ["InferenceSession", "TrainingSession", "reduce_output", "device_dtype"]
 
@@ -342,6 +343,11 @@ class _Session(abc.ABC):
         self._graph = executable.module
         self._runner = (_FloatingPointChecker(self._graph).run
                         if executable.options.fp_exceptions else self._graph)
+        #: Several stages: micro-batches run through them in schedule order (S-63).
+        self._staged = StagedProgram(
+            self._graph, executable.placement.pipelined,
+            wrap=(lambda m: _FloatingPointChecker(m).run)
+            if executable.options.fp_exceptions else None) if executable.staged else None
         self.rng = _DeviceRng(self.options.random_seed, torch_device)
         self.anchors: Dict[str, torch.Tensor] = {}
         self.perf_counters: Dict[str, List[List[float]]] = {
@@ -509,7 +515,7 @@ class InferenceSession(_Session):
         d, r = o.device_iterations, o.replication_factor
         exe = self.executable
         gm = self._runner
-        if d * r == 1:
+        if d * r == 1 and self._staged is None:
             x = [t.to(self.torch_device) for t in inputs]
             with torch.no_grad():
                 outs = gm(*self.weights.state(0), *x)
@@ -527,10 +533,18 @@ class InferenceSession(_Session):
             return self._finish([t.reshape(d, 1, r, *t.shape[1:]) for t in outs])
         results: List[List[torch.Tensor]] = []
         with torch.no_grad():
-            for i in range(d):
-                for rep in range(r):
-                    outs = gm(*self.weights.state(rep), *[t[i, 0, rep] for t in split])
-                    results.append([t.detach().clone() for t in outs])
+            if self._staged is not None:
+                results = [None] * (d * r)
+
+                def done(i, rep, outs):
+                    results[i * r + rep] = [t.detach().clone() for t in outs]
+                self._staged.run([[[*self.weights.state(rep), *[t[i, 0, rep] for t in split]]
+                                   for rep in range(r)] for i in range(d)], done)
+            else:
+                for i in range(d):
+                    for rep in range(r):
+                        outs = gm(*self.weights.state(rep), *[t[i, 0, rep] for t in split])
+                        results.append([t.detach().clone() for t in outs])
         stacked = [torch.stack([res[j] for res in results]).reshape(d, 1, r, *results[0][j].shape)
                    for j in range(len(results[0]))] if results else []
         return self._finish(stacked)
@@ -636,23 +650,41 @@ class TrainingSession(_Session):
             scale = opt.loss_scale
             if "finalLossScale" in per_iteration:
                 per_iteration["finalLossScale"].append(torch.tensor(scale))
-            for step in range(a):
-                for rep in range(r):
-                    state = self.weights.state(rep)
-                    xs = [t[i, step, rep] for t in split]
-                    outs = run(*state, *xs)
-                    loss = outs[loss_index]
-                    if trainable and loss.requires_grad:
-                        finite = o.fp_exceptions and all(
-                            bool(torch.isfinite(t).all()) for t in xs + state[:num_params]
-                            if t.is_floating_point())
-                        grads = self._gradients(loss, [state[j] for j in trainable], scale,
-                                                finite)
-                        full: List[Optional[torch.Tensor]] = [None] * num_params
-                        for j, g in zip(trainable, grads):
-                            full[j] = g
-                        opt.accumulate(rep, step, full)
-                    results.append([t.detach() for t in outs])
+
+            def backward(step, rep, outs, state, xs):
+                """Backward of one micro-batch, then accumulate its gradients."""
+                loss = outs[loss_index]
+                if trainable and loss.requires_grad:
+                    finite = o.fp_exceptions and all(
+                        bool(torch.isfinite(t).all()) for t in xs + state[:num_params]
+                        if t.is_floating_point())
+                    grads = self._gradients(loss, [state[j] for j in trainable], scale,
+                                            finite)
+                    full: List[Optional[torch.Tensor]] = [None] * num_params
+                    for j, g in zip(trainable, grads):
+                        full[j] = g
+                    opt.accumulate(rep, step, full)
+                return [t.detach() for t in outs]
+
+            if self._staged is not None:
+                # Micro-batches flow through the stages in schedule order; each one's
+                # backward runs as it leaves the last forward stage (S-63).
+                args = [[[*self.weights.state(rep), *[t[i, step, rep] for t in split]]
+                         for rep in range(r)] for step in range(a)]
+                done: List[Optional[List[torch.Tensor]]] = [None] * (a * r)
+
+                def finish(step, rep, outs):
+                    state = args[step][rep][:len(args[step][rep]) - len(split)]
+                    xs = args[step][rep][len(state):]
+                    done[step * r + rep] = backward(step, rep, outs, state, xs)
+                self._staged.run(args, finish)
+                results.extend(done)
+            else:
+                for step in range(a):
+                    for rep in range(r):
+                        state = self.weights.state(rep)
+                        xs = [t[i, step, rep] for t in split]
+                        results.append(backward(step, rep, run(*state, *xs), state, xs))
             grads = opt.finish_step(params)
             for name, g in zip(exe.graph.parameters, grads):
                 key = f"Gradient___{name}"

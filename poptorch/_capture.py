@@ -19,11 +19,15 @@ from torch.overrides import TorchFunctionMode
 import popart_compiler
 from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
+from popart_compiler.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
+
+from . import _blocks
 
 from . import _impl
 from ._args import BoundArgs, Spec, flatten, unflatten
 from ._capture_warnings import at_user_code
 from ._dtype_rules import DtypeRulesMode
+from ._execution_strategy import PipelinedExecution
 from ._logging import logger
 
 __all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
@@ -101,6 +105,7 @@ class _IpuDeviceMode(TorchFunctionMode):
         self.device = torch.device(device)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        _tag_ops()
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_ipu(kwargs["device"]):
             kwargs["device"] = self.device
@@ -316,11 +321,55 @@ def _no_distribution_validation() -> Iterator[None]:
         torch.distributions.Distribution.set_default_validate_args(previous)
 
 
-def _reset_blocks() -> None:
-    from . import _execution_strategy
-    reset = getattr(_execution_strategy, "_reset_block_state", None)
-    if reset is not None:
-        reset()
+# -- block tags (S-60) ---------------------------------------------------------------------
+
+_tagging = [False]
+
+
+def _tag_ops() -> None:
+    """Tag the ops created from now on with the active block: the block id under
+    ``node.meta["custom"][BLOCK_KEY]`` (``None`` before the first block) or
+    ``NO_ACTIVE_BLOCK_KEY`` after a ``with Block`` scope ended. Called on every block
+    change and before every torch function, so that a tag reverted by a nested
+    ``torch.fx.traceback.annotate`` scope is restored."""
+    if not _tagging[0] or torch.compiler.is_dynamo_compiling():
+        return  # inside torch.cond / control-flow bodies traced by Dynamo
+    meta = torch.fx.traceback.current_meta
+    custom = meta.get("custom")
+    if custom is None:
+        custom = meta["custom"] = {}
+    block = _blocks.current_block()
+    if block is _blocks.NO_ACTIVE_BLOCK:
+        custom.pop(BLOCK_KEY, None)
+        custom[NO_ACTIVE_BLOCK_KEY] = True
+        return
+    custom.pop(NO_ACTIVE_BLOCK_KEY, None)
+    custom[BLOCK_KEY] = None if block is None else str(block[0])
+
+
+def _untag_ops() -> None:
+    """Ops created after ``forward`` returned (by the tracer) carry no block tag."""
+    _tagging[0] = False
+    custom = torch.fx.traceback.current_meta.get("custom")
+    if custom is not None:
+        custom.pop(BLOCK_KEY, None)
+        custom.pop(NO_ACTIVE_BLOCK_KEY, None)
+
+
+@contextlib.contextmanager
+def _block_tags(strategy) -> Iterator[None]:
+    """Record blocks (api §9) while capturing: reset the block state, tag ops with
+    their block through preserved node metadata."""
+    if strategy is not None:
+        strategy._onStartCapture()
+    previous = _blocks._state.on_change
+    with _blocks.block_capture(), torch.fx.traceback.preserve_node_meta():
+        _blocks._state.on_change = _tag_ops
+        try:
+            yield
+        finally:
+            _blocks._state.on_change = previous
+            _tagging[0] = False
 
 
 @dataclasses.dataclass
@@ -344,7 +393,7 @@ class Captured:
 
 def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             input_spec: Spec, micro_batch: List[torch.Tensor], training: bool,
-            device: str = "cpu") -> Captured:
+            device: str = "cpu", strategy=None) -> Captured:
     """Capture ``forward`` of ``model`` (a shallow copy of the user's module) once.
 
     Args:
@@ -355,19 +404,30 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         micro_batch: one micro-batch of every tensor leaf, in order.
         training: capture for training (loss ops checked by the compiler).
         device: where tensors created with ``device="ipu"`` live.
+        strategy: the execution strategy deriving each block's stage, IPU and phase
+            (api §9); ``PipelinedExecution()`` by default.
 
     Raises:
         poptorch.Error: data-dependent Python control flow (with the user's source
             line and a pointer to ``poptorch.cond``), parameters/buffers replaced in
-            ``forward`` (S-5), other capture failures. Exceptions raised by the user's
-            own code propagate unchanged. The model's host state is restored first.
+            ``forward`` (S-5), a block id started on two IPUs or with an invalid
+            ``ipu_id``, explicit stages naming blocks the model never starts, other
+            capture failures. Exceptions raised by the user's own code propagate
+            unchanged. The model's host state is restored first.
+        AssertionError: an unknown block id or a block without IPU under
+            ``AutoStage.SameAsIpu`` (api §9.7).
     """
     out_box: Dict[str, Any] = {}
 
     def flat_forward(*flat: torch.Tensor):
         values = unflatten(input_spec, iter(flat))
         state = _state_identity(model)
-        result = bound.call(forward, values)
+        _tagging[0] = True
+        _tag_ops()
+        try:
+            result = bound.call(forward, values)
+        finally:
+            _untag_ops()
         _check_state_unchanged(model, state)
         tensors: List[torch.Tensor] = []
         spec = flatten(result, tensors) if result is not None else None
@@ -396,13 +456,16 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     undo_ipu = _patch_tensor_ipu()
     try:
         example = tuple(t.detach() for t in micro_batch)
-        _reset_blocks()
-        with _impl.device_context(training), _quiet_torch_logs(), \
+        with _block_tags(strategy), _impl.device_context(training), _quiet_torch_logs(), \
                 at_user_code(_user_frame_of, _is_internal), \
                 _device_weights(model), _IpuDeviceMode(device), DtypeRulesMode(), \
                 _no_distribution_validation():
             program = torch.export.export(model, example, strict=False)
+            history = _blocks.block_history()
         _check_state_unchanged(model, before)
+        if strategy is None:
+            strategy = PipelinedExecution()
+        blocks = strategy._placements(history)
     except Exception as exc:
         try:
             _check_state_unchanged(model, before)  # S-5 explains most failures
@@ -431,6 +494,7 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             hook()
     _bake_constants(program, constants_before)
     graph = Graph(program)
+    graph.blocks = blocks
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
 

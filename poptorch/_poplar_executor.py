@@ -282,14 +282,14 @@ class PoplarExecutor:
         device_inputs = self._device_inputs(tensors)
         micro = [t[: t.shape[0] // factor] if t.dim() else t for t in device_inputs]
 
-        def acquire():
-            return acquire_device(sess_opts.replication_factor, sess_opts.ipu_model_version,
+        def acquire(num_ipus):
+            return acquire_device(num_ipus, sess_opts.ipu_model_version,
                                   use_ipu_model=use_model, explicit_model_request=explicit,
                                   small=small, offline=offline,
                                   ipu_id=o.ipu_id if o.exists("ipu_id") else None,
-                                  torch_device=sess_opts.device)
+                                  torch_device=sess_opts.device,
+                                  auto_round_num_ipus=bool(o.auto_round_num_ipus))
 
-        device = acquire() if connection == int(enums.ConnectionType.Always) else None
         progress = self._progress
         model = self._model
         suspend = _instrument.suspended(self._user_model) if self._training else _null()
@@ -297,14 +297,14 @@ class PoplarExecutor:
             progress(0, 10)
             with suspend, _one_replica_slices(self._user_model, self.per_replica_params):
                 captured = capture(model, _forward_of(model), bound, spec, micro,
-                                   self._training, sess_opts.device)
+                                   self._training, sess_opts.device,
+                                   strategy=o._execution_strategy)
             progress(4, 10)
             exe = Compiler.compile(captured.graph, sess_opts, self._training,
                                    progress=lambda p, t: progress(4 + (5 * p) // t, 10))
-            if device is None and not offline:
-                device = acquire()
-            elif offline:
-                acquire()  # raises for the offline cases the IPU Model rejects
+            # The IPUs needed are known once the graph is placed (S-64); with
+            # ConnectionType.OnDemand the device is acquired after compiling too.
+            device = acquire(exe.num_ipus)  # offline: raises for the rejected cases
             progress(10, 10)
         finally:
             progress.close()
@@ -947,6 +947,23 @@ class PoplarExecutor:
         if short_name not in self._anchor_values:
             raise AssertionError(f"No tensor with name {short_name} found.")
         return self._anchor_values[short_name]
+
+    def placementSummary(self, backward: bool = True) -> str:
+        """Where the compiled program runs, as a readable table (api §9, S-60).
+
+        One row per (IPU, pipeline stage, phase) with the number of forward ops, of
+        backward ops (training; counted on the joint forward/backward graph, ``-``
+        with ``backward=False``), and the number and bytes of the parameters whose
+        weight update runs there. The title gives the execution strategy, the IPUs
+        per replica and the number of stages (``2F − 1`` for pipelined training,
+        S-63). The same table (without backward counts) is logged at DEBUG when
+        the model compiles. Not part of PopTorch's API.
+
+        Raises:
+            poptorch.Error: the model is not compiled yet.
+        """
+        self._require_executable()
+        return self._executable.placement_summary(backward=backward)
 
     def _debugGetPopartIR(self) -> str:
         """A text listing of the compiled graph's operations with their scoped names."""

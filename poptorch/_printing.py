@@ -6,7 +6,7 @@ import builtins
 import torch
 from torch.nn.modules.module import _addindent
 
-from ._execution_strategy import _begin_block_hooks
+from ._blocks import _begin_block_hooks
 
 __all__ = ["print", "module_repr"]
 
