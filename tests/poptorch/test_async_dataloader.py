@@ -505,7 +505,9 @@ def test_garbage_collection_terminates_worker():
 
 def test_keyboard_interrupt_while_waiting_cleans_up_and_can_restart():
     before = shm_entries()
-    acc = AsynchronousDataAccessor(IndexDataset(6, delay=0.4), buffer_size=2, **FORK)
+    # The pass lasts 240 s, so the interrupt lands inside it even when a busy machine
+    # starts the timer's thread late.
+    acc = AsynchronousDataAccessor(IndexDataset(600, delay=0.4), buffer_size=2, **FORK)
     timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     with pytest.raises(KeyboardInterrupt):
