@@ -176,8 +176,8 @@ class Compiler:
                            "the IPU has no 64-bit floating point type")
         if options.device != "cpu":
             _rewrite_args(graph.module, {torch.device("cpu"): torch.device(options.device)})
-        if not training and remove_dropout(graph.module):
-            graph.random = uses_random_numbers(graph.module)  # PopART's inference rule (S-34)
+        if not training and remove_dropout(graph.module):  # PopART's inference rule, S-34
+            graph.random = uses_random_numbers(graph.module)
         report(2, total)
         loss_index = Compiler._check_loss(graph) if training else None
         Compiler._check_buffers(graph, options)
