@@ -9,6 +9,7 @@ kernels instead of a Python loop.
 from __future__ import annotations
 
 import contextlib
+import io
 import warnings
 from typing import Callable, Iterator, List, Optional, Sequence
 
@@ -116,16 +117,39 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
         ``None`` if the graph cannot be vectorized (the caller then loops).
     """
     in_dims = tuple([None] * len(state) + [0] * len(inputs))
+    if isinstance(fn, fx.GraphModule) and _has_cond(fn):
+        fn = _CondAsSelect(fn).run
     vmapped = torch.func.vmap(fn, in_dims=in_dims, randomness="different")
     examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)
                 for x in inputs]
     try:
-        with torch.no_grad(), _quiet_vmap_fallback():
+        # a failed trace is expected (the caller loops); fx prints its own traceback
+        with torch.no_grad(), _quiet_vmap_fallback(), \
+                contextlib.redirect_stderr(io.StringIO()):
             gm = make_fx(vmapped, tracing_mode="fake")(*state, *examples)
     except Exception as e:  # no batching rule, data-dependent op, ...
         logger.debug("Running micro-batches one by one: vectorization failed (%s)", e)
         return None
     return simplify(gm)
+
+
+def _has_cond(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and n.target is torch.ops.higher_order.cond
+               for n in gm.graph.nodes)
+
+
+class _CondAsSelect(fx.Interpreter):
+    """Runs a graph with each ``torch.cond`` evaluated as both branches and a
+    ``torch.where`` on the predicate: what ``torch.cond``'s own batching rule does for
+    a predicate that differs between micro-batches, written out because that rule
+    fails for branches with several outputs (torch 2.13)."""
+
+    def call_function(self, target, args, kwargs):
+        if target is not torch.ops.higher_order.cond:
+            return super().call_function(target, args, kwargs)
+        pred, then_gm, else_gm, operands = args[:4]
+        then_out, else_out = then_gm(*operands), else_gm(*operands)
+        return tuple(torch.where(pred, a, b) for a, b in zip(then_out, else_out))
 
 
 def graph_outputs(gm: fx.GraphModule) -> List[fx.Node]:
