@@ -1,4 +1,5 @@
 """``popart_compiler.dropout.remove_dropout``: graph in, graph out (spec S-34)."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ def _ops(gm):
             and isinstance(n.target, torch._ops.OpOverload)]
 
 
+@pytest.mark.filterwarnings("ignore:The tensor attributes .*_flat_weights")
 def test_every_dropout_becomes_the_identity():
     program = torch.export.export(Everything().train(), (torch.randn(3, 4),), strict=False)
     gm = program.graph_module
