@@ -27,15 +27,13 @@ TORCH_NOISE = (
 
 
 @contextlib.contextmanager
-def at_user_code(user_frame_of: Callable, is_internal: Callable[[str], bool]
-                 ) -> Iterator[None]:
+def at_user_code(user_frame_of: Callable) -> Iterator[None]:
     """Show warnings raised inside at the user's source line.
 
     Args:
         user_frame_of: ``frames -> FrameSummary | None``, the innermost user frame of a
-            stack summary.
-        is_internal: whether a file name belongs to torch, PopTorch or the standard
-            library rather than to the user.
+            stack summary (``None`` if no frame is the user's: a location in torch or
+            PopTorch).
     """
     with warnings.catch_warnings():
         for pattern in TORCH_NOISE:
@@ -43,7 +41,7 @@ def at_user_code(user_frame_of: Callable, is_internal: Callable[[str], bool]
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if is_internal(filename):
+            if user_frame_of([traceback.FrameSummary(filename, lineno, None)]) is None:
                 frame = user_frame_of(traceback.extract_stack())
                 if frame is not None:
                     filename, lineno, line = frame.filename, frame.lineno, frame.line
