@@ -11,6 +11,7 @@ do not concern supported models (:data:`TORCH_NOISE`).
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 import warnings
 from typing import Callable, Iterator
@@ -24,6 +25,16 @@ __all__ = ["at_user_code", "TORCH_NOISE"]
 TORCH_NOISE = (
     r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were assigned during export",
 )
+
+
+#: The standard library's directory (``warnings``, ``contextlib``, ...): never the
+#: user's code.
+_STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
+
+
+def _is_stdlib(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_STDLIB) and "site-packages" not in path
 
 
 @contextlib.contextmanager
@@ -41,8 +52,10 @@ def at_user_code(user_frame_of: Callable) -> Iterator[None]:
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if user_frame_of([traceback.FrameSummary(filename, lineno, None)]) is None:
-                frame = user_frame_of(traceback.extract_stack())
+            if _is_stdlib(filename) or \
+                    user_frame_of([traceback.FrameSummary(filename, lineno, None)]) is None:
+                frame = user_frame_of([f for f in traceback.extract_stack()
+                                       if not _is_stdlib(f.filename)])
                 if frame is not None:
                     filename, lineno, line = frame.filename, frame.lineno, frame.line
             shown(message, category, filename, lineno, file, line)
