@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-from typing import Callable, List, Optional, Sequence
+import warnings
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -19,6 +20,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .logging import logger
 
 __all__ = ["vectorize", "simplify"]
+
+#: vmap's warning for an op it runs through its (slower, equally exact) loop fallback.
+_NO_BATCHING_RULE = r"There is a performance drop because we have not yet implemented " \
+    r"the batching rule"
 
 
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
@@ -77,6 +82,25 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+@contextlib.contextmanager
+def _quiet_vmap_fallback() -> Iterator[None]:
+    """An op without a vmap batching rule is traced as a loop over the micro-batches:
+    the same values, so vmap's "performance drop ... please file us an issue" note
+    (a Python warning, or a line on stderr when it comes from inside the dispatcher) is
+    PyTorch's business, not the user's. The note is switched back on afterwards (its
+    default)."""
+    switch = getattr(torch._C._functorch, "_set_vmap_fallback_warning_enabled", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
+        if switch is not None:
+            switch(False)
+        try:
+            yield
+        finally:
+            if switch is not None:
+                switch(True)
+
+
 def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
               slots: int) -> Optional[fx.GraphModule]:
     """Trace ``fn(*state, *inputs)`` vmapped over ``slots`` micro-batches.
@@ -100,7 +124,8 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
                 for x in inputs]
     try:
         # a failed trace is expected (the caller loops); fx prints its own traceback
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+        with torch.no_grad(), _quiet_vmap_fallback(), \
+                contextlib.redirect_stderr(io.StringIO()):
             gm = make_fx(vmapped, tracing_mode="fake")(*state, *examples)
     except Exception as e:  # no batching rule, data-dependent op, ...
         logger.debug("Running micro-batches one by one: vectorization failed (%s)", e)

@@ -28,6 +28,8 @@ from . import _data_dependence, _dynamic_slicing, _impl, _opaque_ops
 from ._capture_constants import VALUE_READS, constant_value, producing_op
 from ._args import BoundArgs, Spec, flatten, unflatten
 from ._capture_guard import capture_guard, thread_stderr
+from ._capture_warnings import at_user_code
+from ._dtype_rules import DtypeRulesMode
 from ._execution_strategy import PipelinedExecution
 from ._logging import logger
 
@@ -484,8 +486,9 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         example = tuple(t.detach() for t in micro_batch)
         scope = {} if module_namescope else {"no_module_scope": True}
         with _block_tags(strategy), _impl.device_context(training), _quiet_torch_logs(), \
+                at_user_code(_data_dependence.user_frame), \
                 _device_weights(model), _opaque_ops.opaque_functions(), \
-                _IpuDeviceMode(device), _no_distribution_validation(), \
+                _IpuDeviceMode(device), DtypeRulesMode(), _no_distribution_validation(), \
                 fx_traceback.annotate(scope):
             program = torch.export.export(model, example, strict=False)
             history = _blocks.block_history()
