@@ -24,7 +24,7 @@ from popart_compiler.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 
 from . import _blocks
 
-from . import _dynamic_slicing, _impl
+from . import _dynamic_slicing, _host_ops, _impl
 from ._args import BoundArgs, Spec, flatten, unflatten
 from ._execution_strategy import PipelinedExecution
 from ._logging import logger
@@ -456,6 +456,7 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     for hook in list(_PRE_HOOKS.values()):
         hook()
     before = _state_identity(model)
+    _host_ops.take_captured()
     constants_before = _plain_tensor_attributes(model)
     had_forward = "forward" in vars(model)
     saved_forward = vars(model).get("forward")
@@ -504,6 +505,7 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     _bake_constants(program, constants_before)
     graph = Graph(program)
     graph.blocks = blocks
+    graph.host_functions = _host_ops.take_captured()  # keeps inline poptorch.CPU ops alive
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
 

@@ -1,0 +1,58 @@
+"""Regressions found by using the PopTorch ops (api §8) and multi-IPU execution
+(api §9) as a user would."""
+import copy
+import gc
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import poptorch
+
+
+def quiet(opts=None):
+    return (opts or poptorch.Options()).showCompilationProgressBar(False)
+
+
+def max_weight_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+class InlineCpuPipeline(nn.Module):
+    """A two-stage pipeline creating its poptorch.CPU op inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 2)
+
+    def forward(self, x, y):
+        with poptorch.Block("A", ipu_id=0):
+            x = self.a(x)
+        with poptorch.Block("B", ipu_id=1):
+            x = poptorch.CPU(lambda t: t * 2, "double")(x)
+            x = self.c(torch.relu(x))
+            loss = F.mse_loss(x, y)
+        return x, loss
+
+
+def test_cpu_op_created_inside_forward_stays_alive_for_training():
+    torch.manual_seed(0)
+    model = InlineCpuPipeline()
+    ref = copy.deepcopy(model)
+    opts = quiet()
+    opts.Training.gradientAccumulation(4)
+    executor = poptorch.trainingModel(model, opts,
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+    executor.compile(x, y)
+    gc.collect()  # the CPU object has no owner but the compiled graph
+    executor(x, y)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for mb in range(4):
+        xs, ys = x[2 * mb:2 * mb + 2], y[2 * mb:2 * mb + 2]
+        hidden = (ref.a(xs) * 2).detach()  # no gradient through host code
+        (F.mse_loss(ref.c(torch.relu(hidden)), ys) / 4).backward()
+    ref_opt.step()
+    executor.copyWeightsToHost()
+    assert max_weight_diff(model, ref) < 1e-6
