@@ -3,6 +3,7 @@
 import copy
 import gc
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -56,3 +57,32 @@ def test_cpu_op_created_inside_forward_stays_alive_for_training():
     ref_opt.step()
     executor.copyWeightsToHost()
     assert max_weight_diff(model, ref) < 1e-6
+
+
+class DynamicOp(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x, start):
+        return self.fn(x, start)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda x, i: poptorch.dynamic_slice(x, 5, i, 2, 1),
+     r"dim 5 is out of range for a tensor of shape \[8, 6\]: use a dimension in \[-2, 1\]"),
+    (lambda x, i: poptorch.dynamic_update(x, torch.zeros(8, 3), 1, i, 2),
+     r"src has shape \[8, 3\], but a window of size 2 along dim 1 .* has shape \[8, 2\]"),
+])
+def test_dynamic_slicing_bad_dim_or_src_shape_is_a_clear_error(fn, message):
+    executor = poptorch.inferenceModel(DynamicOp(fn), quiet())
+    with pytest.raises(poptorch.Error, match=message):
+        executor(torch.randn(8, 6), torch.tensor([1]))
+
+
+def test_dynamic_slice_negative_dim_wraps_like_positive():
+    executor = poptorch.inferenceModel(
+        DynamicOp(lambda x, i: poptorch.dynamic_slice(x, -1, i, 3, 1)), quiet())
+    x = torch.arange(12.).reshape(2, 6)
+    out = executor(x, torch.tensor([4]))
+    assert torch.equal(out, x[:, [4, 5, 0]])
