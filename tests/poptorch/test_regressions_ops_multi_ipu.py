@@ -86,3 +86,17 @@ def test_dynamic_slice_negative_dim_wraps_like_positive():
     x = torch.arange(12.).reshape(2, 6)
     out = executor(x, torch.tensor([4]))
     assert torch.equal(out, x[:, [4, 5, 0]])
+
+
+class PrintInCond(nn.Module):
+    def forward(self, x):
+        return poptorch.cond(x.sum() > 0,
+                             lambda a: [poptorch.ipu_print_tensor(a, "then")], [x],
+                             lambda a: [a], [x])[0]
+
+
+def test_host_op_inside_cond_branch_is_a_clear_error():
+    executor = poptorch.inferenceModel(PrintInCond(), quiet())
+    with pytest.raises(poptorch.Error, match=r"poptorch.cond: a branch could not be captured"
+                       r".*call host ops \(ipu_print_tensor, CPU, custom_op\) outside"):
+        executor(torch.ones(2, 2))
