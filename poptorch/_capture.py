@@ -165,9 +165,10 @@ def _package_dir(module) -> str:
     return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
+_POPTORCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Directories whose frames are not the user's (torch, the standard library, ours).
 _INTERNAL = tuple(_package_dir(m) for m in (torch, popart_compiler, contextlib)) + (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    _POPTORCH_DIR,)
 
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
@@ -488,6 +489,9 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         origin = traceback.extract_tb(exc.__traceback__)
         if frame is not None and origin and origin[-1].filename == frame.filename:
             raise  # raised by the user's own code
+        if (frame is not None and isinstance(exc, (ValueError, AssertionError)) and origin
+                and os.path.abspath(origin[-1].filename).startswith(_POPTORCH_DIR)):
+            raise  # a PopTorch op's argument check: api §8 names these exception types
         if isinstance(exc, (AssertionError, ValueError, TypeError, RuntimeError,
                             NotImplementedError, KeyError, IndexError)) and frame is None:
             raise
