@@ -8,6 +8,7 @@ on the device and prepares the runners of the backend.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -15,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from . import backends, placement
+from . import backends, inductor_backend, placement
 from .errors import backend_error
 from .ir import Graph
 from .logging import logger
@@ -60,6 +61,10 @@ class Executable:
         compile_seconds: wall-clock time of the compilation.
         placement: where each op runs (IPU, pipeline stage, phase; api §9); every
             node of ``module`` carries ``node.meta["placement"]``.
+        runner: what runs one micro-batch (``module`` itself on the eager backend,
+            its Inductor compilation on the inductor backend).
+        stage_wrapper: turns a pipeline stage's submodule into its runner (``None``:
+            call the submodule).
     """
     graph: Graph
     options: SessionOptions
@@ -68,11 +73,13 @@ class Executable:
     num_ipus: int
     activation_anchors: List[Anchor]
     state_anchors: List[Anchor]
-    vectorized: Optional[fx.GraphModule]
+    vectorized: Optional[Callable]
     tensor_names: List[str]
     compile_seconds: float = 0.0
     vectorized_slots: int = 1
     placement: Optional[PlacementPlan] = None
+    runner: Optional[Callable] = None
+    stage_wrapper: Optional[Callable[[fx.GraphModule], Callable]] = None
 
     @property
     def module(self) -> fx.GraphModule:
@@ -194,7 +201,8 @@ class Compiler:
                 and not graph.mutated_inputs and not graph.mutated_constants
                 and not options.synthetic_data and not options.fp_exceptions
                 and not options.replica_groupings and graph.has_device_work()):
-            chunk = Compiler._chunk(graph, slots)
+            # Inductor's fused kernels have no cache-size sweet spot: one call for all.
+            chunk = slots if options.backend == "inductor" else Compiler._chunk(graph, slots)
             if chunk > 1:
                 vectorized = Compiler._vectorize(graph, chunk, options.device)
         report(5, total)
@@ -208,6 +216,8 @@ class Compiler:
                          vectorized=vectorized, tensor_names=names,
                          vectorized_slots=chunk if vectorized is not None else 1,
                          placement=plan)
+        if options.backend == "inductor":
+            Compiler._use_inductor(exe)
         if logger.isEnabledFor(logging.DEBUG):
             placement.log_placement(exe.placement_summary(backward=False))
         exe.compile_seconds = time.perf_counter() - start
@@ -215,6 +225,21 @@ class Compiler:
         return exe
 
     # -- checks -------------------------------------------------------------------
+
+    @staticmethod
+    def _use_inductor(exe: Executable) -> None:
+        """Route the runners of ``exe`` through TorchInductor (compiled at first run).
+        Floating-point exception checks (S-46) need the op-by-op interpreter, so they
+        keep the eager runner."""
+        if exe.options.fp_exceptions:
+            logger.warning("Floating point exceptions are checked op by op: the inductor "
+                           "compiler is not used for this model.")
+            return
+        random = exe.graph.random
+        exe.runner = inductor_backend.compile_graph(exe.module, random=random)
+        exe.stage_wrapper = functools.partial(inductor_backend.compile_graph, random=random)
+        if exe.vectorized is not None:
+            exe.vectorized = inductor_backend.compile_graph(exe.vectorized, random=random)
 
     @staticmethod
     def _check_options(options: SessionOptions, training: bool) -> None:

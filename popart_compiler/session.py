@@ -342,12 +342,14 @@ class _Session(abc.ABC):
         self.weights = _Weights(executable, torch_device)
         self._graph = executable.module
         self._runner = (_FloatingPointChecker(self._graph).run
-                        if executable.options.fp_exceptions else self._graph)
+                        if executable.options.fp_exceptions
+                        else self._graph if executable.runner is None else executable.runner)
         #: Several stages: micro-batches run through them in schedule order (S-63).
         self._staged = StagedProgram(
             self._graph, executable.placement.pipelined,
             wrap=(lambda m: _FloatingPointChecker(m).run)
-            if executable.options.fp_exceptions else None) if executable.staged else None
+            if executable.options.fp_exceptions else executable.stage_wrapper
+        ) if executable.staged else None
         self.rng = _DeviceRng(self.options.random_seed, torch_device)
         self.anchors: Dict[str, torch.Tensor] = {}
         self.perf_counters: Dict[str, List[List[float]]] = {
@@ -580,7 +582,8 @@ class TrainingSession(_Session):
             mean=o.reduction_type == 1, running=o.mean_reduction_strategy == 0,
             replica_groups=self.weights.replica_groups(),
             auto_loss_scaling=o.auto_loss_scaling, als_update_period=o.als_update_period,
-            als_threshold=o.als_threshold, als_bin_edge=o.als_bin_edge)
+            als_threshold=o.als_threshold, als_bin_edge=o.als_bin_edge,
+            foreach=o.backend == "inductor")
         self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params,
                                          settings)
         self._log_optimizer(optimizer)
