@@ -4,7 +4,8 @@ The ``eager`` backend runs the captured ATen graph (an ``fx.GraphModule``) with 
 eager kernels. For inference graphs without state, :func:`vectorize` turns the
 per-micro-batch graph into one graph over all the micro-batches of a run with
 ``torch.func.vmap`` traced by ``make_fx``: the same arithmetic per micro-batch, batched
-kernels instead of a Python loop.
+kernels instead of a Python loop. Ops without a batching rule are decomposed into ops
+that have one; vmap's slow per-slice fallback is never used.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .logging import logger
@@ -90,17 +92,39 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
         a leading dimension of ``slots``, returning outputs with that leading dimension;
         ``None`` if the graph cannot be vectorized (the caller then loops).
     """
-    in_dims = tuple([None] * len(state) + [0] * len(inputs))
-    vmapped = torch.func.vmap(fn, in_dims=in_dims, randomness="different")
     examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)
                 for x in inputs]
     try:
-        with torch.no_grad():
-            gm = make_fx(vmapped, tracing_mode="fake")(*state, *examples)
+        return simplify(_trace_vmapped(fn, state, examples))
     except Exception as e:  # no batching rule, data-dependent op, ...
+        logger.debug("Vectorizing with decomposed ops: %s", e)
+    try:
+        # Ops without a batching rule (e.g. CPU scaled-dot-product attention) are
+        # decomposed into ops that have one; the graph stays one batched program.
+        with torch.no_grad():
+            decomposed = make_fx(fn, decomposition_table=core_aten_decompositions(),
+                                 tracing_mode="fake")(*state, *inputs)
+        return simplify(_trace_vmapped(decomposed, state, examples))
+    except Exception as e:  # still no batching rule, data-dependent op, ...
         logger.debug("Running micro-batches one by one: vectorization failed (%s)", e)
         return None
-    return simplify(gm)
+
+
+def _trace_vmapped(fn: Callable, state: Sequence[torch.Tensor],
+                   examples: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """``make_fx`` of ``fn`` vmapped over the leading dimension of ``examples``.
+    vmap's per-slice fallback (and its "BatchedFallback" warning) is disabled: an op
+    without a batching rule raises instead."""
+    in_dims = tuple([None] * len(state) + [0] * len(examples))
+    vmapped = torch.func.vmap(fn, in_dims=in_dims, randomness="different")
+    functorch = torch._C._functorch  # pylint: disable=protected-access
+    enabled = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(False)
+    try:
+        with torch.no_grad():
+            return make_fx(vmapped, tracing_mode="fake")(*state, *examples)
+    finally:
+        functorch._set_vmap_fallback_enabled(enabled)
 
 
 def graph_outputs(gm: fx.GraphModule) -> List[fx.Node]:

@@ -197,3 +197,21 @@ def test_cuda_inference_and_training_match_cpu(compiler):
     training.copyWeightsToHost()
     for p, q in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-4)
+
+
+# -- device iterations without vmap fallbacks ----------------------------------------------
+
+def test_attention_inference_is_batched_without_fallback_warnings(capfd):
+    """CPU scaled-dot-product attention has no vmap batching rule: it is decomposed so
+    the micro-batches still run as one batched program, with no "BatchedFallback"
+    warning."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    opts = poptorch.Options().deviceIterations(4)
+    model = poptorch.inferenceModel(layer, opts)
+    x = torch.randn(4 * 2, 5, 16)
+    out = model(x)
+    torch.testing.assert_close(out, layer(x).detach(), rtol=1e-4, atol=1e-5)
+    assert model._executable.vectorized is not None
+    captured = capfd.readouterr()
+    assert "BatchedFallback" not in captured.err + captured.out
+    assert "performance drop" not in captured.err + captured.out
