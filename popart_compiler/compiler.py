@@ -7,6 +7,7 @@ on the device and prepares the runners of the backend.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -236,7 +237,12 @@ class Compiler:
                            "compiler is not used for this model.")
             return
         random = exe.graph.random
-        exe.runner = inductor_backend.compile_graph(exe.module, random=random)
+        runner = exe.module
+        if not exe.training and exe.options.device == "cpu":
+            runner = inductor_backend.onednn_linear(copy.deepcopy(exe.module))
+            if exe.vectorized is not None:
+                inductor_backend.onednn_linear(exe.vectorized)
+        exe.runner = inductor_backend.compile_graph(runner, random=random)
         exe.stage_wrapper = functools.partial(inductor_backend.compile_graph, random=random)
         if exe.vectorized is not None:
             exe.vectorized = inductor_backend.compile_graph(exe.vectorized, random=random)

@@ -215,3 +215,45 @@ def test_attention_inference_is_batched_without_fallback_warnings(capfd):
     captured = capfd.readouterr()
     assert "BatchedFallback" not in captured.err + captured.out
     assert "performance drop" not in captured.err + captured.out
+
+
+# -- performance counters (api §5.19) -------------------------------------------------------
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_perf_counters_have_one_measured_timestamp_per_device_iteration(stateful):
+    """Vectorized (stateless) and looped (stateful) inference, output mode All, and
+    training with output mode Final: timestamps per device iteration, ordered."""
+    class Counter(Mlp):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x):
+            self.n += 1
+            return super().forward(x)
+
+    d = 4
+    opts = poptorch.Options().deviceIterations(d)
+    model = poptorch.inferenceModel(Counter() if stateful else Mlp(), opts)
+    model(torch.randn(d * 2, 8))
+    c = model.getPerfCounters()
+    assert [len(v[0]) for v in c.values()] == [d, d, d, d]
+    for i in range(d):
+        assert c["input"][0][i] <= c["input_complete"][0][i] <= c["output"][0][i] \
+            <= c["output_complete"][0][i]
+    if stateful:  # each iteration measured on its own, one after the other
+        assert all(c["output"][0][i] <= c["input_complete"][0][i + 1] for i in range(d - 1))
+    low, high, mean = model.getComputeLatency()
+    assert 0.0 <= low <= mean <= high
+    assert model.getLatency()[0] > 0.0
+
+    m = MlpLoss()
+    train_opts = poptorch.Options().deviceIterations(3)
+    train_opts.outputMode(poptorch.OutputMode.Final)
+    training = poptorch.trainingModel(m, train_opts)
+    training(torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    c = training.getPerfCounters()
+    assert len(c["input"]) == 2 and len(c["input"][0]) == 3
+    assert len(c["output"]) == 2 and len(c["output"][0]) == 1
+    assert c["output"][0][0] >= c["input_complete"][0][2]
+    assert training.getLatency()[0] > 0.0
