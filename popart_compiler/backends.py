@@ -9,6 +9,8 @@ that have one; vmap's slow per-slice fallback is never used.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -92,6 +94,8 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
         a leading dimension of ``slots``, returning outputs with that leading dimension;
         ``None`` if the graph cannot be vectorized (the caller then loops).
     """
+    if isinstance(fn, fx.GraphModule) and _has_cond(fn):
+        fn = _CondAsSelect(fn).run
     examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)
                 for x in inputs]
     try:
@@ -101,7 +105,7 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
     try:
         # Ops without a batching rule (e.g. CPU scaled-dot-product attention) are
         # decomposed into ops that have one; the graph stays one batched program.
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
             decomposed = make_fx(fn, decomposition_table=core_aten_decompositions(),
                                  tracing_mode="fake")(*state, *inputs)
         return simplify(_trace_vmapped(decomposed, state, examples))
@@ -121,10 +125,31 @@ def _trace_vmapped(fn: Callable, state: Sequence[torch.Tensor],
     enabled = functorch._is_vmap_fallback_enabled()
     functorch._set_vmap_fallback_enabled(False)
     try:
-        with torch.no_grad():
+        # a failed trace is expected (the caller retries or loops); fx prints its own
+        # traceback
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
             return make_fx(vmapped, tracing_mode="fake")(*state, *examples)
     finally:
         functorch._set_vmap_fallback_enabled(enabled)
+
+
+def _has_cond(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and n.target is torch.ops.higher_order.cond
+               for n in gm.graph.nodes)
+
+
+class _CondAsSelect(fx.Interpreter):
+    """Runs a graph with each ``torch.cond`` evaluated as both branches and a
+    ``torch.where`` on the predicate: what ``torch.cond``'s own batching rule does for
+    a predicate that differs between micro-batches, written out because that rule
+    fails for branches with several outputs (torch 2.13)."""
+
+    def call_function(self, target, args, kwargs):
+        if target is not torch.ops.higher_order.cond:
+            return super().call_function(target, args, kwargs)
+        pred, then_gm, else_gm, operands = args[:4]
+        then_out, else_out = then_gm(*operands), else_gm(*operands)
+        return tuple(torch.where(pred, a, b) for a, b in zip(then_out, else_out))
 
 
 def graph_outputs(gm: fx.GraphModule) -> List[fx.Node]:

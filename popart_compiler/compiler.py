@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from . import backends, inductor_backend, placement
+from . import backends, inductor_backend, placement, steering
 from .errors import backend_error
 from .ir import Graph
 from .logging import logger
@@ -169,7 +169,8 @@ class Compiler:
                 the execution strategy's rules (S-60, S-63…S-65, see
                 :func:`placement.plan_placement`);
                 in-place buffer updates with replicas fed different data while
-                ``broadcast_buffers`` is on; unknown anchor; multi-process training.
+                ``broadcast_buffers`` is on; unknown anchor; multi-process training;
+                overlapped IO against S-66's rules.
         """
         start = time.perf_counter()
         total = 6
@@ -187,6 +188,8 @@ class Compiler:
         loss_index = Compiler._check_loss(graph) if training else None
         Compiler._check_buffers(graph, options)
         Compiler._check_replica_groupings(graph, options)
+        steering.check_overlapped_io(graph, options)
+        steering.record_available_memory(graph)
         report(3, total)
         activation, state = Compiler._resolve_anchors(graph, options, training)
         plan = placement.plan_placement(
@@ -201,7 +204,8 @@ class Compiler:
         if (not training and slots > 1 and len(plan.stages) == 1 and not graph.mutated_buffers
                 and not graph.mutated_inputs and not graph.mutated_constants
                 and not options.synthetic_data and not options.fp_exceptions
-                and not options.replica_groupings and graph.has_device_work()):
+                and not options.replica_groupings and graph.has_device_work()
+                and not graph.runs_per_micro_batch()):
             # Inductor's fused kernels have no cache-size sweet spot: one call for all.
             chunk = slots if options.backend == "inductor" else Compiler._chunk(graph, slots)
             if chunk > 1:

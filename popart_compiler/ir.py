@@ -17,7 +17,8 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-__all__ = ["Graph", "LOSS_OPS", "IDENTITY_LOSS_OP"]
+__all__ = ["Graph", "LOSS_OPS", "IDENTITY_LOSS_OP", "register_per_micro_batch_op",
+           "annotation_text"]
 
 #: ATen ops that mark a loss (spec S-40), by overload packet name.
 LOSS_OPS = frozenset({
@@ -31,6 +32,17 @@ LOSS_OPS = frozenset({
 })
 #: Qualified name of the ``poptorch.identity_loss`` custom op.
 IDENTITY_LOSS_OP = "poptorch::identity_loss"
+
+#: Qualified names of ops with a host side effect (printing, host callbacks): a graph
+#: holding one runs micro-batch by micro-batch, so the effect happens once per
+#: micro-batch and replica (api §8.2, §8.13).
+_PER_MICRO_BATCH_OPS: set = set()
+
+
+def register_per_micro_batch_op(qualname: str) -> None:
+    """Declare that the op ``qualname`` (``"namespace::name"``) must execute once per
+    micro-batch and replica: graphs that contain it are never vectorised."""
+    _PER_MICRO_BATCH_OPS.add(qualname)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -219,6 +231,13 @@ class Graph:
         values.update(self.program.constants)
         return values
 
+    def runs_per_micro_batch(self) -> bool:
+        """Whether an op of the graph (or of its subgraphs) has a host side effect
+        (:func:`register_per_micro_batch_op`)."""
+        return any(n.op == "call_function" and _qualified_name(n) in _PER_MICRO_BATCH_OPS
+                   for gm in self.module.modules() if isinstance(gm, fx.GraphModule)
+                   for n in gm.graph.nodes)
+
     def has_device_work(self) -> bool:
         """False for trivial graphs that only pass inputs or constants through (S-6)."""
         return any(n.op == "call_function" for n in self.module.graph.nodes)
@@ -246,8 +265,9 @@ class Graph:
         """``<scope>/<OpType>:<index>`` name of every op (spec S-16).
 
         ``<scope>`` is the ``/``-joined sub-module path taken from the node's
-        ``nn_module_stack`` (plus any ``poptorch.NameScope`` recorded in
-        ``node.meta["custom"]["name_scope"]``); ``<OpType>`` is the ATen op name in
+        ``nn_module_stack`` with any ``poptorch.NameScope`` recorded in
+        ``node.meta["custom"]["name_scopes"]`` inserted where it was entered);
+        ``<OpType>`` is the ATen op name in
         CamelCase; ``<index>`` the output index.
         """
         names: Dict[str, fx.Node] = {}
@@ -268,18 +288,43 @@ class Graph:
 _MODULE_PATH_RE = re.compile(r"^(?:L\['self'\]|L__self__)\.?")
 
 
+def module_path_parts(path: str) -> List[str]:
+    """``"L['self'].layers[0]"`` / ``"layers.0"`` → ``["layers", "0"]``."""
+    path = _MODULE_PATH_RE.sub("", str(path))
+    return [p for p in re.split(r"[.\[\]'\"]+", path) if p]
+
+
 def _scope_of(node: fx.Node) -> str:
+    """The ``/``-joined scope of ``node``: its sub-module path and its name scopes, in
+    the order they were entered. ``node.meta["custom"]["name_scopes"]`` lists each name
+    scope with the sub-module depth it was entered at (``[[name, depth], ...]``)."""
     parts: List[str] = []
     custom = node.meta.get("custom") or {}
     stack = node.meta.get("nn_module_stack") or {}
     if stack and not custom.get("no_module_scope", False):
-        path = list(stack.values())[-1][0]
-        path = _MODULE_PATH_RE.sub("", str(path))
-        parts.extend(p for p in re.split(r"[.\[\]'\"]+", path) if p)
-    scope = custom.get("name_scope")
-    if scope:
-        parts = [scope] + parts if not parts else parts + [scope]
-    return "/".join(parts)
+        parts = module_path_parts(list(stack.values())[-1][0])
+    scopes = custom.get("name_scopes") or []
+    out: List[str] = []
+    taken = 0
+    for name, depth in scopes:
+        depth = min(int(depth), len(parts))
+        if depth > taken:
+            out.extend(parts[taken:depth])
+            taken = depth
+        out.append(str(name))
+    return "/".join(out + parts[taken:])
+
+
+#: ``node.meta`` / ``node.meta["custom"]`` keys the IPU compiler reads (api §8).
+_ANNOTATIONS = ("multi_conv", "attributes", "available_memory_proportion")
+
+
+def annotation_text(node: fx.Node) -> str:
+    """``"  # {...}"`` with the node's compiler annotations, or ``""`` without any."""
+    custom = node.meta.get("custom") or {}
+    found = {k: custom.get(k, node.meta.get(k)) for k in _ANNOTATIONS
+             if custom.get(k, node.meta.get(k)) is not None}
+    return f"  # {found}" if found else ""
 
 
 def flat_shapes(tensors: Sequence[torch.Tensor]) -> List[torch.Size]:

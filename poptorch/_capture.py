@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 
 import popart_compiler
@@ -23,7 +24,7 @@ from popart_compiler.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 
 from . import _blocks
 
-from . import _impl
+from . import _dynamic_slicing, _impl
 from ._args import BoundArgs, Spec, flatten, unflatten
 from ._execution_strategy import PipelinedExecution
 from ._logging import logger
@@ -101,6 +102,7 @@ class _IpuDeviceMode(TorchFunctionMode):
     def __init__(self, device: str):
         super().__init__()
         self.device = torch.device(device)
+        self.offsets = _dynamic_slicing.OffsetTracker()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         _tag_ops()
@@ -115,8 +117,16 @@ class _IpuDeviceMode(TorchFunctionMode):
             args = tuple(self.device if _is_ipu(a) else a for a in args)
         if getattr(func, "__name__", "") == "ipu":  # Tensor.ipu() does not exist in torch
             return args[0]
+        if func is torch.Tensor.__getitem__ and len(args) == 2:  # t[x:x + n] (S-102)
+            sliced = self.offsets.rewrite_getitem(*args)
+            if sliced is not None:
+                return sliced
+        sliced = self.offsets.rewrite_slice(func, args)
+        if sliced is not None:
+            return sliced
         result = func(*args, **kwargs)
         _check_static_shape(result, func)
+        self.offsets.record(func, args, result)
         return result
 
 
@@ -387,7 +397,7 @@ class Captured:
 
 def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             input_spec: Spec, micro_batch: List[torch.Tensor], training: bool,
-            device: str = "cpu", strategy=None) -> Captured:
+            device: str = "cpu", strategy=None, module_namescope: bool = True) -> Captured:
     """Capture ``forward`` of ``model`` (a shallow copy of the user's module) once.
 
     Args:
@@ -400,6 +410,9 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         device: where tensors created with ``device="ipu"`` live.
         strategy: the execution strategy deriving each block's stage, IPU and phase
             (api §9); ``PipelinedExecution()`` by default.
+        module_namescope: name ops after their sub-module path (S-16); ``False`` for
+            ``Options.disableModuleNamescope()``. ``poptorch.NameScope`` and the other
+            scopes of api §8 are recorded in ``node.meta["custom"]``.
 
     Raises:
         poptorch.Error: data-dependent Python control flow (with the user's source
@@ -448,11 +461,13 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     saved_forward = vars(model).get("forward")
     model.forward = flat_forward
     undo_ipu = _patch_tensor_ipu()
+    undo_class = _as_plain_module(model)
     try:
         example = tuple(t.detach() for t in micro_batch)
+        scope = {} if module_namescope else {"no_module_scope": True}
         with _block_tags(strategy), _impl.device_context(training), _quiet_torch_logs(), \
                 _device_weights(model), _IpuDeviceMode(device), \
-                _no_distribution_validation():
+                _no_distribution_validation(), fx_traceback.annotate(scope):
             program = torch.export.export(model, example, strict=False)
             history = _blocks.block_history()
         _check_state_unchanged(model, before)
@@ -479,6 +494,7 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
                             f"{type(exc).__name__}: {exc}") from exc
     finally:
         undo_ipu()
+        undo_class()
         if had_forward:
             model.forward = saved_forward
         else:
@@ -490,6 +506,21 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     graph.blocks = blocks
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
+
+
+def _as_plain_module(model: torch.nn.Module) -> Callable[[], None]:
+    """``torch.export`` runs a ``torch.fx.GraphModule`` root with an fx Interpreter,
+    bypassing the instance's ``forward`` that the capture installs: present such a
+    root as a plain ``nn.Module`` while capturing (its generated ``forward``, bound
+    beforehand, still runs). Returns the undo function."""
+    if not isinstance(model, torch.fx.GraphModule):
+        return lambda: None
+    original = model.__class__
+    model.__class__ = type("GraphModuleRoot", (torch.nn.Module,), {})
+
+    def undo():
+        model.__class__ = original
+    return undo
 
 
 def _bake_constants(program, before: Dict[int, torch.Tensor]) -> None:

@@ -14,6 +14,7 @@ from popart_compiler.compiler import Compiler, Executable
 from popart_compiler.errors import backend_error, py_error
 from popart_compiler.ipu_model import acquire_device
 from popart_compiler.session import InferenceSession, TrainingSession
+from popart_compiler.ir import annotation_text
 from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
                                              ipu_model_env)
 
@@ -298,7 +299,8 @@ class PoplarExecutor:
             with suspend, _one_replica_slices(self._user_model, self.per_replica_params):
                 captured = capture(model, _forward_of(model), bound, spec, micro,
                                    self._training, sess_opts.device,
-                                   strategy=o._execution_strategy)
+                                   strategy=o._execution_strategy,
+                                   module_namescope=o._module_namescope_enabled)
             progress(4, 10)
             exe = Compiler.compile(captured.graph, sess_opts, self._training,
                                    progress=lambda p, t: progress(4 + (5 * p) // t, 10))
@@ -966,10 +968,13 @@ class PoplarExecutor:
         return self._executable.placement_summary(backward=backward)
 
     def _debugGetPopartIR(self) -> str:
-        """A text listing of the compiled graph's operations with their scoped names."""
+        """A text listing of the compiled graph's operations with their scoped names and
+        the annotations the IPU compiler would read (``MultiConv``, ``Attribute``,
+        available memory; api §8)."""
         self._require_executable()
         names = self._executable.graph.activation_names()
-        return "\n".join(f"{name}: {node.format_node()}" for name, node in names.items())
+        return "\n".join(f"{name}: {node.format_node()}{annotation_text(node)}"
+                         for name, node in names.items())
 
 
 _RECOMPILE = ("The inputs given at run time differ from the ones the model was compiled "

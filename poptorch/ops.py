@@ -1,4 +1,13 @@
-"""Device-side ops usable inside a wrapped model's ``forward`` (spec api §8)."""
+"""Device-side ops usable inside a wrapped model's ``forward`` (spec api §8).
+
+This module holds the loss marker and the control-flow ops; the other ops live in
+modules by responsibility and are re-exported here: ``_compiler_hints`` (checkpoints,
+serialised matmul, memory and overlap hints), ``_host_ops`` (``ipu_print_tensor``,
+``CPU``), ``_custom_op`` (the custom-op registry), ``_dynamic_slicing``,
+``_search_ops`` (CTC beam search, ``fps``, ``nearest``) and ``_scopes``
+(``NameScope``, ``Attribute``, ``MultiConv``). Their ``torch.library`` definitions are
+in ``_ops_library``.
+"""
 from __future__ import annotations
 
 from typing import Callable, List
@@ -7,9 +16,25 @@ import torch
 
 from popart_compiler.errors import py_error
 
+from . import _ops_library
+from ._compiler_hints import (recomputationCheckpoint, serializedMatMul,
+                              set_available_memory, set_overlap_for_input,
+                              set_overlap_for_output)
+from ._custom_op import custom_op, register_custom_op, unregister_custom_op
+from ._dynamic_slicing import dynamic_slice, dynamic_update
+from ._host_ops import CPU, ipu_print_tensor
 from ._impl import capturing_training, isRunningOnIpu
+from ._scopes import Attribute, MultiConv, NameScope
+from ._search_ops import ctc_beam_search_decoder, fps, nearest
 
-__all__ = ["identity_loss", "cond"]
+__all__ = ["identity_loss", "cond", "for_loop", "nop", "recomputationCheckpoint",
+           "serializedMatMul", "set_available_memory", "set_overlap_for_input",
+           "set_overlap_for_output", "custom_op", "dynamic_slice", "dynamic_update", "CPU",
+           "ipu_print_tensor", "Attribute", "MultiConv", "NameScope",
+           "ctc_beam_search_decoder", "fps", "nearest"]
+
+#: Not star-exported (not PopTorch names): ``poptorch.ops.register_custom_op``.
+_REGISTRY_FUNCTIONS = (register_custom_op, unregister_custom_op)
 
 _REDUCTIONS = {"sum": 0, "mean": 1, "none": 2}
 
@@ -102,11 +127,78 @@ def cond(condition: torch.Tensor, then_body: Callable, then_inps: List[torch.Ten
         raise py_error("poptorch.cond() is only supported in inference.")
     n_then = len(then_inps)
 
+    # Inputs behave as copies; outputs are fresh tensors (torch.cond forbids branch
+    # outputs aliasing its operands or the enclosing scope's tensors).
     def true_fn(*operands):
-        return tuple(_as_list(then_body(*[o.clone() for o in operands[:n_then]])))
+        outs = _as_list(then_body(*[o.clone() for o in operands[:n_then]]))
+        return tuple(o.clone() for o in outs)
 
     def false_fn(*operands):
-        return tuple(_as_list(else_body(*[o.clone() for o in operands[n_then:]])))
+        outs = _as_list(else_body(*[o.clone() for o in operands[n_then:]]))
+        return tuple(o.clone() for o in outs)
 
     return list(torch.cond(condition.reshape(()).bool(), true_fn, false_fn,
                            tuple(then_inps) + tuple(else_inps)))
+
+
+def _check_tensor_list(name: str, values) -> None:
+    if not isinstance(values, list):
+        raise ValueError(f"poptorch.{name}: inputs must be a list of tensors "
+                         "(Object is not list)")
+    for i, value in enumerate(values):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"poptorch.{name}: inputs must be a list of tensors (Object "
+                             f"contained in list at index {i} is not torch.tensor)")
+
+
+def for_loop(count: int, body: Callable, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Run ``body`` ``count`` times on the device, each iteration's outputs feeding the
+    next iteration's inputs (api §8.3).
+
+    The loop is unrolled into the captured graph (``count`` is a compile-time
+    constant). ``body`` may use tensors of the enclosing scope and module parameters.
+
+    Args:
+        count: number of iterations (>= 0).
+        body: takes as many tensors as it returns (a single tensor counts as a list of
+            one).
+        inputs: list of tensors, passed by value (cloned).
+
+    Returns:
+        A list with the last iteration's outputs. Outside a wrapped model ``body`` runs
+        once, as PopTorch does on the CPU (S-4).
+
+    Raises:
+        ValueError: ``inputs`` not a list, or holding a non-tensor.
+        poptorch.Error: used in a training model ("poptorch.for_loop() is only supported
+            in inference."); ``body`` returning a different number of tensors than it
+            takes.
+    """
+    _check_tensor_list("for_loop", inputs)
+    if not isRunningOnIpu():
+        return _as_list(body(*inputs))
+    if capturing_training():
+        raise py_error("poptorch.for_loop() is only supported in inference.")
+    values = [t.clone() for t in inputs]
+    for _ in range(int(count)):
+        values = _as_list(body(*values))
+        if len(values) != len(inputs):
+            raise py_error(f"poptorch.for_loop: the body takes {len(inputs)} tensors but "
+                           f"returned {len(values)}; it must return as many as it takes")
+    return values
+
+
+def nop(tensor: torch.Tensor) -> torch.Tensor:
+    """Identity that the compiler never removes (a debugging aid, api §8.5).
+
+    Returns:
+        A tensor equal to ``tensor`` (``tensor`` itself outside a wrapped model).
+
+    Raises:
+        poptorch.Error: ``tensor`` is not a tensor.
+    """
+    if not isinstance(tensor, (torch.Tensor, torch.fx.Proxy)):
+        raise py_error(f"poptorch.nop takes a tensor, got {type(tensor).__name__}")
+    if not isRunningOnIpu() and not isinstance(tensor, torch.fx.Proxy):
+        return tensor
+    return _ops_library.NOP(tensor)

@@ -1,0 +1,101 @@
+"""Compiler passes over the ops that steer the IPU compiler (api §8.10, §8.11).
+
+* :func:`check_overlapped_io` applies S-66's rules to ``set_overlap_for_input`` /
+  ``set_overlap_for_output`` markers whose mode is not ``NoOverlap``.
+* :func:`record_available_memory` copies each ``set_available_memory`` proportion onto
+  the node that produced its input (``node.meta["available_memory_proportion"]``), the
+  op whose temporary memory PopART would budget.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch.fx as fx
+
+from .errors import backend_error
+from .ir import Graph
+from .session_options import SessionOptions
+
+__all__ = ["check_overlapped_io", "record_available_memory", "OVERLAP_INPUT_OP",
+           "OVERLAP_OUTPUT_OP", "AVAILABLE_MEMORY_OP"]
+
+OVERLAP_INPUT_OP = "poptorch::set_overlap_for_input"
+OVERLAP_OUTPUT_OP = "poptorch::set_overlap_for_output"
+AVAILABLE_MEMORY_OP = "poptorch::set_available_memory"
+
+#: ``poptorch.OutputMode`` values that overlapped IO supports: All, Sum.
+_OVERLAP_OUTPUT_MODES = (2, 3)
+
+
+def _nodes(graph: Graph, qualname: str) -> List[fx.Node]:
+    return [n for n in graph.module.graph.nodes if n.op == "call_function"
+            and getattr(getattr(n.target, "_schema", None), "name", "") == qualname]
+
+
+def check_overlapped_io(graph: Graph, options: SessionOptions) -> None:
+    """Apply S-66 to the overlap markers of ``graph``.
+
+    Raises:
+        Error: a pipelined strategy, no IO tiles, output mode other than All / Sum, an
+            input marker not applied directly to a model input or not its only
+            consumer, an output marker on a tensor that is not returned or is returned
+            twice.
+    """
+    inputs = [_nodes(graph, OVERLAP_INPUT_OP), _nodes(graph, OVERLAP_OUTPUT_OP)]
+    markers = [n for group in inputs for n in group if n.args[1] != "NoOverlap"]
+    if not markers:
+        return
+    if int(options.raw.get("execution_mode", 0)) == 0:
+        raise backend_error(
+            "Overlapped IO is not supported with poptorch.PipelinedExecution. If your "
+            "model uses a single IPU, use poptorch.ShardedExecution instead: "
+            "options.setExecutionStrategy(poptorch.ShardedExecution()).")
+    if int(options.raw.get("numIOTiles", 0)) < 32:
+        raise backend_error(
+            "No IO tiles allocated. Overlapped IO needs at least 32 IO tiles: call "
+            "options.TensorLocations.numIOTiles(32) (or more).")
+    if options.output_mode not in _OVERLAP_OUTPUT_MODES:
+        raise backend_error(
+            "Unsupported output mode for overlapped IO: use poptorch.OutputMode.All or "
+            "poptorch.OutputMode.Sum (options.outputMode(...)).")
+    user_inputs = set(graph.placeholders[len(graph.placeholders) - graph.num_user_inputs:])
+    outputs = list(graph.output_nodes)
+    for node in markers:
+        source = node.args[0]
+        if _is_input_marker(node):
+            if source not in user_inputs:
+                raise backend_error(
+                    f"poptorch.set_overlap_for_input was applied to {source}, which is "
+                    "not a tensor input to the model. Apply it directly to the "
+                    "arguments of forward.")
+            if len(source.users) != 1:
+                raise backend_error(
+                    f"poptorch.set_overlap_for_input must be the only op applied to an "
+                    f"input: {source} is also used by "
+                    f"{', '.join(u.name for u in source.users if u is not node)}.")
+        else:
+            count = outputs.count(node)
+            if count == 0:
+                raise backend_error(
+                    f"poptorch.set_overlap_for_output was applied to {source}, which is "
+                    "not a tensor output to the model. Apply it to the tensors forward "
+                    "returns, just before returning them.")
+            if count > 1:
+                raise backend_error(
+                    "A tensor marked with poptorch.set_overlap_for_output is returned "
+                    "twice: return each overlapped output once.")
+
+
+def _is_input_marker(node: fx.Node) -> bool:
+    return node.target._schema.name == OVERLAP_INPUT_OP
+
+
+def record_available_memory(graph: Graph) -> None:
+    """``node.meta["available_memory_proportion"]`` on every op whose output went
+    through ``set_available_memory`` (the marker node keeps it too)."""
+    for node in _nodes(graph, AVAILABLE_MEMORY_OP):
+        proportion = float(node.args[1])
+        node.meta["available_memory_proportion"] = proportion
+        source = node.args[0]
+        if isinstance(source, fx.Node) and source.op == "call_function":
+            source.meta["available_memory_proportion"] = proportion
