@@ -254,6 +254,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-training", action="store_true")
+    parser.add_argument("--no-inference", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cols = ["eager", "ours-eager", "ours-inductor", "torch.compile", "onnxruntime"]
@@ -262,7 +263,7 @@ def main(argv=None) -> None:
              "", "Inference, per sample:", "",
              "| model | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     firsts = []
-    for key in args.models:
+    for key in [] if args.no_inference else args.models:
         res = inference(key, args.repeats, args.threads)
         lines.append(_row(MODELS[key][0], res["time"], "eager", cols))
         print(lines[-1], flush=True)
