@@ -11,17 +11,20 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-from . import backends, inductor_backend, placement, steering
+from . import backends, cost_model, inductor_backend, placement, steering
 from .errors import backend_error
+from .ipu_model import target_for
 from .ir import Graph
 from .logging import logger
 from .placement import PlacementPlan, StrategySettings
+from .profile_report import write_report
 from .session_options import OUTPUT_MODES, Anchor, SessionOptions
 
 __all__ = ["Compiler", "Executable", "UNSUPPORTED_DTYPES"]
@@ -66,6 +69,7 @@ class Executable:
             its Inductor compilation on the inductor backend).
         stage_wrapper: turns a pipeline stage's submodule into its runner (``None``:
             call the submodule).
+        estimate: the IPU Model's memory / cycle estimate (:mod:`.cost_model`).
     """
     graph: Graph
     options: SessionOptions
@@ -81,6 +85,7 @@ class Executable:
     placement: Optional[PlacementPlan] = None
     runner: Optional[Callable] = None
     stage_wrapper: Optional[Callable[[fx.GraphModule], Callable]] = None
+    estimate: Optional[cost_model.IpuEstimate] = None
 
     @property
     def module(self) -> fx.GraphModule:
@@ -153,7 +158,8 @@ class Compiler:
 
     @staticmethod
     def compile(graph: Graph, options: SessionOptions, training: bool,
-                progress: Optional[Callable[[int, int], None]] = None) -> Executable:
+                progress: Optional[Callable[[int, int], None]] = None,
+                optimizer=None) -> Executable:
         """Compile ``graph``.
 
         Args:
@@ -161,6 +167,8 @@ class Compiler:
             options: session options (batching, output mode, anchors, ...).
             training: compile forward, backward and weight update.
             progress: called as ``progress(step, total)`` while compiling.
+            optimizer: the ``OptimizerDescription`` of a training program (its state
+                counts in the memory estimate).
 
         Raises:
             Error: unsupported input dtype or zero-sized tensor; output-mode period
@@ -170,7 +178,9 @@ class Compiler:
                 :func:`placement.plan_placement`);
                 in-place buffer updates with replicas fed different data while
                 ``broadcast_buffers`` is on; unknown anchor; multi-process training;
-                overlapped IO against S-66's rules.
+                overlapped IO against S-66's rules; out of memory on an IPU
+                (``type == "poplar_out_of_memory"``, unless the engine option
+                ``debug.allowOutOfMemory`` is ``"true"``).
         """
         start = time.perf_counter()
         total = 6
@@ -225,9 +235,24 @@ class Compiler:
             Compiler._use_inductor(exe)
         if logger.isEnabledFor(logging.DEBUG):
             placement.log_placement(exe.placement_summary(backward=False))
+        exe.estimate = Compiler._estimate(graph, options, training, optimizer)
         exe.compile_seconds = time.perf_counter() - start
         report(total, total)
         return exe
+
+    @staticmethod
+    def _estimate(graph: Graph, options: SessionOptions, training: bool, optimizer
+                  ) -> cost_model.IpuEstimate:
+        """Estimate memory and cycles, write the profile report when asked (S-85) and
+        raise the out-of-memory error."""
+        target = target_for(options.ipu_model_version, options.small_ipu_model)
+        result = cost_model.estimate(graph, options, training, target, optimizer)
+        directory = options.profile_dir(training)
+        if directory is not None:
+            write_report(directory, result, os.path.basename(directory), training)
+        allow = options.engine_options.get("debug.allowOutOfMemory", "false").lower()
+        cost_model.check(result, allow_out_of_memory=allow == "true")
+        return result
 
     # -- checks -------------------------------------------------------------------
 

@@ -12,7 +12,11 @@ from typing import Optional
 from .errors import backend_error
 from .logging import logger
 
-__all__ = ["IpuTarget", "TARGETS", "IpuModel", "MAX_IPUS", "acquire_device"]
+__all__ = ["IpuTarget", "TARGETS", "IpuModel", "MAX_IPUS", "SMALL_IPU_TILES",
+           "acquire_device", "target_for"]
+
+#: Tiles per IPU of the small IPU Model (``POPTORCH_SMALL_IPU_MODEL``, options.md §8).
+SMALL_IPU_TILES = 4
 
 #: Largest number of IPUs one process may request (S-64).
 MAX_IPUS = 64
@@ -29,6 +33,15 @@ class IpuTarget:
         clock_hz: tile clock in Hz.
         fp16_flops: peak float16 FLOP/s (float32 accumulate).
         fp32_flops: peak float32 FLOP/s (the ipu2/ipu21 values are unverified).
+        exchange_bytes_per_s: all-to-all exchange bandwidth inside one IPU (GC200's
+            ≈ 8 TB/s; the spec has no GC2 / Bow figure, so they use it too).
+        ipu_link_bytes_per_s: IPU-Link bandwidth of one IPU, all links together
+            (GC200: 320 GB/s; Bow: 10 links × 512 Gb/s; GC2: GC200's, unverified).
+        host_link_bytes_per_s: host link (PCIe Gen4 x16, 64 GB/s).
+        streaming_bytes_per_s: streaming-memory (off-chip DRAM) bandwidth per IPU.
+            Not in the spec: 20 GB/s is our assumption (DDR4 behind the gateway).
+        streaming_memory_bytes: streaming memory per IPU (448 GB per IPU-M2000 and
+            256 GB per Bow-2000, 4 IPUs each; GC2 cards have none).
     """
     name: str
     tiles: int
@@ -36,6 +49,11 @@ class IpuTarget:
     clock_hz: float
     fp16_flops: float
     fp32_flops: float
+    exchange_bytes_per_s: float = 8e12
+    ipu_link_bytes_per_s: float = 320e9
+    host_link_bytes_per_s: float = 64e9
+    streaming_bytes_per_s: float = 20e9
+    streaming_memory_bytes: int = 112 * 10 ** 9
 
     @property
     def memory_bytes(self) -> int:
@@ -44,10 +62,32 @@ class IpuTarget:
 
 
 TARGETS = {
-    "ipu1": IpuTarget("ipu1", 1216, 256 * 1024, 1.6e9, 124.5e12, 31.1e12),
+    "ipu1": IpuTarget("ipu1", 1216, 256 * 1024, 1.6e9, 124.5e12, 31.1e12,
+                      streaming_memory_bytes=0),
     "ipu2": IpuTarget("ipu2", 1472, 624 * 1024, 1.33e9, 250e12, 62.5e12),
-    "ipu21": IpuTarget("ipu21", 1472, 624 * 1024, 1.85e9, 350e12, 87e12),
+    "ipu21": IpuTarget("ipu21", 1472, 624 * 1024, 1.85e9, 350e12, 87e12,
+                       ipu_link_bytes_per_s=10 * 512e9 / 8,
+                       streaming_memory_bytes=64 * 10 ** 9),
 }
+
+
+def target_for(version: str = "ipu2", small: bool = False) -> IpuTarget:
+    """The target of ``POPTORCH_IPU_MODEL_VERSION`` / ``useOfflineIpuTarget`` (S-82).
+
+    Args:
+        version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
+        small: the ``POPTORCH_SMALL_IPU_MODEL`` variant with :data:`SMALL_IPU_TILES`
+            tiles per IPU (everything else unchanged).
+
+    Raises:
+        Error: an unknown version.
+    """
+    if version not in TARGETS:
+        raise backend_error("Invalid IPU model version. Valid versions: ipu1, ipu2, ipu21.")
+    target = TARGETS[version]
+    if small:
+        target = dataclasses.replace(target, name=f"{version} (small)", tiles=SMALL_IPU_TILES)
+    return target
 
 
 @dataclasses.dataclass
@@ -69,7 +109,7 @@ class IpuModel:
 
     @property
     def tiles_per_ipu(self) -> int:
-        return 4 if self.small else self.target.tiles
+        return SMALL_IPU_TILES if self.small else self.target.tiles
 
     @property
     def memory_per_ipu(self) -> int:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import backend_error
 from .logging import logger
 
-__all__ = ["SessionOptions", "Anchor", "OUTPUT_MODES", "ReplicaGrouping"]
+__all__ = ["SessionOptions", "Anchor", "OUTPUT_MODES", "ReplicaGrouping", "engine_options"]
 
 #: Output modes, by the integer values of ``poptorch.OutputMode``.
 OUTPUT_MODES = {0: "Final", 1: "EveryN", 2: "All", 3: "Sum"}
@@ -231,6 +232,7 @@ class SessionOptions:
             :mod:`popart_compiler.inductor_backend`).
         ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
         use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).
+        small_ipu_model: the 4-tile IPU Model of ``POPTORCH_SMALL_IPU_MODEL``.
         connection_type: 0 Always, 1 OnDemand, 2 Never.
         raw: the validated option dictionary.
     """
@@ -258,6 +260,7 @@ class SessionOptions:
     backend: str = "eager"
     ipu_model_version: str = "ipu2"
     use_ipu_model: bool = True
+    small_ipu_model: bool = False
     connection_type: int = 0
     progress_callback: Optional[Callable[[int, int], None]] = None
     raw: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -279,6 +282,22 @@ class SessionOptions:
         """``N = D × G × A``: combined batch / micro-batch (S-11)."""
         return self.device_iterations * self.input_groups * self.gradient_accumulation
 
+    @property
+    def engine_options(self) -> Dict[str, str]:
+        """Poplar engine options: ``engineOptions`` merged with
+        ``POPLAR_ENGINE_OPTIONS`` (the environment wins, options.md §3 / §8)."""
+        return engine_options(self.raw.get("engineOptions"))
+
+    def profile_dir(self, training: bool) -> Optional[str]:
+        """Where the profile report goes, ``<autoReport.directory>/<model name>``
+        (S-85; the name defaults to ``"training"`` / ``"inference"``), or ``None``
+        unless the engine option ``autoReport.all`` is ``"true"``."""
+        engine = self.engine_options
+        if str(engine.get("autoReport.all", "false")).lower() != "true":
+            return None
+        name = self.raw.get("model_name") or ("training" if training else "inference")
+        return os.path.join(str(engine.get("autoReport.directory", ".")), str(name))
+
     @classmethod
     def from_dict(cls, values: Dict[str, Any], anchors: Optional[List[Anchor]] = None,
                   **overrides) -> "SessionOptions":
@@ -299,6 +318,10 @@ class SessionOptions:
         version = os.environ.get("POPTORCH_IPU_MODEL_VERSION", "ipu2") or "ipu2"
         if version not in ("ipu1", "ipu2", "ipu21"):
             raise backend_error("Invalid IPU model version. Valid versions: ipu1, ipu2, ipu21.")
+        if int(get("connection_type", 0)) == 2 and get("ipu_version") is not None:
+            # useOfflineIpuTarget(ipu_version): 1 Mk1, 2 Mk2, 21 Bow (options.md §3)
+            version = {1: "ipu1", 2: "ipu2", 21: "ipu21"}.get(int(get("ipu_version")),
+                                                             version)
         opts = cls(
             device_iterations=int(get("device_iterations", 1)),
             replication_factor=int(get("replication_factor", 1)),
@@ -342,6 +365,28 @@ def _render(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
     return str(value)
+
+
+def engine_options(configured: Optional[Dict[str, Any]] = None) -> Dict[str, str]:
+    """``configured`` engine options overridden by the JSON of
+    ``POPLAR_ENGINE_OPTIONS``.
+
+    Raises:
+        Error: ``POPLAR_ENGINE_OPTIONS`` is not a JSON object.
+    """
+    merged = {str(k): str(v) for k, v in (configured or {}).items()}
+    text = os.environ.get("POPLAR_ENGINE_OPTIONS", "").strip()
+    if text:
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise backend_error(f"POPLAR_ENGINE_OPTIONS is not valid JSON ({exc}): give an "
+                                "object such as '{\"autoReport.all\":\"true\"}'") from None
+        if not isinstance(values, dict):
+            raise backend_error("POPLAR_ENGINE_OPTIONS must be a JSON object such as "
+                                "'{\"autoReport.all\":\"true\"}'")
+        merged.update({str(k): str(v) for k, v in values.items()})
+    return merged
 
 
 def ipu_model_env() -> Tuple[bool, bool]:

@@ -110,6 +110,7 @@ class PoplarExecutor:
         self._optimizer_pending = False
         self._optimizer_state_stale = False
         self._anchor_values: Dict[str, torch.Tensor] = {}
+        self._ran = False
         self.per_replica_params: Dict[str, Any] = {}
         if training:
             from .optim import OptimizerAttrTracker
@@ -270,13 +271,12 @@ class PoplarExecutor:
 
     def _compile(self, bound: BoundArgs, tensors: List[torch.Tensor], spec: Spec) -> None:
         o = self._options
-        if o._Popart.options.get("instrumentWithHardwareCycleCounter", False):
-            raise py_error("Cycle count logging is only supported on actual IPU hardware.")
         if self._training:
             self._instrumentModel()
         sess_opts, self._progress = self._session_options()
         self._checkPerReplicaParams(sess_opts)
         use_model, explicit, small = self._model_selection()
+        sess_opts.small_ipu_model = small
         connection = int(o.connection_type)
         offline = connection == int(enums.ConnectionType.Never)
         factor = self._batch_factor()
@@ -303,7 +303,9 @@ class PoplarExecutor:
                                    module_namescope=o._module_namescope_enabled)
             progress(4, 10)
             exe = Compiler.compile(captured.graph, sess_opts, self._training,
-                                   progress=lambda p, t: progress(4 + (5 * p) // t, 10))
+                                   progress=lambda p, t: progress(4 + (5 * p) // t, 10),
+                                   optimizer=self._optimizer_description
+                                   if self._training else None)
             # The IPUs needed are known once the graph is placed (S-64); with
             # ConnectionType.OnDemand the device is acquired after compiling too.
             device = acquire(exe.num_ipus)  # offline: raises for the rejected cases
@@ -316,6 +318,7 @@ class PoplarExecutor:
         self._num_positional = bound.num_positional
         self._executable = exe
         self._device = device
+        self._ran = False
         if offline:
             self._session = None
             self._attached = False
@@ -429,6 +432,7 @@ class PoplarExecutor:
             self._writePendingOptimizerState()
         inputs = self._device_inputs(tensors)
         outputs = self._session.run(inputs)
+        self._ran = True
         self._writeBackInputs(tensors, inputs)
         self._anchor_values = {a.key: self._session.anchors[a.key]
                                for a in self._executable.options.anchors
@@ -867,15 +871,46 @@ class PoplarExecutor:
     # -- inspection ---------------------------------------------------------------------
 
     def cycleCount(self) -> int:
-        """Device cycles of the last run (hardware only, api §5.17).
+        """Cycles of the last run on the first replica (api §5.17).
+
+        PopTorch counts them on IPU hardware only and fails to compile on the Poplar
+        IPU Model. This IPU Model goes further: it returns its estimate of the run
+        (:mod:`popart_compiler.cycle_model`: per-op cost, pipeline schedule, weight
+        update), which is deterministic and does not depend on the host.
 
         Raises:
-            poptorch.Error: cycle counting disabled, or the model never ran.
+            poptorch.Error: ``Options.logCycleCount(True)`` was not set, or the model
+                has not run since it was compiled.
         """
         if not self._options._Popart.options.get("instrumentWithHardwareCycleCounter"):
             raise py_error("Cycle count logging is disabled. Please set option "
                            "logCycleCount to True to enable.")
-        raise py_error("Please run the model at least once before obtaining cycle count.")
+        if self._executable is None or not self._ran or self._executable.estimate is None:
+            raise py_error("Please run the model at least once before obtaining cycle "
+                           "count.")
+        return int(self._executable.estimate.cycles.run_cycles)
+
+    def estimatedThroughput(self) -> float:
+        """The IPU Model's estimate of the samples per second of all replicas (not a
+        PopTorch method): micro-batch × micro-batches per step × replicas over the
+        estimated time of a step (pipeline schedule, weight update, host transfers).
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        return float(self.ipuModelEstimate()["cycles"]["samples_per_second"])
+
+    def ipuModelEstimate(self) -> Dict[str, Any]:
+        """The IPU Model's estimate of the compiled program (not a PopTorch method):
+        the figures written to ``profile.json`` — memory per IPU by category (bytes),
+        largest tensors, cycles per run, pipeline stages and schedule, samples per
+        second (see README "Memory and cycle estimates").
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        self._require_executable()
+        return self._executable.estimate.summary()
 
     def compilationTime(self) -> datetime.timedelta:
         """Wall-clock time of the last compilation (api §5.18).

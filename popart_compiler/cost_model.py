@@ -1,0 +1,201 @@
+"""The IPU Model's estimate of a compiled program: memory per IPU, cycles, throughput.
+
+:func:`estimate` ties the parts together: :mod:`.op_costs` (per-op shapes, FLOPs and
+placement), :mod:`.memory_model` (bytes per IPU by category, out-of-memory) and
+:mod:`.cycle_model` (per-op cycles, pipeline schedule, samples per second). It reads
+only shapes (``node.meta["val"]``), so it is cheap for large models captured on the
+``meta`` device. The compiler calls it for every program and raises the
+out-of-memory error (:func:`check`); ``PoplarExecutor.cycleCount()`` and
+``estimatedThroughput()`` read the result (api §5.17, S-85).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .cycle_model import CycleEstimate, CycleSettings, estimate_cycles
+from .ipu_model import IpuTarget
+from .ir import Graph
+from .logging import logger
+from .memory_model import (IpuMemory, Location, MemorySettings, check_fits,
+                           estimate_memory)
+from .op_costs import ProgramCosts, collect
+from .session_options import SessionOptions
+
+__all__ = ["IpuEstimate", "estimate", "memory_settings", "check"]
+
+
+@dataclasses.dataclass
+class IpuEstimate:
+    """Memory and cycles of a program on the IPU Model.
+
+    Attributes:
+        target: the IPU (tile count of the small IPU Model when selected).
+        costs: the costed program.
+        memory: per IPU of one replica.
+        cycles: cycles and throughput of one replica (throughput of all replicas).
+        settings: the memory settings used.
+        micro_batch: samples per micro-batch.
+        replicas: replication factor.
+    """
+    target: IpuTarget
+    costs: ProgramCosts
+    memory: List[IpuMemory]
+    cycles: CycleEstimate
+    settings: MemorySettings
+    micro_batch: int
+    replicas: int
+
+    @property
+    def fits(self) -> bool:
+        """Whether every IPU fits in its on-chip memory."""
+        return all(m.fits for m in self.memory)
+
+    @property
+    def samples_per_second(self) -> float:
+        """Estimated samples per second of all replicas."""
+        return self.cycles.samples_per_second
+
+    def summary(self) -> Dict[str, Any]:
+        """A JSON-ready summary (the figures of ``profile.json``)."""
+        c = self.cycles
+        return {
+            "target": {"name": self.target.name, "tiles": self.target.tiles,
+                       "sram_per_tile": self.target.sram_per_tile,
+                       "clock_hz": self.target.clock_hz,
+                       "memory_per_ipu": self.target.memory_bytes},
+            "replicas": self.replicas, "micro_batch": self.micro_batch,
+            "fits": self.fits,
+            "memory": [{"ipu": m.ipu, "capacity": m.capacity, "total": int(m.total),
+                        "fits": m.fits, "off_chip": int(m.off_chip),
+                        "categories": {k: int(v) for k, v in m.categories.items()},
+                        "largest": [{"name": n, "category": cat, "bytes": int(b)}
+                                    for n, cat, b in m.largest]}
+                       for m in self.memory],
+            "cycles": {"run": int(c.run_cycles), "pipeline": int(c.pipeline_cycles),
+                       "weight_update": int(c.update_cycles),
+                       "samples_per_second": round(c.samples_per_second, 3),
+                       "pipeline_efficiency": round(c.efficiency, 4),
+                       "stages": [{"name": s.name, "ipu": s.ipu, "cycles": int(s.cycles),
+                                   "balance": round(b, 4)}
+                                  for s, b in zip(c.stages, c.balance)],
+                       "schedule": [{"cycles": int(p.cycles), "repeat": p.repeat,
+                                     "work": [{"ipu": i, "stage": n, "micro_batch": mb,
+                                               "cycles": int(w)} for i, n, mb, w in p.work]}
+                                    for p in c.schedule]},
+        }
+
+
+def _optimizer_bytes(optimizer) -> float:
+    """Optimizer-state bytes per trainable element (S-54 dtypes)."""
+    if optimizer is None:
+        return 0.0
+    size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    hyper = [optimizer.defaults] + list(optimizer.groups)
+    if optimizer.type == "SGD":
+        momentum = any(h.get("momentum", 0.0) for h in hyper) or \
+            optimizer.is_variable("momentum")
+        return float(size(optimizer.velocity_accum_type)) if momentum else 0.0
+    if optimizer.type in ("Adam", "AdamW", "LAMB"):
+        return float(size(optimizer.first_order_type) + size(optimizer.second_order_type))
+    total = size(optimizer.second_order_type)  # RMSprop
+    if any(h.get("centered", False) for h in hyper):
+        total += size(optimizer.first_order_type)
+    if any(h.get("momentum", 0.0) for h in hyper):
+        total += size(optimizer.accum_type)
+    return float(total)
+
+
+def memory_settings(options: SessionOptions, training: bool, optimizer=None
+                    ) -> MemorySettings:
+    """The :class:`MemorySettings` of these session options and optimizer.
+
+    Reads ``autoRecomputation``, ``execution_mode`` (pipelined unless sharded or
+    phased), the four ``location_*`` dictionaries (options.md §4.3) and
+    ``available_memory_proportion``.
+    """
+    raw = options.raw
+    accumulating = training and options.gradient_accumulation > 1
+    accum = 0.0
+    if accumulating and optimizer is not None and not (
+            optimizer.type == "SGD" and optimizer.use_combined_accum):
+        accum = float(torch.empty((), dtype=optimizer.accum_type).element_size())
+    elif accumulating:
+        accum = 4.0
+    return MemorySettings(
+        training=training,
+        optimizer_bytes=_optimizer_bytes(optimizer) if training else 0.0,
+        accumulator_bytes=accum,
+        replicas=options.replication_factor,
+        auto_recomputation=int(raw.get("autoRecomputation", 0)),
+        pipelined=int(raw.get("execution_mode", 0)) == 0,
+        weight=Location.from_dict(raw.get("location_weight")),
+        optimizer=Location.from_dict(raw.get("location_optimizer")),
+        accumulator=Location.from_dict(raw.get("location_accumulator")),
+        activation=Location.from_dict(raw.get("location_activation")),
+        available_memory={int(k): float(v) for k, v in
+                          (raw.get("available_memory_proportion") or {}).items()})
+
+
+def estimate(graph: Graph, options: SessionOptions, training: bool, target: IpuTarget,
+             optimizer=None, layers_per_ipu: Optional[Sequence[int]] = None,
+             head_ipu: Optional[int] = None) -> IpuEstimate:
+    """Estimate memory per IPU, cycles and throughput of ``graph``.
+
+    Args:
+        graph: the captured program (one micro-batch); placement from
+            ``node.meta["placement"]`` (IPU 0 / stage 0 where absent).
+        options: batching, replication, recomputation, tensor locations, available
+            memory proportions.
+        training: forward, backward and weight update.
+        target: the IPU (see :func:`~popart_compiler.ipu_model.target_for`).
+        optimizer: the ``OptimizerDescription`` (training); ``None``: no state.
+        layers_per_ipu: layers-per-IPU list used when the graph has no placement.
+        head_ipu: with ``layers_per_ipu``, the IPU of the ops after the last layer.
+
+    Returns:
+        The :class:`IpuEstimate`. Logs the estimated samples per second at INFO.
+    """
+    costs = collect(graph, layers_per_ipu, head_ipu)
+    settings = memory_settings(options, training, optimizer)
+    memory = estimate_memory(costs, target, settings)
+    user = graph.user_inputs
+    micro = int(user[0].shape[0]) if user and user[0] is not None and \
+        len(user[0].shape) else 1
+    cycle_settings = CycleSettings(
+        memory=settings, micro_batch=micro,
+        micro_batches=options.gradient_accumulation if training
+        else options.device_iterations,
+        device_iterations=options.device_iterations,
+        optimizer=optimizer.type if optimizer is not None else "SGD",
+        io_tiles=int(options.raw.get("numIOTiles", 0) or 0))
+    cycles = estimate_cycles(costs, target, cycle_settings)
+    result = IpuEstimate(target, costs, memory, cycles, settings, micro,
+                         options.replication_factor)
+    logger.info("IPU Model estimate (%s, %d IPU(s) per replica): %s; %d cycles per run; "
+                "%.1f samples/s; pipeline efficiency %.1f %%", target.name, costs.num_ipus,
+                ", ".join(f"IPU {m.ipu} {m.total / 1e6:.1f}/{m.capacity / 1e6:.1f} MB"
+                          for m in memory), cycles.run_cycles, cycles.samples_per_second,
+                100 * cycles.efficiency)
+    return result
+
+
+def check(result: IpuEstimate, allow_out_of_memory: bool = False) -> None:
+    """Raise the out-of-memory error unless the program fits.
+
+    Args:
+        result: the estimate.
+        allow_out_of_memory: the ``debug.allowOutOfMemory`` engine option: warn
+            instead (profiling reports a program that does not fit).
+
+    Raises:
+        Error: ``type == "poplar_out_of_memory"`` (see
+            :func:`~popart_compiler.memory_model.check_fits`).
+    """
+    if allow_out_of_memory and not result.fits:
+        logger.warning("The program does not fit in the IPU's memory "
+                       "(debug.allowOutOfMemory is set: compiling anyway for the profile).")
+        return
+    check_fits(result.memory, result.target, result.settings, result.micro_batch)
