@@ -177,10 +177,10 @@ class Compiler:
                 the execution strategy's rules (S-60, S-63…S-65, see
                 :func:`placement.plan_placement`);
                 in-place buffer updates with replicas fed different data while
-                ``broadcast_buffers`` is on; unknown anchor; multi-process training;
-                overlapped IO against S-66's rules; out of memory on an IPU
-                (``type == "poplar_out_of_memory"``, unless the engine option
-                ``debug.allowOutOfMemory`` is ``"true"``).
+                ``broadcast_buffers`` is on; unknown anchor; a process id outside
+                ``[0, num_processes)``; overlapped IO against S-66's rules; out of
+                memory on an IPU (``type == "poplar_out_of_memory"``, unless the engine
+                option ``debug.allowOutOfMemory`` is ``"true"``).
         """
         start = time.perf_counter()
         total = 6
@@ -196,7 +196,7 @@ class Compiler:
             _rewrite_args(graph.module, {torch.device("cpu"): torch.device(options.device)})
         report(2, total)
         loss_index = Compiler._check_loss(graph) if training else None
-        Compiler._check_buffers(graph, options)
+        Compiler._check_buffers(graph, options, training)
         Compiler._check_replica_groupings(graph, options)
         steering.check_overlapped_io(graph, options)
         steering.record_available_memory(graph)
@@ -302,21 +302,31 @@ class Compiler:
                 or options.gradient_accumulation < 1:
             raise backend_error("deviceIterations, replicationFactor and "
                                 "gradientAccumulation must be positive integers.")
-        if training and options.num_processes > 1:
+        if options.num_processes < 1 or not \
+                0 <= options.process_id < options.num_processes:
             raise backend_error(
-                "Multi-process (distributed) training is not supported by the IPU Model "
-                f"simulator ({options.num_processes} processes requested): run a single "
-                "process with Options.replicationFactor instead.")
+                f"Invalid distributed process {options.process_id} of "
+                f"{options.num_processes}: Options.Distributed.configureProcessId(id, n) "
+                "needs 0 <= id < n.")
 
     @staticmethod
     def _check_inputs(graph: Graph) -> None:
-        """Input dtypes the IPU takes (S-45); no zero-sized tensor anywhere (S-3)."""
+        """Input and output dtypes the IPU takes (S-45; complex values only inside the
+        graph); no zero-sized tensor anywhere (S-3)."""
         for node in graph.placeholders:
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor) and val.dtype in UNSUPPORTED_DTYPES:
                 raise backend_error("Unsupported tensor input type from pytorch: "
                                     f"{UNSUPPORTED_DTYPES[val.dtype]}. Convert it with "
                                     ".float() or .half() before calling the model.")
+        for info in graph.user_outputs:
+            if info is not None and info.dtype in UNSUPPORTED_DTYPES:
+                raise backend_error(
+                    "Unsupported tensor output type: "
+                    f"{UNSUPPORTED_DTYPES[info.dtype]}. The IPU has no complex or bfloat16 "
+                    "types: complex values may only be intermediate results inside the "
+                    "model (e.g. of torch.fft); return torch.view_as_real(x), x.real, "
+                    "x.imag or x.abs() instead.")
         for node in graph.module.graph.nodes:
             val = node.meta.get("val")
             for v in val if isinstance(val, (list, tuple)) else (val,):
@@ -347,9 +357,12 @@ class Compiler:
             "`return output, loss`).")
 
     @staticmethod
-    def _check_buffers(graph: Graph, options: SessionOptions) -> None:
+    def _check_buffers(graph: Graph, options: SessionOptions, training: bool) -> None:
+        # Training replicas of other processes take other data too (S-28); inference
+        # processes run independently.
+        replicas = options.global_replicas if training else options.replication_factor
         if (graph.mutated_buffers and options.broadcast_buffers
-                and options.replication_factor > options.input_group_size):
+                and replicas > options.input_group_size):
             raise backend_error(
                 "PopTorch does not support broadcasting buffers. If your model is able to "
                 "tolerate buffers becoming out of sync between replicas, you can disable "
@@ -362,7 +375,7 @@ class Compiler:
             if name not in graph.parameters:
                 raise backend_error(f"Per-replica weight {name} is not a parameter of the "
                                     "graph")
-            grouping.validate(name, options.replication_factor)
+            grouping.validate(name, options.global_replicas)
 
     # -- anchors, names, vectorization ------------------------------------------------
 

@@ -28,7 +28,7 @@ LOSS_OPS = frozenset({
     "hinge_embedding_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
     "cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss",
     "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
-    "ctc_loss",
+    "ctc_loss", "gaussian_nll_loss",
 })
 #: Qualified name of the ``poptorch.identity_loss`` custom op.
 IDENTITY_LOSS_OP = "poptorch::identity_loss"
@@ -63,8 +63,10 @@ def _qualified_name(node: fx.Node) -> str:
 def _is_loss_node(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
+    # ``poptorch::ctc_loss`` and the like mirror an ATen loss as one opaque node.
     return (_qualified_name(node) == IDENTITY_LOSS_OP
-            or (_qualified_name(node).startswith("aten::") and _op_name(node) in LOSS_OPS))
+            or (_qualified_name(node).startswith(("aten::", "poptorch::"))
+                and _op_name(node) in LOSS_OPS))
 
 
 def _aliased_base(node: fx.Node) -> fx.Node:
@@ -114,6 +116,27 @@ def _written_nodes(graph: fx.Graph) -> List[fx.Node]:
     return written
 
 
+#: Placeholder order of a :class:`Graph`: parameters, buffers, then the rest as captured.
+_KIND_ORDER = {InputKind.PARAMETER: 0, InputKind.BUFFER: 1}
+
+
+def _state_first(program: ExportedProgram) -> List[fx.Node]:
+    """Put the parameter and buffer placeholders first, in that order (``torch.export``
+    may lift a constant created in ``forward`` ahead of them); returns the placeholders.
+    The signature's input specs are reordered with them."""
+    graph = program.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    specs = program.graph_signature.input_specs
+    pairs = sorted(zip(specs, placeholders), key=lambda p: _KIND_ORDER.get(p[0].kind, 2))
+    if [node for _, node in pairs] != placeholders:
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        for _, node in pairs:
+            first_op.prepend(node)
+        specs[:] = [spec for spec, _ in pairs]
+        program.graph_module.recompile()
+    return [node for _, node in pairs]
+
+
 @dataclasses.dataclass
 class TensorInfo:
     """Shape and dtype of a graph value."""
@@ -153,7 +176,7 @@ class Graph:
         self.persistent: Dict[str, bool] = {}
         user_nodes: List[fx.Node] = []
         kinds = []
-        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        placeholders = _state_first(program)
         for spec, node in zip(sig.input_specs, placeholders):
             kinds.append(spec.kind)
             if spec.kind == InputKind.PARAMETER:

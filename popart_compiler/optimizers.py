@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.optim.adam as _adam
@@ -212,8 +212,15 @@ class StepSettings:
         als_threshold: proportion of float16 gradient elements in the top histogram
             bin above which the factor is halved.
         als_bin_edge: lower edge of the top bin as a fraction of the float16 maximum.
+<<<<<<< HEAD
         foreach: update all the weights of a group with ``torch._foreach_*`` kernels
             (the inductor backend) instead of one weight at a time; same arithmetic.
+=======
+        all_reduce: in a multi-process run (S-28), sums a list of tensors over the
+            processes (``collectives.ProcessGroup.all_reduce_sum``); called once per
+            weight update with the gradients summed over the local replicas (and the
+            automatic loss scaling statistics). ``None``: a single process.
+>>>>>>> main
     """
     accumulation: int = 1
     replicas: int = 1
@@ -225,7 +232,11 @@ class StepSettings:
     als_update_period: int = 1
     als_threshold: float = 1e-7
     als_bin_edge: float = 0.125
+<<<<<<< HEAD
     foreach: bool = False
+=======
+    all_reduce: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
+>>>>>>> main
 
 
 class _float32:
@@ -403,7 +414,12 @@ class DeviceOptimizer:
                 continue
             current.copy_(state[name].detach().to(device=current.device,
                                                   dtype=current.dtype))
-        for name in state:
+        self.note_state_written(state)
+
+    def note_state_written(self, names: Sequence[str]) -> None:
+        """After state tensors ``names`` were overwritten: an SGD velocity that holds
+        a value has started (torch starts a momentum buffer from the first gradient)."""
+        for name in names:
             if name.startswith("Accl___") and name in self.state:
                 base = name.split("___", 1)[1]
                 if bool(self.state[name].any()):
@@ -517,7 +533,8 @@ class DeviceOptimizer:
         d, s = self.description, self.settings
         scale = self.loss_scale
         divisor = s.accumulation * s.global_replicas if s.mean else 1
-        step: Dict[str, Any] = {"acc": {}, "scale": scale, "divisor": divisor}
+        step: Dict[str, Any] = {"acc": {}, "scale": scale, "divisor": divisor,
+                                "als_start": list(self._als)}
         if d.type == "SGD" and d.use_combined_accum:
             accl, start, factor = {}, {}, {}
             for name, p in zip(self.names, self._params):
@@ -580,19 +597,15 @@ class DeviceOptimizer:
                     else:
                         acc.add_(g.to(acc.dtype))
 
-    def _reduced_gradients(self) -> List[Optional[torch.Tensor]]:
-        """Cross-replica reduction of the accumulators, unscaled, in float32."""
+    def _local_totals(self) -> List[Optional[torch.Tensor]]:
+        """Per parameter, the sum of the local replicas' accumulators (into each
+        group's slice for replica-grouped parameters), float32, still loss-scaled."""
         s, st = self.settings, self._step
-        divisor = s.global_replicas if (s.running and s.mean) else st["divisor"]
-        factor = 1.0 / (st["scale"] * divisor)
-        if s.replicas == 1:  # one accumulator per parameter
+        if s.replicas == 1 and not s.replica_groups:  # one accumulator per parameter
             out = []
             for name in self.names:
                 acc = st["acc"].get((0, name))
-                if acc is not None:
-                    acc = acc.float()
-                    acc = acc if factor == 1.0 else acc * factor
-                out.append(acc)
+                out.append(None if acc is None else acc.float())
             return out
         per_name: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         for (replica, name), acc in st["acc"].items():
@@ -612,9 +625,40 @@ class DeviceOptimizer:
                 total = torch.zeros_like(p, dtype=items[0][1].dtype)
                 for replica, acc in items:
                     total[groups[replica]].add_(acc)
-            total = total.float()
-            out.append(total if factor == 1.0 else total * factor)
+            out.append(total.float())
         return out
+
+    def _sum_over_processes(self, tensors: List[Optional[torch.Tensor]]
+                            ) -> List[Optional[torch.Tensor]]:
+        """Sum this update's per-parameter totals, and the automatic loss scaling
+        statistics, over the processes of a multi-process run (S-28): one
+        ``all_reduce`` per dtype. ``None`` entries (no gradient) stay ``None``."""
+        reduce = self.settings.all_reduce
+        if reduce is None:
+            return tensors
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        send = [tensors[i] for i in present]
+        start = self._step["als_start"]
+        if self.settings.auto_loss_scaling:
+            send.append(torch.tensor([self._als[0] - start[0], self._als[1] - start[1]],
+                                     dtype=torch.float64))
+        summed = reduce(send)
+        if self.settings.auto_loss_scaling:
+            counts = summed.pop()
+            self._als = [start[0] + int(counts[0]), start[1] + int(counts[1])]
+        out = list(tensors)
+        for i, t in zip(present, summed):
+            out[i] = t
+        return out
+
+    def _reduced_gradients(self) -> List[Optional[torch.Tensor]]:
+        """Reduction over replicas (and processes) of the accumulators, unscaled, in
+        float32."""
+        s, st = self.settings, self._step
+        divisor = s.global_replicas if (s.running and s.mean) else st["divisor"]
+        factor = 1.0 / (st["scale"] * divisor)
+        totals = self._sum_over_processes(self._local_totals())
+        return [t if t is None or factor == 1.0 else t * factor for t in totals]
 
     def finish_step(self, params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """Reduce, unscale, clip and apply the accumulated gradients; adjust the
@@ -652,6 +696,12 @@ class DeviceOptimizer:
         """End of an update of the combined SGD variant: the velocity tensor already
         holds ``velocity_scaling × (momentum × v + dampening-scaled gradients)``."""
         d, st = self.description, self._step
+        if self.settings.all_reduce is not None:  # velocities move by the global sum
+            touched = [name for name in self.names if name in st["touched"]]
+            deltas = self._sum_over_processes(
+                [st["accl"][name].float() - st["start"][name] for name in touched])
+            for name, delta in zip(touched, deltas):
+                st["accl"][name].copy_(st["start"][name] + delta)
         grads: List[Optional[torch.Tensor]] = []
         for name in self.names:
             if name not in st["touched"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import hashlib
 import math
 import random
 import time
@@ -19,6 +20,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from . import collectives
 from .compiler import Executable
 from .errors import Error, backend_error
 from .ipu_model import IpuModel
@@ -79,12 +81,15 @@ class _DeviceRng:
     """The device's random number generator, independent of the host's (S-95).
 
     Kernels draw from PyTorch's default generator of the execution device; around a
-    run the session swaps the device state in and the host state back out.
+    run the session swaps the device state in and the host state back out. Process
+    ``p > 0`` of a multi-process run (``stream = p``) seeds its generator from
+    ``(seed, p)`` so that its replicas draw other numbers than process 0's.
     """
 
-    def __init__(self, seed: Optional[int], device: str):
+    def __init__(self, seed: Optional[int], device: str, stream: int = 0):
         self.device = device
         self.seed = seed if seed is not None else random.SystemRandom().randrange(2 ** 63)
+        self.stream = stream
         self.state: Optional[torch.Tensor] = None
 
     def _get(self) -> torch.Tensor:
@@ -101,7 +106,11 @@ class _DeviceRng:
     def reseed(self, seed: int) -> None:
         self.seed = int(seed)
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(self.seed)
+        if self.stream:
+            digest = hashlib.sha256(f"{self.seed}/{self.stream}".encode()).digest()
+            gen.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        else:
+            gen.manual_seed(self.seed)
         self.state = gen.get_state()
 
     @contextlib.contextmanager
@@ -158,10 +167,14 @@ class _Weights:
         values = g.state_values()
         self.device = device
         self.names = list(g.parameters) + list(g.buffers)
-        self.replication = o.replication_factor
+        #: replicas of all processes: grouped weights are laid out over them (S-27,
+        #: S-28) and every process holds every group's value
+        self.global_replication = o.global_replicas
+        local = slice(o.replica_offset, o.replica_offset + o.replication_factor)
         per_replica = (not o.broadcast_buffers and o.replication_factor > 1)
         self.replicas = o.replication_factor if per_replica else 1
-        #: parameter index → (grouping, group index of each replica)
+        #: parameter index → (grouping, group of each local replica, group of each
+        #: global replica)
         self.grouped: Dict[int, tuple] = {}
         self.params: List[torch.Tensor] = []
         for i, n in enumerate(g.parameters):
@@ -169,10 +182,11 @@ class _Weights:
             grouping = o.replica_groupings.get(n)
             if grouping is not None:
                 # captured with one group's slice; the host writes every group's value
-                groups = grouping.num_groups(self.replication)
+                groups = grouping.groups(self.global_replication)
                 shape = g.placeholders[i].meta["val"].shape
-                value = torch.zeros((groups, *shape), dtype=value.dtype, device=device)
-                self.grouped[i] = (grouping, grouping.groups(self.replication))
+                value = torch.zeros((grouping.num_groups(self.global_replication), *shape),
+                                    dtype=value.dtype, device=device)
+                self.grouped[i] = (grouping, groups[local], groups)
             self.params.append(value)
         for p, trainable in zip(self.params, g.trainable):
             p.requires_grad_(bool(trainable and exe.training))
@@ -192,7 +206,7 @@ class _Weights:
 
     def replica_groups(self) -> Dict[str, List[int]]:
         """Parameter name → group index of each replica, for replica-grouped ones."""
-        return {self.names[i]: groups for i, (_, groups) in self.grouped.items()}
+        return {self.names[i]: groups for i, (_, groups, _) in self.grouped.items()}
 
     def state(self, replica: int) -> List[torch.Tensor]:
         """What replica ``replica`` passes to the graph: parameters (its group's slice
@@ -201,21 +215,21 @@ class _Weights:
         params = self.params
         if self.grouped:
             params = list(params)
-            for i, (_, groups) in self.grouped.items():
+            for i, (_, groups, _) in self.grouped.items():
                 params[i] = params[i][groups[replica]]
         return params + self.buffers[replica % self.replicas] + consts
 
     def _grouped_value(self, name: str, i: int, value: torch.Tensor,
                        target: torch.Tensor) -> torch.Tensor:
         """A host value of a grouped weight in the device layout (one slice per group):
-        ``[G, ...]`` as is, or ``[R, ...]`` (AllReplicas) → the first replica of each
-        group."""
-        grouping, groups = self.grouped[i]
+        ``[G, ...]`` as is, or ``[R, ...]`` (AllReplicas, ``R`` global) → the first
+        replica of each group."""
+        grouping, _, groups = self.grouped[i]
         slice_shape = tuple(target.shape[1:])
         if value.dim() >= 1 and tuple(value.shape[1:]) == slice_shape:
             if value.shape[0] == target.shape[0]:
                 return value
-            if value.shape[0] == self.replication:
+            if value.shape[0] == self.global_replication:
                 first = [groups.index(k) for k in range(target.shape[0])]
                 return value[torch.tensor(first, device=value.device)]
         expected = [target.shape[0]] + list(slice_shape)
@@ -260,13 +274,14 @@ class _Weights:
 
     def read(self, name: str) -> torch.Tensor:
         """Device → host value of ``name``: replica 0's buffer; a grouped weight in its
-        retrieval layout (one slice per group, or per replica for AllReplicas)."""
+        retrieval layout (one slice per group, or per replica of all processes for
+        AllReplicas)."""
         i = self.index[name]
         if i >= self.num_params:
             return self.buffers[0][i - self.num_params].detach()
         t = self.params[i].detach()
         if i in self.grouped:
-            grouping, groups = self.grouped[i]
+            grouping, _, groups = self.grouped[i]
             if grouping.retrieval_mode == 2:
                 t = t[torch.tensor(groups, device=t.device)]
         return t
@@ -349,9 +364,15 @@ class _Session(abc.ABC):
         self._staged = StagedProgram(
             self._graph, executable.placement.pipelined,
             wrap=(lambda m: _FloatingPointChecker(m).run)
+<<<<<<< HEAD
             if executable.options.fp_exceptions else executable.stage_wrapper
         ) if executable.staged else None
         self.rng = _DeviceRng(self.options.random_seed, torch_device)
+=======
+            if executable.options.fp_exceptions else None) if executable.staged else None
+        self.rng = _DeviceRng(self.options.random_seed, torch_device,
+                              stream=self.options.process_id)
+>>>>>>> main
         self.anchors: Dict[str, torch.Tensor] = {}
         self.perf_counters: Dict[str, List[List[float]]] = {
             "input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
@@ -583,14 +604,25 @@ class TrainingSession(_Session):
         super().__init__(executable, device)
         g = executable.graph
         o = self.options
+        #: the other processes of a multi-process run (S-28), ``None`` for one process
+        self.process_group: Optional[collectives.ProcessGroup] = None
+        if o.num_processes > 1:
+            self.process_group = collectives.process_group(o.process_id, o.num_processes,
+                                                           self.torch_device)
+            self.process_group.check_consistent(
+                collectives.program_signature(executable, optimizer))
         settings = StepSettings(
             accumulation=o.gradient_accumulation, replicas=o.replication_factor,
-            global_replicas=o.replication_factor * o.num_processes,
+            global_replicas=o.global_replicas,
             mean=o.reduction_type == 1, running=o.mean_reduction_strategy == 0,
             replica_groups=self.weights.replica_groups(),
             auto_loss_scaling=o.auto_loss_scaling, als_update_period=o.als_update_period,
             als_threshold=o.als_threshold, als_bin_edge=o.als_bin_edge,
+<<<<<<< HEAD
             foreach=o.backend == "inductor")
+=======
+            all_reduce=self.process_group.all_reduce_sum if self.process_group else None)
+>>>>>>> main
         self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params,
                                          settings)
         self._log_optimizer(optimizer)
@@ -610,6 +642,25 @@ class TrainingSession(_Session):
     def _restore(self, snap: Dict[str, object]) -> None:
         super()._restore(snap)
         self.optimizer.restore(snap["optimizer"])
+
+    def broadcast_state(self) -> None:
+        """Multi-process run: overwrite this process's weights, buffers and optimizer
+        state with process 0's, so that every process starts identical (S-28). Called
+        once, after the host state was uploaded at the first compile; a no-op for a
+        single process.
+
+        Raises:
+            Error: another process failed or timed out.
+        """
+        if self.process_group is None:
+            return
+        w = self.weights
+        tensors = list(w.params) + [b for bufs in w.buffers for b in bufs
+                                    if isinstance(b, torch.Tensor)]
+        names = sorted(self.optimizer.state)
+        tensors += [self.optimizer.state[k] for k in names]
+        self.process_group.broadcast_(tensors, src=0)
+        self.optimizer.note_state_written(names)
 
     def checkOptimizer(self, description: OptimizerDescription) -> None:
         """Raise if ``description`` cannot replace the compiled optimizer (S-52)."""

@@ -225,7 +225,10 @@ class SessionOptions:
             default 0.125).
         replica_groupings: parameter name → :class:`ReplicaGrouping` (S-27).
         anchors: internal tensors returned after each run.
-        num_processes: global replication = ``num_processes × replication_factor``.
+        num_processes: processes of a distributed run (S-28); the global replication
+            factor is ``num_processes × replication_factor``.
+        process_id: this process's index; it owns global replicas
+            ``[process_id × R, (process_id + 1) × R)``.
         device: ``"cpu"`` or ``"cuda"``: where the IPU Model's kernels run.
         backend: ``"eager"`` (FX graph run with PyTorch eager kernels) or
             ``"inductor"`` (TorchInductor through ``torch.compile``, see
@@ -256,6 +259,7 @@ class SessionOptions:
     replica_groupings: Dict[str, ReplicaGrouping] = dataclasses.field(default_factory=dict)
     anchors: List[Anchor] = dataclasses.field(default_factory=list)
     num_processes: int = 1
+    process_id: int = 0
     device: str = "cpu"
     backend: str = "eager"
     ipu_model_version: str = "ipu2"
@@ -276,6 +280,16 @@ class SessionOptions:
     def input_groups(self) -> int:
         """``G = R / g``: distinct input streams across replicas."""
         return self.replication_factor // max(1, self.input_group_size)
+
+    @property
+    def global_replicas(self) -> int:
+        """``R × num_processes``: replicas of all processes (S-28)."""
+        return self.replication_factor * max(1, self.num_processes)
+
+    @property
+    def replica_offset(self) -> int:
+        """Global index of this process's first replica."""
+        return self.process_id * self.replication_factor
 
     @property
     def batch_factor(self) -> int:
@@ -344,6 +358,7 @@ class SessionOptions:
             als_bin_edge=float(get("automaticLossScalingSettings.binEdgeLocation", 0.125)),
             anchors=list(anchors or []),
             num_processes=int(get("num_distributed_processes", 1)),
+            process_id=int(get("distributed_process_id", 0)),
             ipu_model_version=version,
             connection_type=int(get("connection_type", 0)),
             device=str(get("execution_device", "cpu")),

@@ -7,24 +7,25 @@ import contextlib
 import dataclasses
 import logging
 import io
-import os
 import sys
 import traceback
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 import torch.fx.traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 
-import popart_compiler
 from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 from popart_compiler.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 
 from . import _blocks
 
-from . import _dynamic_slicing, _impl
+from . import _data_dependence, _dynamic_slicing, _impl, _opaque_ops
+from ._capture_constants import VALUE_READS, constant_value, producing_op
 from ._args import BoundArgs, Spec, flatten, unflatten
 from ._execution_strategy import PipelinedExecution
 from ._logging import logger
@@ -124,10 +125,39 @@ class _IpuDeviceMode(TorchFunctionMode):
         sliced = self.offsets.rewrite_slice(func, args)
         if sliced is not None:
             return sliced
-        result = func(*args, **kwargs)
+        if func in VALUE_READS:
+            result = _read_value(func, args, kwargs)
+            self.offsets.record(func, args, result)
+            return result
+        func = _opaque_ops.redirect_for(func) or func
+        try:
+            result = func(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, Error) or not _data_dependence.is_data_dependent(exc):
+                raise
+            raise _data_dependence.op_error(func, exc) from None
         _check_static_shape(result, func)
         self.offsets.record(func, args, result)
         return result
+
+
+def _read_value(func, args, kwargs):
+    """A tensor's value handed to Python: known at capture if it is computed from
+    constants only; otherwise a data-dependence error naming the read."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    values = [constant_value(t) for t in tensors]
+    if tensors and all(v is not None for v in values):
+        real = iter(values)
+        args = tuple(next(real) if isinstance(a, torch.Tensor) else a for a in args)
+        with unset_fake_temporarily(), disable_proxy_modes_tracing():
+            return func(*args, **kwargs)
+    try:
+        return func(*args, **kwargs)
+    except Exception as exc:
+        if _data_dependence.is_data_dependent(exc):
+            raise _data_dependence.read_error(
+                VALUE_READS[func], traceback.extract_stack()[:-1]) from None
+        raise
 
 
 def _check_static_shape(result, func) -> None:
@@ -137,14 +167,10 @@ def _check_static_shape(result, func) -> None:
     for value in values:
         if isinstance(value, torch.Tensor) and not all(isinstance(d, int)
                                                        for d in value.shape):
-            frame = _user_frame_of(traceback.extract_stack())
-            name = getattr(func, "__name__", str(func))
-            raise py_error(
-                f"The model's forward computes a tensor whose shape depends on tensor "
-                f"values ({name} at {_where(frame)}). PopTorch captures forward once into "
-                "a static graph, so every shape must be known at compile time. Keep the "
-                "shape fixed instead: e.g. torch.where(mask, x, 0) rather than x[mask], or "
-                "poptorch.cond for a choice between two computations.")
+            name = _data_dependence.function_name(func)
+            aten = producing_op(value)
+            raise _data_dependence.shape_error(f"{name} ({aten})" if aten else name,
+                                               traceback.extract_stack()[:-1])
 
 
 def _patch_tensor_ipu() -> Callable[[], None]:
@@ -161,52 +187,9 @@ def _patch_tensor_ipu() -> Callable[[], None]:
 
 # -- error translation ------------------------------------------------------------------
 
-def _package_dir(module) -> str:
-    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-
-
-#: Directories whose frames are not the user's (torch, the standard library, ours).
-_INTERNAL = tuple(_package_dir(m) for m in (torch, popart_compiler, contextlib)) + (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,)
-
-
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
     """The innermost traceback frame in user code (not torch / poptorch)."""
-    return _user_frame_of(traceback.extract_tb(exc.__traceback__))
-
-
-def _where(frame: Optional[traceback.FrameSummary]) -> str:
-    if frame is None:
-        return "the model's forward"
-    return f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
-
-
-def _user_frame_of(frames) -> Optional[traceback.FrameSummary]:
-    """The innermost of ``frames`` in user code (not torch / poptorch)."""
-    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_INTERNAL)
-            and not f.filename.startswith("<")]
-    return user[-1] if user else None
-
-
-def _is_data_dependent(exc: BaseException) -> bool:
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-    from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                               DynamicOutputShapeException)
-    if isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException,
-                        DynamicOutputShapeException)):
-        return True
-    text = str(exc)
-    return "data-dependent" in text or "data dependent" in text
-
-
-def _data_dependent_error(exc: BaseException) -> Error:
-    return py_error(
-        f"The model's forward uses the value of a tensor in Python control flow at "
-        f"{_where(_user_frame(exc))}. PopTorch captures forward once into a static graph, so a value known "
-        "only at run time cannot choose what Python does (if/while on a tensor, .item(), "
-        ".tolist(), bool(tensor), data-dependent shapes). Express the choice on the "
-        "device instead: use poptorch.cond(condition, then_body, then_inputs, else_body, "
-        "else_inputs) for if/else, or tensor ops such as torch.where.")
+    return _data_dependence.user_frame(traceback.extract_tb(exc.__traceback__))
 
 
 # -- constants, parameters and quiet logs ------------------------------------------------
@@ -466,8 +449,9 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         example = tuple(t.detach() for t in micro_batch)
         scope = {} if module_namescope else {"no_module_scope": True}
         with _block_tags(strategy), _impl.device_context(training), _quiet_torch_logs(), \
-                _device_weights(model), _IpuDeviceMode(device), \
-                _no_distribution_validation(), fx_traceback.annotate(scope):
+                _device_weights(model), _opaque_ops.opaque_functions(), \
+                _IpuDeviceMode(device), _no_distribution_validation(), \
+                fx_traceback.annotate(scope):
             program = torch.export.export(model, example, strict=False)
             history = _blocks.block_history()
         _check_state_unchanged(model, before)
@@ -481,8 +465,8 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             _restore_state(model, before)
         if isinstance(exc, Error):
             raise
-        if _is_data_dependent(exc):
-            raise _data_dependent_error(exc) from None
+        if _data_dependence.is_data_dependent(exc):
+            raise _data_dependence.data_dependent_error(exc) from None
         frame = _user_frame(exc)
         origin = traceback.extract_tb(exc.__traceback__)
         if frame is not None and origin and origin[-1].filename == frame.filename:

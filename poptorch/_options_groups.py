@@ -328,13 +328,19 @@ class _DistributedOptions(OptionsDict):
     """``Options.Distributed`` (options §4.4): multi-process execution without
     PopRun. Values: ``distributed_process_id: int = 0``,
     ``num_distributed_processes: int = 1``, ``ipuof_configs: dict = {}``. The
-    constructor reads ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_RANK``.
-    Behaviour follows PopTorch."""
+    constructor reads ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_RANK`` (PopTorch),
+    or, when those are unset, ``WORLD_SIZE`` / ``RANK`` as set by ``torchrun`` and
+    ``poprun`` (an extension: processes started by ``torch.distributed.run`` configure
+    themselves). Behaviour follows PopTorch otherwise."""
 
     def __init__(self):
         super().__init__(distributed_process_id=0, num_distributed_processes=1,
                          ipuof_configs={})
-        self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+        if os.environ.get("OMPI_COMM_WORLD_SIZE", "").strip() or \
+                not os.environ.get("WORLD_SIZE", "").strip():
+            self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+        else:
+            self.setEnvVarNames("WORLD_SIZE", "RANK")
 
     def disable(self):
         """Reset to process 0 of 1. Returns self."""

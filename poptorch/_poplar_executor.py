@@ -332,6 +332,8 @@ class PoplarExecutor:
             self._session = InferenceSession(exe, device)
         self._attached = True
         self._uploadState()
+        if self._training:  # multi-process: every process starts from process 0's state
+            self._session.broadcast_state()
 
     def _uploadState(self) -> None:
         """Host → device at compile / attach: weights, optimizer, optimizer state, RNG."""
@@ -357,7 +359,7 @@ class PoplarExecutor:
                 replication factor, or a leading dimension that is not the number of
                 groups (or of replicas, for ``AllReplicas``).
         """
-        replicas = sess_opts.replication_factor
+        replicas = sess_opts.global_replicas  # groups span all processes (S-28)
         with _instrument.syncing():
             params = dict(self._user_model._parameters)
         for name, grouping in sess_opts.replica_groupings.items():
@@ -372,10 +374,13 @@ class PoplarExecutor:
             groups = grouping.num_groups(replicas)
             allowed = {groups} | ({replicas} if grouping.retrieval_mode == 2 else set())
             if param.shape[0] not in allowed:
+                processes = (f" × {sess_opts.num_processes} processes"
+                             if sess_opts.num_processes > 1 else "")
                 raise backend_error(
                     f"Per-replica weight {name} has shape {list(param.shape)}: with "
-                    f"replicationFactor {replicas} and this grouping its dimension 0 must "
-                    f"be the number of replica groups ({groups}), one value per group.")
+                    f"replicationFactor {sess_opts.replication_factor}{processes} and this "
+                    "grouping its dimension 0 must be the number of replica groups "
+                    f"({groups}), one value per group.")
 
     def compile(self, *args, **kwargs) -> None:
         """Capture and compile with these example arguments, attach and upload weights,

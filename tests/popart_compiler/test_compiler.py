@@ -169,9 +169,9 @@ def test_compile_errors():
     with pytest.raises(Error, match="Gradient accumulation must be 1"):
         Compiler.compile(export(MLP(), torch.randn(2, 4)),
                          SessionOptions(gradient_accumulation=2), training=False)
-    with pytest.raises(Error, match="Multi-process .* not supported"):
+    with pytest.raises(Error, match="Invalid distributed process 2 of 2"):
         Compiler.compile(export(WithLoss(), torch.randn(2, 4), torch.zeros(2).long()),
-                         SessionOptions(num_processes=2), training=True)
+                         SessionOptions(num_processes=2, process_id=2), training=True)
     with pytest.raises(Error, match="Anchored tensor nope not found"):
         Compiler.compile(export(MLP(), torch.randn(2, 4)),
                          SessionOptions(anchors=[Anchor("nope", 2)]), training=False)

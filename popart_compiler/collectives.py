@@ -1,0 +1,319 @@
+"""Communication between the processes of a multi-process run (spec S-28).
+
+Processes are replica groups: each runs ``R`` local replicas, and the global replication
+factor is ``R × num_processes``. Everything that crosses process boundaries goes
+through ``torch.distributed`` (gloo on the CPU, NCCL when the session runs on CUDA),
+launched by ``torchrun`` / ``poprun`` or by the user; nothing here opens sockets itself.
+
+What a training session exchanges:
+
+* at compile, a small signature of the program and options (``all_gather_object``),
+  so that processes compiled differently fail with an error naming the difference;
+* at compile, the weights, buffers and optimizer state of process 0 (``broadcast``),
+  so that every process starts identical;
+* at every weight update, the sum over processes of the gradients already summed over
+  the local replicas: one flat ``all_reduce`` per dtype (a single call for float32
+  gradients), whatever the number of parameters.
+
+Every collective is bounded by the collective timeout (``POPTORCH_DISTRIBUTED_TIMEOUT``
+seconds, default :data:`DEFAULT_TIMEOUT_S`, read when this module creates the process
+group). A peer that died, raised or stopped participating makes the collective fail, and
+the failure is re-raised as a ``poptorch.Error`` that says so.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import backend_error
+from .logging import logger
+
+if TYPE_CHECKING:
+    from .compiler import Executable
+    from .optimizers import OptimizerDescription
+
+__all__ = ["ProcessGroup", "process_group", "program_signature", "collective_timeout",
+           "backend_for", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
+
+#: Environment variable holding the collective timeout in seconds.
+TIMEOUT_ENV = "POPTORCH_DISTRIBUTED_TIMEOUT"
+#: Collective timeout (seconds) when :data:`TIMEOUT_ENV` is not set.
+DEFAULT_TIMEOUT_S = 300.0
+
+_DEFAULT_ADDR = "127.0.0.1"
+_DEFAULT_PORT = "29500"
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The collective timeout: ``POPTORCH_DISTRIBUTED_TIMEOUT`` seconds (default 300).
+
+    Raises:
+        Error: the variable is not a positive number.
+    """
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise backend_error(f"{TIMEOUT_ENV}={text!r} is not a valid timeout: give a "
+                            "positive number of seconds.")
+    return datetime.timedelta(seconds=seconds)
+
+
+def backend_for(device: str) -> str:
+    """``"nccl"`` when the session runs on CUDA, else ``"gloo"``."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+class ProcessGroup:
+    """This process's view of the processes of a distributed run.
+
+    Initialises the default ``torch.distributed`` process group if the user has not
+    (rendezvous ``env://`` when ``MASTER_ADDR`` and ``MASTER_PORT`` are set, as under
+    ``torchrun``; otherwise ``tcp://127.0.0.1:29500``), or reuses theirs.
+
+    Args:
+        process_id: this process's index ``0 ≤ process_id < num_processes``.
+        num_processes: number of processes (``> 1``).
+        device: where the session runs (``"cpu"`` or ``"cuda"``): picks gloo or NCCL.
+
+    Attributes:
+        stats: ``all_reduce_calls``, ``all_reduce_bytes`` and ``all_reduce_seconds``
+            spent in gradient reductions by this process so far.
+
+    Raises:
+        Error: ``torch.distributed`` is unavailable; an existing process group whose
+            rank or size differs from ``process_id`` / ``num_processes``; the
+            rendezvous failed or timed out.
+    """
+
+    def __init__(self, process_id: int, num_processes: int, device: str = "cpu"):
+        if not dist.is_available():
+            raise backend_error("Multi-process execution needs torch.distributed, which "
+                                "this build of PyTorch does not provide.")
+        self.rank = int(process_id)
+        self.size = int(num_processes)
+        self.owned = False
+        self.failed: Optional[str] = None
+        self.stats: Dict[str, float] = {"all_reduce_calls": 0, "all_reduce_bytes": 0,
+                                        "all_reduce_seconds": 0.0}
+        if dist.is_initialized():
+            rank, size = dist.get_rank(), dist.get_world_size()
+            if (rank, size) != (self.rank, self.size):
+                raise backend_error(
+                    f"The torch.distributed process group has rank {rank} of {size} "
+                    f"processes but the options say process {self.rank} of {self.size}: "
+                    "make Options.Distributed.configureProcessId(id, n) match the "
+                    "process group (or leave it to the launcher's RANK / WORLD_SIZE).")
+            self.backend = str(dist.get_backend())
+            return
+        self.backend = backend_for(device)
+        timeout = collective_timeout()
+        if self.backend == "nccl" and os.environ.get("LOCAL_RANK", "").strip():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            init_method = "env://"
+        else:
+            init_method = f"tcp://{_DEFAULT_ADDR}:{_DEFAULT_PORT}"
+        logger.info("Initialising the torch.distributed process group: %s, process %d "
+                    "of %d, %s, timeout %.0f s", self.backend, self.rank, self.size,
+                    init_method, timeout.total_seconds())
+        try:
+            dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
+                                    world_size=self.size, timeout=timeout)
+        except (RuntimeError, ValueError) as e:
+            raise backend_error(
+                f"Process {self.rank} of {self.size} could not join the other processes "
+                f"({init_method}, timeout {timeout.total_seconds():.0f} s set by "
+                f"{TIMEOUT_ENV}): {e}. Start every process (torchrun or poprun does) with "
+                "the same MASTER_ADDR / MASTER_PORT.") from None
+        self.owned = True
+
+    # -- collectives ------------------------------------------------------------------
+
+    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``; turn a failure into an ``Error`` and shut the group down (if we
+        created it) so that the process can exit cleanly."""
+        if self.failed is not None:
+            raise backend_error(
+                f"Distributed {what} impossible: the process group failed earlier "
+                f"({self.failed}). Restart all processes.")
+        try:
+            return fn()
+        except (RuntimeError, ValueError) as e:  # DistBackendError is a RuntimeError
+            self.failed = what
+            if self.owned:
+                try:
+                    dist.destroy_process_group()
+                except (RuntimeError, ValueError, AssertionError) as shutdown:
+                    logger.debug("destroy_process_group after a failure: %s", shutdown)
+            raise backend_error(
+                f"Distributed {what} failed in process {self.rank} of {self.size}: "
+                "another process died, raised an error or did not reach the same point "
+                f"within the collective timeout ({TIMEOUT_ENV}, default "
+                f"{DEFAULT_TIMEOUT_S:.0f} s). Check the other processes' output. "
+                f"torch.distributed said: {str(e).strip()[:400]}") from None
+
+    def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Sum ``tensors`` over all processes (every process passes the same list of
+        shapes and dtypes, e.g. one summed gradient per parameter).
+
+        The tensors are flattened into one buffer per dtype, so a weight update costs
+        one ``all_reduce`` of ``Σ numel × itemsize`` bytes per dtype.
+
+        Returns:
+            New tensors with the sums, in the order, shapes and dtypes given.
+
+        Raises:
+            Error: a peer failed or timed out.
+        """
+        out: List[Optional[torch.Tensor]] = [None] * len(tensors)
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        start = time.perf_counter()
+        for dtype, indices in by_dtype.items():
+            parts = [tensors[i].detach().reshape(-1) for i in indices]
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            device = flat.device
+            if self.backend == "gloo" and device.type != "cpu":
+                flat = flat.cpu()
+            self._collective("all_reduce of gradients", lambda: dist.all_reduce(flat))
+            self.stats["all_reduce_calls"] += 1
+            self.stats["all_reduce_bytes"] += flat.numel() * flat.element_size()
+            flat = flat.to(device)
+            offset = 0
+            for i in indices:
+                n = tensors[i].numel()
+                out[i] = flat[offset:offset + n].view(tensors[i].shape)
+                offset += n
+        self.stats["all_reduce_seconds"] += time.perf_counter() - start
+        return out  # type: ignore[return-value]
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` (in place) with process ``src``'s values; one
+        ``broadcast`` per dtype.
+
+        Raises:
+            Error: a peer failed or timed out.
+        """
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            device = flat.device
+            if self.backend == "gloo" and device.type != "cpu":
+                flat = flat.cpu()
+            self._collective("broadcast of the weights of process 0",
+                             lambda: dist.broadcast(flat, src))
+            flat = flat.to(device)
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                    offset += t.numel()
+
+    def check_consistent(self, signature: Dict[str, str]) -> None:
+        """Raise in every process if the processes' signatures differ.
+
+        Args:
+            signature: ``{what: value}`` describing this process's compilation (options,
+                micro-batch input shapes, parameters, a hash of the program).
+
+        Raises:
+            Error: the signatures differ; the message lists each differing entry with
+                its value in process 0 and in the first process that differs.
+        """
+        gathered: List[Any] = [None] * self.size
+        self._collective("comparison of the compiled programs",
+                         lambda: dist.all_gather_object(gathered, dict(signature)))
+        reference = gathered[0]
+        differences = []
+        for rank, other in enumerate(gathered[1:], start=1):
+            for key in sorted(set(reference) | set(other)):
+                mine, theirs = reference.get(key, "absent"), other.get(key, "absent")
+                if mine != theirs:
+                    differences.append(f"{key} is {mine} in process 0 but {theirs} in "
+                                       f"process {rank}")
+            if differences:
+                break
+        if differences:
+            shown = differences[:8] + ([f"... {len(differences) - 8} more"]
+                                       if len(differences) > 8 else [])
+            raise backend_error(
+                "The processes of this distributed run compiled different programs: "
+                + "; ".join(shown) + ". Every process must run the same model with the "
+                "same options (replicationFactor, deviceIterations, gradientAccumulation, "
+                "optimizer) and the same micro-batch size.")
+
+
+_GROUP: Optional[ProcessGroup] = None
+
+
+def process_group(process_id: int, num_processes: int, device: str = "cpu"
+                  ) -> ProcessGroup:
+    """The process group of this process, created on first use (see
+    :class:`ProcessGroup`); later sessions reuse it.
+
+    Raises:
+        Error: see :class:`ProcessGroup`; also when a later session asks for a
+            different process id or count.
+    """
+    global _GROUP
+    group = _GROUP
+    if group is not None and group.failed is None and dist.is_initialized():
+        if (group.rank, group.size) != (process_id, num_processes):
+            raise backend_error(
+                f"This process already joined a distributed run as process {group.rank} "
+                f"of {group.size}; a session asked for process {process_id} of "
+                f"{num_processes}. Use the same Options.Distributed in every model.")
+        return group
+    _GROUP = ProcessGroup(process_id, num_processes, device)
+    return _GROUP
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor) or hasattr(value, "shape"):
+        return f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    return str(value)
+
+
+def program_signature(executable: "Executable",
+                      optimizer: Optional["OptimizerDescription"] = None) -> Dict[str, str]:
+    """What every process of a distributed training run must agree on, as short
+    strings: batching and reduction options, the micro-batch inputs, the parameters,
+    the optimizer and a hash of the captured program."""
+    o, g = executable.options, executable.graph
+    sig = {
+        "replicationFactor (local replicas)": str(o.replication_factor),
+        "deviceIterations": str(o.device_iterations),
+        "Training.gradientAccumulation": str(o.gradient_accumulation),
+        "inputReplicaGrouping": f"{o.input_group_size} (type {o.input_group_type})",
+        "accumulationAndReplicationReductionType": "Mean" if o.reduction_type == 1
+        else "Sum",
+        "meanAccumulationAndReplicationReductionStrategy": str(o.mean_reduction_strategy),
+        "broadcastBuffers": str(o.broadcast_buffers),
+        "automatic loss scaling": str(o.auto_loss_scaling),
+        "replica-grouped weights": str(sorted(
+            (k, v.comm_group_type, v.shards) for k, v in o.replica_groupings.items())),
+        "the model's program (sha256 of the captured graph)":
+            hashlib.sha256(g.module.code.encode()).hexdigest()[:16],
+    }
+    for i, info in enumerate(g.user_inputs):
+        sig[f"micro-batch input {i}"] = _describe(info) if info else "non-tensor"
+    for i, (name, trainable) in enumerate(zip(g.parameters, g.trainable)):
+        value = g.placeholders[i].meta.get("val")
+        sig[f"parameter {name}"] = _describe(value) + ("" if trainable else " frozen")
+    if optimizer is not None:
+        sig["optimizer"] = " / ".join(optimizer.describe())
+    return sig

@@ -1,0 +1,349 @@
+"""Multi-process execution on torch.distributed (spec S-28, options §4.4, api §7):
+processes as replica groups, gradient all-reduce, broadcast from process 0, faults,
+mismatched options, PopDist / PopRun compatibility.
+
+Every multi-process test starts 2 processes on 127.0.0.1 with gloo, each in its own
+session (process group) so that ``finally`` can kill whatever is left.
+"""
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import popdist
+import popdist.poptorch
+import poptorch
+from popart_compiler import collectives
+from popart_compiler.errors import Error
+from popdist.poprun import build_command
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "distributed_worker.py")
+SCRIPT = os.path.join(HERE, "popdist_script.py")
+#: Upper bound for one multi-process scenario (the machine may be loaded).
+WAIT_S = 240
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("distributed_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "POPDIST_")) and k not in (
+               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault(collectives.TIMEOUT_ENV, "120")
+    env.update(extra)
+    return env
+
+
+def _run(commands, envs, wait_s=WAIT_S, wait_for=None):
+    """Start each command in its own session; wait (bounded) for those in
+    ``wait_for`` (default all); kill every process group that is left. Returns the
+    exit codes (``None`` for a process killed without being waited for) and the
+    combined outputs of the processes waited for."""
+    procs = []
+    try:
+        for cmd, env in zip(commands, envs):
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        deadline = time.monotonic() + wait_s
+        waited = range(len(procs)) if wait_for is None else wait_for
+        outputs = []
+        for i in waited:
+            out, _ = procs[i].communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+        return [p.returncode for p in procs], outputs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _launch(scenario, out_dir, world=2, wait_for=None, **extra_env):
+    port = str(_free_port())
+    envs = [_env(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=port, **extra_env) for r in range(world)]
+    return _run([[sys.executable, WORKER, scenario, str(out_dir)]] * world, envs,
+                wait_for=wait_for)
+
+
+def _read(out_dir, rank):
+    with open(os.path.join(out_dir, f"rank{rank}.txt")) as f:
+        return f.read()
+
+
+# -- training: 2 processes × R replicas == 1 process × 2R replicas ------------------------
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_process_with_all_replicas(tmp_path):
+    """SGD (separate and combined variants), Adam with Sum reduction, LAMB with the
+    Running mean strategy, a replica-grouped weight; gradient accumulation and device
+    iterations. Process 1 starts from other weights: the broadcast from process 0 makes
+    them agree. Each process returns its own replicas' outputs; one all_reduce per
+    weight update."""
+    codes, logs = _launch("train", tmp_path)
+    assert codes == [0, 0], logs
+    worker = _load_worker()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    updates = 0
+    for name, cfg in worker.CONFIGS.items():
+        outputs, state, _ = worker.train(cfg, 0, 1)
+        d, a, r = cfg["d"], cfg["a"], cfg["replicas"]
+        updates += d * worker.CALLS
+        for rank, result in enumerate(ranks):
+            got = result[name]
+            assert got["state"].keys() == state.keys()
+            for key, value in state.items():
+                torch.testing.assert_close(got["state"][key], value, rtol=1e-5,
+                                           atol=1e-6, msg=f"{name} {key} rank {rank}")
+            for call in range(worker.CALLS):
+                for mine, ref in zip(got["outputs"][call], outputs[call]):
+                    ref = ref.reshape(d, a, r, -1)[:, :, rank * r // 2:(rank + 1) * r // 2]
+                    torch.testing.assert_close(mine.reshape(ref.shape), ref, rtol=1e-5,
+                                               atol=1e-6, msg=f"{name} outputs {call}")
+            assert got["calls"] == updates, name  # cumulative over the configurations
+
+
+def test_two_processes_inference_each_on_its_partition(tmp_path):
+    """Inference runs independently per process on the DataLoader's partition: process
+    ``p`` gets the contiguous half ``p`` of the dataset and its own outputs."""
+    codes, logs = _launch("inference", tmp_path)
+    assert codes == [0, 0], logs
+    data = torch.arange(64.).reshape(16, 4)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        torch.testing.assert_close(got["inputs"], data[rank * 8:(rank + 1) * 8])
+        expected = got["inputs"] @ got["weight"].T + got["bias"]
+        torch.testing.assert_close(got["outputs"], expected)
+
+
+# -- faults ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fault", ["raise", "die"])
+def test_failed_process_makes_the_other_fail_with_a_clear_error(tmp_path, fault):
+    codes, logs = _launch(fault, tmp_path)
+    assert codes[0] == 0, logs
+    assert codes[1] != 0
+    message = _read(tmp_path, 0)
+    assert "Error: " in message
+    assert "Distributed all_reduce of gradients failed in process 0 of 2" in message
+    assert "another process died, raised an error" in message
+
+
+@pytest.mark.slow
+def test_hung_process_times_out(tmp_path):
+    """Process 1 never reaches the weight update: process 0 fails after the collective
+    timeout set by POPTORCH_DISTRIBUTED_TIMEOUT instead of hanging."""
+    codes, logs = _launch("hang", tmp_path, wait_for=[0],
+                          **{collectives.TIMEOUT_ENV: "4"})
+    assert codes[0] == 0, logs
+    message = _read(tmp_path, 0)
+    seconds = float(message.split("s ", 1)[0])
+    assert seconds < 100, message
+    assert "within the collective timeout" in message
+
+
+def test_mismatched_options_are_named_at_compile(tmp_path):
+    codes, logs = _launch("mismatch", tmp_path)
+    assert codes == [0, 0], logs
+    for rank in range(2):
+        message = _read(tmp_path, rank)
+        assert "compiled different programs" in message
+        assert "Training.gradientAccumulation is 1 in process 0 but 2 in process 1" \
+            in message
+        assert "micro-batch input 0 is [2, 4] float32 in process 0 but [3, 4] float32 " \
+            "in process 1" in message
+
+
+# -- options, environment, signature -------------------------------------------------------
+
+def test_options_read_torchrun_environment(monkeypatch):
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    opts = poptorch.Options()
+    assert (opts.Distributed.processId, opts.Distributed.numProcesses) == (3, 4)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # OpenMPI's variables win (spec)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    opts = poptorch.Options()
+    assert (opts.Distributed.processId, opts.Distributed.numProcesses) == (1, 2)
+
+
+def test_collective_timeout_from_environment(monkeypatch):
+    monkeypatch.delenv(collectives.TIMEOUT_ENV, raising=False)
+    assert collectives.collective_timeout().total_seconds() == collectives.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(collectives.TIMEOUT_ENV, "7.5")
+    assert collectives.collective_timeout().total_seconds() == 7.5
+    monkeypatch.setenv(collectives.TIMEOUT_ENV, "soon")
+    with pytest.raises(Error, match="POPTORCH_DISTRIBUTED_TIMEOUT='soon' is not a valid"):
+        collectives.collective_timeout()
+    assert collectives.backend_for("cuda") == "nccl"
+    assert collectives.backend_for("cpu") == "gloo"
+
+
+def test_training_buffers_counted_over_all_processes():
+    """S-36 with S-28: replicas of other processes take other data, so a training model
+    updating a buffer needs broadcastBuffers(False) even with one local replica."""
+    class WithStats(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return poptorch.identity_loss(self.bn(x).sum(), reduction="sum")
+
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    training = poptorch.trainingModel(WithStats(), opts)
+    with pytest.raises(poptorch.Error, match="PopTorch does not support broadcasting"):
+        training(torch.randn(4, 4))
+
+
+def test_replica_grouped_weight_spans_the_processes():
+    """S-27 with S-28: groups are laid out over the global replicas."""
+    class Grouped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = torch.nn.Parameter(torch.zeros(2, 3))
+
+        def forward(self, x):
+            return poptorch.identity_loss((x * self.W).sum(), reduction="sum")
+
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    training = poptorch.trainingModel(Grouped(), opts)
+    training.W.replicaGrouping(poptorch.CommGroupType.Consecutive, 2,
+                               poptorch.VariableRetrievalMode.OnePerGroup)
+    with pytest.raises(poptorch.Error, match=r"with replicationFactor 1 × 2 processes and "
+                       r"this grouping its dimension 0 must be the number of replica "
+                       r"groups \(1\)"):
+        training(torch.randn(2, 3))
+
+
+def test_global_replicas_in_session_options():
+    from popart_compiler.session_options import SessionOptions
+    o = SessionOptions.from_dict({"replication_factor": 2, "num_distributed_processes": 3,
+                                  "distributed_process_id": 2})
+    assert (o.global_replicas, o.replica_offset, o.process_id) == (6, 4, 2)
+
+
+# -- PopDist / PopRun ----------------------------------------------------------------------
+
+def test_popdist_api_reads_the_launcher_environment(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                 popdist.TOTAL_REPLICAS_ENV, popdist.IPUS_PER_REPLICA_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert not popdist.isPopdistEnvSet()
+    assert (popdist.getInstanceIndex(), popdist.getNumInstances(),
+            popdist.getNumTotalReplicas(), popdist.getNumLocalReplicas()) == (0, 1, 1, 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(popdist.TOTAL_REPLICAS_ENV, "8")
+    monkeypatch.setenv(popdist.IPUS_PER_REPLICA_ENV, "2")
+    assert popdist.isPopdistEnvSet()
+    assert (popdist.getInstanceIndex(), popdist.getNumInstances(),
+            popdist.getNumTotalReplicas(), popdist.getNumLocalReplicas(),
+            popdist.getReplicaIndexOffset(), popdist.getNumIpusPerReplica()) == \
+        (1, 2, 8, 4, 4, 2)
+    opts = popdist.poptorch.Options()
+    assert opts.replication_factor == 4 and opts.ipus_per_replica == 2
+    assert (opts.Distributed.processId, opts.Distributed.numProcesses) == (1, 2)
+    with pytest.raises(ValueError, match="differs from the launcher's --ipus-per-replica 2"):
+        popdist.poptorch.Options(ipus_per_replica=1)
+    monkeypatch.setenv(popdist.TOTAL_REPLICAS_ENV, "3")
+    with pytest.raises(ValueError, match="must be a positive multiple"):
+        popdist.getNumLocalReplicas()
+
+
+def test_poprun_maps_its_flags_onto_torchrun(capsys):
+    cmd, env = build_command(["--num-instances", "2", "--num-replicas", "4",
+                              "--ipus-per-replica", "2", "python", "train.py", "--lr", "1"],
+                             python="py")
+    assert cmd == ["py", "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", "train.py", "--lr", "1"]
+    assert env == {"POPDIST_NUM_TOTAL_REPLICAS": "4", "POPDIST_NUM_IPUS_PER_REPLICA": "2"}
+    cmd, env = build_command(["--num-instances=4", "--host", "h0,h1", "--node-rank", "1",
+                              "--vipu-partition", "p", "--executable-cache-path", "/c",
+                              "python", "-m", "pkg.train"], python="py")
+    assert cmd == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+                   "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   "h0:29400", "--rdzv-id", "poprun", "-m", "pkg.train"]
+    assert env["POPDIST_NUM_TOTAL_REPLICAS"] == "4" and env["POPTORCH_CACHE_DIR"] == "/c"
+    assert "--vipu-partition has no effect" in capsys.readouterr().err
+    assert build_command(["./run.sh"], python="py")[0][-2:] == ["--no-python", "./run.sh"]
+    with pytest.raises(SystemExit):
+        build_command(["--num-instances", "2", "--num-replicas", "3", "python", "x.py"])
+    assert "must be a positive multiple of --num-instances (2)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_command(["--num-instances", "3", "--host", "a,b", "--node-rank", "0", "x"])
+    assert "must be a multiple of the number of hosts (2)" in capsys.readouterr().err
+
+
+def _popdist_reference(ranks):
+    """One process with all the replicas on the same data order as the processes'."""
+    torch.manual_seed(0)
+    model = _load_script().Net()
+    replicas = sum(r["local"] for r in ranks)
+    opts = poptorch.Options().replicationFactor(replicas).deviceIterations(2)
+    training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(
+        model.parameters(), lr=0.1))
+    for call in range(len(ranks[0]["inputs"])):
+        xs, ts = [], []
+        for r in ranks:
+            x, t = r["inputs"][call]
+            xs.append(x.reshape(2, r["local"], -1, 4))
+            ts.append(t.reshape(2, r["local"], -1))
+        training(torch.cat(xs, 1).reshape(-1, 4), torch.cat(ts, 1).reshape(-1))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("popdist_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["poprun", "torchrun"])
+def test_popdist_script_runs_unchanged_under_poprun_and_torchrun(tmp_path, launcher):
+    if launcher == "poprun":
+        cmd = [sys.executable, "-m", "popdist.poprun", "--num-instances", "2",
+               "--num-replicas", "4", sys.executable, SCRIPT, str(tmp_path)]
+        local = 2
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", SCRIPT, str(tmp_path)]
+        local = 1
+    codes, logs = _run([cmd], [_env()])
+    assert codes == [0], logs
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for index, r in enumerate(ranks):
+        assert (r["index"], r["instances"], r["local"], r["total"], r["offset"]) == \
+            (index, 2, local, 2 * local, index * local)
+    # DataLoader partitioning: the processes saw disjoint halves of the data set
+    assert not torch.equal(ranks[0]["inputs"][0][0], ranks[1]["inputs"][0][0])
+    reference = _popdist_reference(ranks)
+    for r in ranks:
+        for key, value in reference.items():
+            torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-6)
