@@ -212,15 +212,12 @@ class StepSettings:
         als_threshold: proportion of float16 gradient elements in the top histogram
             bin above which the factor is halved.
         als_bin_edge: lower edge of the top bin as a fraction of the float16 maximum.
-<<<<<<< HEAD
         foreach: update all the weights of a group with ``torch._foreach_*`` kernels
             (the inductor backend) instead of one weight at a time; same arithmetic.
-=======
         all_reduce: in a multi-process run (S-28), sums a list of tensors over the
             processes (``collectives.ProcessGroup.all_reduce_sum``); called once per
             weight update with the gradients summed over the local replicas (and the
             automatic loss scaling statistics). ``None``: a single process.
->>>>>>> main
     """
     accumulation: int = 1
     replicas: int = 1
@@ -232,11 +229,8 @@ class StepSettings:
     als_update_period: int = 1
     als_threshold: float = 1e-7
     als_bin_edge: float = 0.125
-<<<<<<< HEAD
     foreach: bool = False
-=======
     all_reduce: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
->>>>>>> main
 
 
 class _float32:

@@ -364,15 +364,10 @@ class _Session(abc.ABC):
         self._staged = StagedProgram(
             self._graph, executable.placement.pipelined,
             wrap=(lambda m: _FloatingPointChecker(m).run)
-<<<<<<< HEAD
             if executable.options.fp_exceptions else executable.stage_wrapper
         ) if executable.staged else None
-        self.rng = _DeviceRng(self.options.random_seed, torch_device)
-=======
-            if executable.options.fp_exceptions else None) if executable.staged else None
         self.rng = _DeviceRng(self.options.random_seed, torch_device,
                               stream=self.options.process_id)
->>>>>>> main
         self.anchors: Dict[str, torch.Tensor] = {}
         self.perf_counters: Dict[str, List[List[float]]] = {
             "input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
@@ -618,11 +613,8 @@ class TrainingSession(_Session):
             replica_groups=self.weights.replica_groups(),
             auto_loss_scaling=o.auto_loss_scaling, als_update_period=o.als_update_period,
             als_threshold=o.als_threshold, als_bin_edge=o.als_bin_edge,
-<<<<<<< HEAD
-            foreach=o.backend == "inductor")
-=======
+            foreach=o.backend == "inductor",
             all_reduce=self.process_group.all_reduce_sum if self.process_group else None)
->>>>>>> main
         self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params,
                                          settings)
         self._log_optimizer(optimizer)
