@@ -22,7 +22,7 @@ if [ ! -x .venv-gpu/bin/python ]; then
 fi
 VPY=$ROOT/.venv-gpu/bin/python
 [ -x "$VPY" ] || VPY=$(command -v "$PY")
-"$VPY" -m pip install -q -e ".[test]" --no-deps >>"$LOG" 2>&1 || say "editable install failed: using PYTHONPATH"
+"$VPY" -m pip install -q -e ".[test]" --no-deps --no-build-isolation >>"$LOG" 2>&1 || say "editable install failed: using PYTHONPATH"
 for pkg in pytest pytest-timeout tqdm safetensors onnx onnxruntime; do
     mod=${pkg//-/_}
     [ "$pkg" = pytest-timeout ] && mod=pytest_timeout
