@@ -27,6 +27,9 @@ small CNN (3×32×32 input, micro-batch 16):
     ``poptorch.optim.SGD(lr=0.01)`` and deviceIterations 16, against a plain eager loop
     doing the same micro-batching (forward, backward and ``torch.optim.SGD`` step per
     micro-batch). No target (reported for information).
+(d) Cost of making every call all-or-nothing: a momentum-SGD training call at
+    deviceIterations 1 and 16 with the rollback snapshot (the default) against the
+    same call with it turned off. No target (reported for information).
 
 Ratios are poptorch / reference (lower is better); "ratio" compares medians (targets
 are judged on it), "ratio(min)" compares the fastest repetitions, the estimate least
@@ -274,6 +277,29 @@ def training_per_micro_batch(name: str, device_iterations: int, min_rounds: int,
     return _per(t_ipu, device_iterations), _per(t_plain, device_iterations)
 
 
+def rollback_cost(name: str, device_iterations: int, min_rounds: int,
+                  budget_s: float) -> Tuple[Tuple[float, float], Tuple[float, float]]:
+    """``(with, without)`` seconds per training call with and without the snapshot
+    that makes a call all-or-nothing (S-73), each as ``(median, minimum)``: two
+    executors of the same model, one with the rollback turned off."""
+    micro_batch, _ = MODELS[name]
+    x, y = make_inputs(name, micro_batch * device_iterations)
+    executors = []
+    for rollback in (True, False):
+        model = WithLoss(make_model(name)).train()
+        ipu = poptorch.trainingModel(
+            model, quiet_options().deviceIterations(device_iterations),
+            poptorch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        ipu(x, y)  # compile
+        ipu._session.all_or_nothing = rollback
+        executors.append(ipu)
+    stats = interleaved_medians([lambda e=e: e(x, y) for e in executors], warmup=2,
+                                min_rounds=min_rounds, budget_s=budget_s)
+    for ipu in executors:
+        ipu.destroy()
+    return stats[0], stats[1]
+
+
 def _per(stats: Tuple[float, float], n: int) -> Tuple[float, float]:
     """``(median, minimum)`` divided by ``n``."""
     return stats[0] / n, stats[1] / n
@@ -407,7 +433,16 @@ def main(argv=None) -> int:
                                                budget)
         table.add(name, f"(c) train/micro-batch, D={TRAIN_DEVICE_ITERATIONS}", ours,
                   plain, "eager")
-    print(f"(c) done in {time.perf_counter() - start:.0f} s\n", flush=True)
+    print(f"(c) done in {time.perf_counter() - start:.0f} s", flush=True)
+
+    # (d) cost of the all-or-nothing snapshot (a copy of weights, momentum and mutated
+    # buffers per call), worst case: one micro-batch per call
+    for name in MODELS:
+        for d in (1, TRAIN_DEVICE_ITERATIONS):
+            ours, without = rollback_cost(name, d, min_rounds, budget)
+            table.add(name, f"(d) train call with rollback snapshot, D={d}", ours,
+                      without, "no snapshot")
+    print(f"(d) done in {time.perf_counter() - start:.0f} s\n", flush=True)
 
     micro = ", ".join(f"{n} micro-batch {b}, input {list(s)}" for n, (b, s) in MODELS.items())
     print(f"{micro}; ratio = poptorch / reference")

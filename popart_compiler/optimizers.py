@@ -452,10 +452,20 @@ class DeviceOptimizer:
         out["lossScaling_FLOAT"] = torch.tensor(float(scale))
         return out
 
-    def snapshot(self) -> Dict[str, Any]:
-        """Everything a weight update changes (for :meth:`restore` after a failed run)."""
-        return {"state": self.state_dict(), "started": set(self._started_names),
-                "als": list(self._als), "updates": self._updates}
+    def state_tensors(self) -> List[torch.Tensor]:
+        """The optimizer-state tensors a weight update writes in place."""
+        return list(self.state.values())
+
+    def snapshot(self, copy_state: bool = True) -> Dict[str, Any]:
+        """Everything a weight update changes (for :meth:`restore` after a failed run).
+
+        Args:
+            copy_state: also copy the state tensors; ``False`` when the caller saves
+                :meth:`state_tensors` itself.
+        """
+        return {"state": self.state_dict() if copy_state else {},
+                "started": set(self._started_names), "als": list(self._als),
+                "updates": self._updates}
 
     def restore(self, snap: Dict[str, Any]) -> None:
         """Undo the updates made since :meth:`snapshot`."""

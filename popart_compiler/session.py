@@ -12,17 +12,18 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
-import math
 import random
+import threading
 import time
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
-import torch.fx as fx
 
 from . import collectives
 from .compiler import Executable
-from .errors import Error, backend_error
+from .errors import backend_error
+from .fp_exceptions import FloatingPointChecker
+from .rollback import SavedTensors, deferred_interrupts
 from .ipu_model import IpuModel
 from .logging import logger
 from .optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
@@ -32,6 +33,11 @@ from .schedule import StagedProgram
 __all__ = ["InferenceSession", "TrainingSession", "reduce_output", "device_dtype"]
 
 _DEVICE_DTYPES = {torch.float64: torch.float32, torch.int64: torch.int32}
+
+#: One ``torch.autograd.grad`` at a time in the process: two training sessions running
+#: backward in two threads at once can make torch's autograd engine fail ("A leaf node
+#: was passed to _will_engine_execute_node ..."), seen on torch 2.13.
+_AUTOGRAD_LOCK = threading.Lock()
 
 
 def device_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -287,67 +293,13 @@ class _Weights:
         return t
 
 
-class _FloatingPointChecker(fx.Interpreter):
-    """Runs a graph op by op and raises ``Error`` on a floating-point exception
-    (S-46): an op whose floating-point result holds a NaN although none of its inputs
-    did (invalid operation: ``inf − inf``, ``0 × inf``, ``sqrt(-1)``, ``0/0``), or an
-    infinity although all its inputs were finite (overflow, division by zero,
-    ``log(0)``), or a comparison reading a NaN."""
-
-    _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "equal", "isclose"})
-
-    def run_node(self, n: fx.Node):
-        result = super().run_node(n)
-        if n.op != "call_function":
-            return result
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        inputs = _leaves((args, kwargs))
-        floats = [a for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        scalars = [a for a in inputs if isinstance(a, float)]
-        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-        if name in self._COMPARISONS and (any(bool(t.isnan().any()) for t in floats)
-                                          or any(math.isnan(x) for x in scalars)):
-            raise _fp_error(n, "a comparison read a NaN")
-        outputs = [t for t in _leaves(result)
-                   if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not outputs:
-            return result
-        in_nan = any(bool(t.isnan().any()) for t in floats) or \
-            any(math.isnan(x) for x in scalars)
-        in_finite = all(bool(torch.isfinite(t).all()) for t in floats) and \
-            all(math.isfinite(x) for x in scalars)
-        for t in outputs:
-            if not in_nan and bool(t.isnan().any()):
-                raise _fp_error(n, "invalid operation (NaN result)")
-            if in_finite and bool(torch.isinf(t).any()):
-                raise _fp_error(n, "overflow or division by zero (infinite result)")
-        return result
-
-
-def _leaves(value) -> List:
-    out: List = []
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            out.extend(_leaves(v))
-    elif isinstance(value, dict):
-        for v in value.values():
-            out.extend(_leaves(v))
-    else:
-        out.append(value)
-    return out
-
-
-def _fp_error(node: fx.Node, what: str):
-    return backend_error(
-        f"Floating point exception: {what} in {node.name} ({node.target}). Disable "
-        "poptorch.Options().Precision.enableFloatingPointExceptions to let non-finite "
-        "values through.", type="poplar_application_runtime_error")
-
-
 class _Session(abc.ABC):
     """Shared part of inference and training sessions."""
 
     training = False
+    #: Roll a failed run back (S-73). Only ``bench/overhead.py`` turns it off, to
+    #: measure what the snapshot costs.
+    all_or_nothing = True
 
     def __init__(self, executable: Executable, device: Optional[IpuModel] = None):
         self.executable = executable
@@ -357,13 +309,13 @@ class _Session(abc.ABC):
         self.torch_device = torch_device
         self.weights = _Weights(executable, torch_device)
         self._graph = executable.module
-        self._runner = (_FloatingPointChecker(self._graph).run
+        self._runner = (FloatingPointChecker(self._graph).run
                         if executable.options.fp_exceptions
                         else self._graph if executable.runner is None else executable.runner)
         #: Several stages: micro-batches run through them in schedule order (S-63).
         self._staged = StagedProgram(
             self._graph, executable.placement.pipelined,
-            wrap=(lambda m: _FloatingPointChecker(m).run)
+            wrap=(lambda m: FloatingPointChecker(m).run)
             if executable.options.fp_exceptions else executable.stage_wrapper
         ) if executable.staged else None
         self.rng = _DeviceRng(self.options.random_seed, torch_device,
@@ -373,6 +325,7 @@ class _Session(abc.ABC):
             "input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
         self.runs = 0
         self.clock = IterationClock(self.options.device_iterations)
+        self._saved = SavedTensors()
 
     # -- weights IO -------------------------------------------------------------------
 
@@ -487,15 +440,17 @@ class _Session(abc.ABC):
             inputs = self._synthetic(inputs)
         self.clock = IterationClock(self.options.device_iterations)
         ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
-        # A floating-point exception may abort a run half-way: the device then keeps
-        # the state it had before the run.
-        snap = self._snapshot() if self.options.fp_exceptions else None
+        # All or nothing (S-73): whatever ends a run early (an error, a
+        # KeyboardInterrupt) leaves the device as it was before the run.
+        mutable = self._mutable_tensors(inputs) if self.all_or_nothing else []
+        snap = self._snapshot(mutable) if self.all_or_nothing else None
         try:
             with ctx:
                 outs = self._run(inputs)
-        except Error:
+        except BaseException:
             if snap is not None:
-                self._restore(snap)
+                with deferred_interrupts():
+                    self._restore(snap, mutable)
             raise
         o = self.options
         self.perf_counters = self.clock.counters(len(inputs), len(outs), returned_iterations(
@@ -503,21 +458,28 @@ class _Session(abc.ABC):
         self.runs += 1
         return outs
 
-    def _snapshot(self) -> Dict[str, object]:
+    def _mutable_tensors(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The device tensors a run may write in place: buffers the graph mutates (every
+        replica's copy) and user inputs it mutates; training adds trainable parameters
+        and optimizer state (:meth:`TrainingSession._mutable_tensors`)."""
+        g = self.executable.graph
         w = self.weights
-        return {"params": [p.detach().clone() for p in w.params],
-                "buffers": [[b.clone() for b in bufs] for bufs in w.buffers],
-                "rng": None if self.rng.state is None else self.rng.state.clone()}
+        out = [bufs[i] for bufs in w.buffers for i, n in enumerate(g.buffers)
+               if n in g.mutated_buffers]
+        out.extend(inputs[i] for i in sorted(g.mutated_inputs) if i < len(inputs))
+        return out
 
-    def _restore(self, snap: Dict[str, object]) -> None:
-        w = self.weights
-        with torch.no_grad():
-            for p, v in zip(w.params, snap["params"]):
-                p.copy_(v)
-            for bufs, values in zip(w.buffers, snap["buffers"]):
-                for b, v in zip(bufs, values):
-                    b.copy_(v)
+    def _snapshot(self, mutable: List[torch.Tensor]) -> Dict[str, object]:
+        """Copy what a run changes into buffers kept from run to run (one ``memcpy``
+        per mutable tensor; nothing is allocated after the first run)."""
+        self._saved.take(mutable)
+        return {"rng": None if self.rng.state is None else self.rng.state.clone(),
+                "anchors": dict(self.anchors)}
+
+    def _restore(self, snap: Dict[str, object], mutable: List[torch.Tensor]) -> None:
+        self._saved.put_back(mutable)
         self.rng.state = snap["rng"]
+        self.anchors = snap["anchors"]
 
     @abc.abstractmethod
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -626,13 +588,17 @@ class TrainingSession(_Session):
         for i, line in enumerate(lines[1:]):
             logger.debug("Updating group %d optimizer with %s", i, line)
 
-    def _snapshot(self) -> Dict[str, object]:
-        snap = super()._snapshot()
-        snap["optimizer"] = self.optimizer.snapshot()
+    def _mutable_tensors(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        params = [p for p in self.weights.params if p.requires_grad]
+        return params + super()._mutable_tensors(inputs) + self.optimizer.state_tensors()
+
+    def _snapshot(self, mutable: List[torch.Tensor]) -> Dict[str, object]:
+        snap = super()._snapshot(mutable)
+        snap["optimizer"] = self.optimizer.snapshot(copy_state=False)
         return snap
 
-    def _restore(self, snap: Dict[str, object]) -> None:
-        super()._restore(snap)
+    def _restore(self, snap: Dict[str, object], mutable: List[torch.Tensor]) -> None:
+        super()._restore(snap, mutable)
         self.optimizer.restore(snap["optimizer"])
 
     def broadcast_state(self) -> None:
@@ -670,7 +636,8 @@ class TrainingSession(_Session):
     def _gradients(self, loss: torch.Tensor, wrt: List[torch.Tensor], scale: float,
                    inputs_finite: bool) -> List[Optional[torch.Tensor]]:
         seed = torch.full_like(loss, scale)
-        grads = list(torch.autograd.grad(loss, wrt, seed, allow_unused=True))
+        with _AUTOGRAD_LOCK:
+            grads = list(torch.autograd.grad(loss, wrt, seed, allow_unused=True))
         if self.options.fp_exceptions and inputs_finite and \
                 bool(torch.isfinite(loss).all()):
             for g in grads:

@@ -104,6 +104,50 @@ def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> Poplar
     return PoplarExecutor(model_copy, options, False, __version__, user_model=user_model)
 
 
+def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
+         ) -> PoplarExecutor:
+    """Rebuild a model saved with ``PoplarExecutor.save()`` /
+    ``compileAndExport(..., export_model=True)`` and load its executable (spec api
+    §2.3, S-62): options (with ``ConnectionType.Never`` and the offline IPU version
+    removed, then ``edit_opts_fn(options)``), model weights, optimizer with its state,
+    executable and RNG state. A loaded training model continues exactly where the
+    saved one stopped.
+
+    Args:
+        filename: the file (format in the README, "Precompiled executables").
+        edit_opts_fn: called with the stored ``Options`` before wrapping (only
+            run-time options such as the device may change).
+        unpickle_model: rebuild the original Python model from its pickle stored in
+            the file (runs code from the file: only for files you trust). By default
+            nothing is unpickled: the model is an :class:`poptorch._export.ExportedModel`
+            holding the stored weights, and the stored program runs without the
+            model's Python source.
+
+    Returns:
+        A compiled :class:`PoplarExecutor`. Exported models are not connected to
+        other wrappers: move weights between them explicitly (S-62).
+
+    Raises:
+        poptorch.Error: unreadable, truncated or corrupted file, another format
+            version, no pickled model with ``unpickle_model=True``.
+        AssertionError: another PopTorch version; a file saved with
+            ``export_model=False`` (use ``loadExecutable``).
+    """
+    from ._export import load as _load
+    return _load(filename, edit_opts_fn, unpickle_model)
+
+
+def importPoptorchMetadataFromFile(filename: str) -> bytes:
+    """The metadata blob (``metadata.json``, UTF-8 JSON) of an exported file (spec api
+    §2.13).
+
+    Raises:
+        poptorch.Error: not an executable file, or no metadata in it.
+    """
+    from ._export import import_metadata
+    return import_metadata(filename)
+
+
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
     """Whether physical IPUs are present: always ``False`` here (the IPU Model is the
     device; spec api §2.5)."""

@@ -27,6 +27,7 @@ from . import _blocks
 from . import _data_dependence, _dynamic_slicing, _impl, _opaque_ops
 from ._capture_constants import VALUE_READS, constant_value, producing_op
 from ._args import BoundArgs, Spec, flatten, unflatten
+from ._capture_guard import capture_guard, thread_stderr
 from ._execution_strategy import PipelinedExecution
 from ._logging import logger
 
@@ -209,7 +210,7 @@ def _quiet_torch_logs() -> Iterator[None]:
     real_stderr = sys.stderr
     buffer = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(buffer):
+        with warnings.catch_warnings(), thread_stderr(buffer):
             warnings.filterwarnings("ignore", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*TorchScript.*")
             yield
@@ -286,6 +287,31 @@ def _check_state_unchanged(model: torch.nn.Module, before) -> None:
                     f"method. This is not supported. Consider using self.{attr}.copy_(src) "
                     f"to copy data from a source tensor, where src is the name of the "
                     "source tensor.")
+
+
+#: Attributes every ``nn.Module`` has (its own bookkeeping, never the user's).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def _container_attributes(model: torch.nn.Module) -> List[Tuple[Dict[str, Any], str, Any]]:
+    """``(vars(module), name, value)`` of every dict / list / set / tuple attribute of
+    the user's modules."""
+    found = []
+    for module in model.modules():
+        attrs = vars(module)
+        for name, value in attrs.items():
+            if name not in _MODULE_INTERNALS and isinstance(value, (dict, list, set, tuple)):
+                found.append((attrs, name, value))
+    return found
+
+
+def _restore_containers(found: List[Tuple[Dict[str, Any], str, Any]]) -> None:
+    """Put back the user's container objects: ``torch.export`` rebuilds containers it
+    traces through and writes the copies back into the module, after which edits the
+    user makes to the original (``model.cfg["flag"] = True``) would not be seen."""
+    for attrs, name, value in found:
+        if name in attrs and attrs[name] is not value:
+            attrs[name] = value
 
 
 def _restore_state(model: torch.nn.Module, before) -> None:
@@ -378,7 +404,15 @@ class Captured:
     host_outputs: List[torch.Tensor]
 
 
-def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
+def capture(*args, **kwargs) -> Captured:
+    """Capture ``forward`` of ``model`` once; see :func:`_capture` for the arguments
+    and errors. Captures are serialised process-wide and a ``SIGINT`` arriving during
+    one is raised as ``KeyboardInterrupt`` after it (``_capture_guard``)."""
+    with capture_guard():
+        return _capture(*args, **kwargs)
+
+
+def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             input_spec: Spec, micro_batch: List[torch.Tensor], training: bool,
             device: str = "cpu", strategy=None, module_namescope: bool = True) -> Captured:
     """Capture ``forward`` of ``model`` (a shallow copy of the user's module) once.
@@ -440,6 +474,7 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         hook()
     before = _state_identity(model)
     constants_before = _plain_tensor_attributes(model)
+    containers = _container_attributes(model)
     had_forward = "forward" in vars(model)
     saved_forward = vars(model).get("forward")
     model.forward = flat_forward
@@ -479,6 +514,7 @@ def capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     finally:
         undo_ipu()
         undo_class()
+        _restore_containers(containers)
         if had_forward:
             model.forward = saved_forward
         else:

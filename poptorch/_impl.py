@@ -1,32 +1,38 @@
-"""Process-wide state shared by the capture and the ops."""
+"""Per-thread state shared by the capture and the ops.
+
+Each thread has its own: a capture in one thread does not make another thread look
+as if it ran inside a model's ``forward``.
+"""
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
-_state = {"capturing": False, "training": False}
+_state = threading.local()
 
 
 def isRunningOnIpu() -> bool:
     """``True`` only while the model's ``forward`` runs in the device context.
 
     In PopTorch (and here) that is the one-time capture at compilation (S-1, S-4);
-    ``False`` everywhere else, including when the model is called directly on the CPU.
+    ``False`` everywhere else, including when the model is called directly on the CPU
+    and in every other thread than the capturing one.
     """
-    return _state["capturing"]
+    return getattr(_state, "capturing", False)
 
 
 def capturing_training() -> bool:
-    """Whether the graph being captured is a training graph."""
-    return _state["capturing"] and _state["training"]
+    """Whether the graph being captured (in this thread) is a training graph."""
+    return isRunningOnIpu() and getattr(_state, "training", False)
 
 
 @contextlib.contextmanager
 def device_context(training: bool) -> Iterator[None]:
-    """Mark the code inside as running on the (simulated) IPU."""
-    previous = dict(_state)
-    _state.update(capturing=True, training=training)
+    """Mark the code inside (in this thread) as running on the (simulated) IPU."""
+    previous = (isRunningOnIpu(), getattr(_state, "training", False))
+    _state.capturing, _state.training = True, training
     try:
         yield
     finally:
-        _state.update(previous)
+        _state.capturing, _state.training = previous

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copyreg
+import threading
 import weakref
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -21,21 +22,28 @@ from popart_compiler.errors import py_error
 __all__ = ["instrument", "uninstrument", "is_instrumented", "suspended", "syncing",
            "original_class"]
 
-_guard = {"depth": 0}
+#: Per thread: how many :func:`syncing` blocks the thread is inside. Another
+#: thread's reads still sync while one thread copies weights.
+_guard = threading.local()
+
+
+def _syncing_now() -> bool:
+    return getattr(_guard, "depth", 0) > 0
 
 
 @contextlib.contextmanager
 def syncing() -> Iterator[None]:
-    """Reads and writes of instrumented tensors inside do not trigger a sync."""
-    _guard["depth"] += 1
+    """Reads and writes of instrumented tensors inside (in this thread) do not trigger
+    a sync."""
+    _guard.depth = getattr(_guard, "depth", 0) + 1
     try:
         yield
     finally:
-        _guard["depth"] -= 1
+        _guard.depth -= 1
 
 
 def _sync(args) -> None:
-    if _guard["depth"]:
+    if _syncing_now():
         return
     for a in args:
         ref = getattr(a, "_poptorch_executor", None) if isinstance(a, torch.Tensor) else None
@@ -124,7 +132,7 @@ def _make_class(cls: type) -> type:
         return ref() if ref is not None else None
 
     def __getattribute__(self, name: str):
-        if name in ("_parameters", "_buffers", "forward") and not _guard["depth"]:
+        if name in ("_parameters", "_buffers", "forward") and not _syncing_now():
             executor = executor_of(self)
             if executor is not None and executor._host_weights_stale:
                 with syncing():

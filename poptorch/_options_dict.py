@@ -8,10 +8,66 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["OptionsDict", "FROZEN_MESSAGE"]
+__all__ = ["OptionsDict", "FROZEN_MESSAGE", "check_type", "check_int", "check_bool",
+           "check_proportion", "check_strings"]
 
 FROZEN_MESSAGE = "Can't modify frozen Options"
 _MACHINERY = ("_values", "_is_frozen", "_initialized")
+
+
+def _type_names(types) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join("None" if t is type(None) else t.__name__ for t in types)
+
+
+def check_type(option: str, value: Any, types) -> None:
+    """Raise ``AssertionError`` "<option> must be <types>, got <type>" unless
+    ``value`` is an instance of ``types`` (a ``bool`` is never accepted as an
+    ``int``)."""
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise AssertionError(f"{option} must be {_type_names(allowed)}, got "
+                             f"{type(value).__name__} {value!r}")
+
+
+def check_int(option: str, value: Any, minimum: int = 0) -> int:
+    """An ``int`` (not a ``bool``) of at least ``minimum``.
+
+    Raises:
+        AssertionError: not an int.
+        ValueError: "<option> must be an integer >= <minimum>, got <value>".
+    """
+    check_type(option, value, int)
+    if value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{option} must be {kind}, got {value}")
+    return value
+
+
+def check_bool(option: str, value: Any) -> bool:
+    """``AssertionError`` "<option> must be bool, got ..." unless a ``bool``."""
+    check_type(option, value, bool)
+    return value
+
+
+def check_proportion(option: str, value: Any) -> float:
+    """A real number in ``[0, 1]``.
+
+    Raises:
+        AssertionError: not an int or float.
+        ValueError: outside ``[0, 1]`` (or NaN).
+    """
+    check_type(option, value, (float, int))
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{option} must be a proportion between 0 and 1, got {value}")
+    return float(value)
+
+
+def check_strings(option: str, values: Any) -> None:
+    """``AssertionError`` unless ``values`` is a list (or tuple) of str."""
+    check_type(option, values, (list, tuple))
+    for value in values:
+        check_type(f"{option} entries", value, str)
 
 
 class _OptionsMeta(type):
@@ -30,7 +86,8 @@ class OptionsDict(metaclass=_OptionsMeta):
     * ``set(**kw)``: only existing keys; a new value must be an instance of the
       type of the current one (``AssertionError`` "Unexpected type <t> for option
       <k>. Expected <t0>"); unknown key → ``AssertionError`` "Invalid option <k>,
-      valid options are <keys>".
+      valid options are <keys>"; integer keys listed in ``_int_ranges`` must also
+      be in range (``ValueError``).
     * Values are readable as attributes (unknown → ``AttributeError`` "Invalid
       attribute <k>."); assigning a public attribute is ``set``; creating a new
       private attribute after construction → ``AttributeError`` "Invalid private
@@ -43,6 +100,9 @@ class OptionsDict(metaclass=_OptionsMeta):
 
     #: private attributes left out of ``repr`` (references to other groups)
     _repr_excludes: tuple = ()
+    #: key → (setter name used in messages, minimum) for integer values with a lower
+    #: bound, checked by :meth:`set` whichever way the value is set.
+    _int_ranges: dict = {}
 
     def __init__(self, **default_values):
         object.__setattr__(self, "_values", dict(default_values))
@@ -68,6 +128,7 @@ class OptionsDict(metaclass=_OptionsMeta):
 
         Raises:
             AssertionError: unknown key or wrong type.
+            ValueError: an integer out of its range (``_int_ranges``).
             AttributeError: "Can't modify frozen Options".
         """
         self._check_not_frozen()
@@ -79,6 +140,9 @@ class OptionsDict(metaclass=_OptionsMeta):
             if not isinstance(value, expected):
                 raise AssertionError(f"Unexpected type {type(value)} for option "
                                      f"{option}. Expected {expected}")
+            if option in self._int_ranges:  # a bool passes as an int (PopTorch)
+                setter, minimum = self._int_ranges[option]
+                check_int(setter, int(value), minimum)
         self._values.update(kwargs)
         return self
 

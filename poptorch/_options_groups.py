@@ -12,7 +12,7 @@ import torch
 
 from . import enums
 from ._logging import logger
-from ._options_dict import FROZEN_MESSAGE, OptionsDict
+from ._options_dict import FROZEN_MESSAGE, OptionsDict, check_bool, check_int, check_type
 
 __all__ = ["TensorLocationSettings"]
 
@@ -44,14 +44,18 @@ class _PopartOptions:
         object.__setattr__(self, name, value)
 
     def set(self, key: str, value: Any):
-        """Store ``value`` (any type) under ``key``. Returns self.
-        ``AttributeError`` "Can't modify frozen Options" when frozen."""
+        """Store ``value`` (any type; checked at compile time) under ``key``.
+        Returns self. ``AttributeError`` "Can't modify frozen Options" when frozen;
+        ``AssertionError`` unless ``key`` is a str."""
         self._check_not_frozen()
+        check_type("_Popart.set key", key, str)
         self.options[key] = value
         return self
 
     def setEngineOptions(self, engine_options: dict):
-        """``set("engineOptions", engine_options)``. Returns self."""
+        """``set("engineOptions", engine_options)``. Returns self.
+        ``AssertionError`` unless a dict."""
+        check_type("setEngineOptions", engine_options, dict)
         return self.set("engineOptions", engine_options)
 
     def setPatterns(self, patterns: dict, level: int = 2):
@@ -103,7 +107,8 @@ class _JitOptions(OptionsDict):
     def traceModel(self, trace_model: bool):
         """Deprecated: logs a warning. ``True`` → ``ValueError``
         "options.Jit.traceModel(True) is no longer supported"; ``False`` returns
-        self."""
+        self. ``AssertionError`` unless a bool."""
+        check_bool("Jit.traceModel", trace_model)
         logger.warning("options.Jit.traceModel is deprecated and will be removed in a "
                        "future release: the tracing frontend is no longer supported.")
         if trace_model:
@@ -120,6 +125,7 @@ class _TrainingOptions(OptionsDict):
     """
 
     _repr_excludes = ("_popart",)
+    _int_ranges = {"gradient_accumulation": ("Training.gradientAccumulation", 1)}
 
     def __init__(self, popart_options: _PopartOptions):
         self._popart = popart_options
@@ -130,8 +136,9 @@ class _TrainingOptions(OptionsDict):
         )
 
     def gradientAccumulation(self, gradient_accumulation: int):
-        """Micro-batches accumulated per weight update (``int``, default 1, key
-        ``gradient_accumulation``). Returns self. ``AssertionError`` on a non-int."""
+        """Micro-batches accumulated per weight update (``int`` ≥ 1, default 1, key
+        ``gradient_accumulation``). Returns self. ``AssertionError`` on a non-int,
+        ``ValueError`` below 1."""
         return self.set(gradient_accumulation=gradient_accumulation)
 
     def accumulationAndReplicationReductionType(self, reduction_type: enums.ReductionType):
@@ -157,13 +164,17 @@ class _TrainingOptions(OptionsDict):
         return self.set(meanAccumulationAndReplicationReductionStrategy=mean_reduction_strategy)
 
     def setAutomaticLossScaling(self, enabled: bool):
-        """Backend ``automaticLossScalingSettings.enabled``. Returns self."""
+        """Backend ``automaticLossScalingSettings.enabled``. Returns self.
+        ``AssertionError`` unless a bool."""
+        check_bool("Training.setAutomaticLossScaling", enabled)
         self._popart.set("automaticLossScalingSettings.enabled", enabled)
         return self
 
     def setConvolutionDithering(self, enabled: bool):
         """Backend ``convolutionOptions = {"enableConvDithering": enabled}``
-        (replaces the whole dict; see ``Precision.setPartialsType``). Returns self."""
+        (replaces the whole dict; see ``Precision.setPartialsType``). Returns self.
+        ``AssertionError`` unless a bool."""
+        check_bool("Training.setConvolutionDithering", enabled)
         self._popart.set("convolutionOptions", {"enableConvDithering": enabled})
         return self
 
@@ -206,7 +217,9 @@ class _PrecisionOptions(OptionsDict):
         return self
 
     def enableStochasticRounding(self, enabled: bool):
-        """Backend ``enableStochasticRounding`` (no type check). Returns self."""
+        """Backend ``enableStochasticRounding``. Returns self. ``AssertionError``
+        unless a bool."""
+        check_bool("Precision.enableStochasticRounding", enabled)
         self._popart.set("enableStochasticRounding", enabled)
         return self
 
@@ -237,16 +250,19 @@ class TensorLocationSettings(OptionsDict):
     only on the IPU Model. Behaviour follows PopTorch."""
 
     def minElementsForOffChip(self, min_elements: int):
-        """Key ``minElementsForOffChip``. Returns self. ``AssertionError`` unless int."""
-        if not isinstance(min_elements, int):
+        """Key ``minElementsForOffChip``. Returns self. ``AssertionError`` unless int,
+        ``ValueError`` if negative."""
+        if not isinstance(min_elements, int) or isinstance(min_elements, bool):
             raise AssertionError("minElementsForOffChip must be an integer")
+        check_int("minElementsForOffChip", min_elements, 0)
         return self.createOrSet(minElementsForOffChip=min_elements)
 
     def minElementsForReplicatedTensorSharding(self, min_elements: int):
         """Key ``minElementsForReplicatedTensorSharding``. Returns self.
-        ``AssertionError`` unless int."""
-        if not isinstance(min_elements, int):
+        ``AssertionError`` unless int, ``ValueError`` if negative."""
+        if not isinstance(min_elements, int) or isinstance(min_elements, bool):
             raise AssertionError("minElementsForReplicatedTensorSharding must be an integer")
+        check_int("minElementsForReplicatedTensorSharding", min_elements, 0)
         return self.createOrSet(minElementsForReplicatedTensorSharding=min_elements)
 
     def useOnChipStorage(self, use: Optional[bool] = True):
@@ -321,7 +337,13 @@ class _TensorLocationOptions(OptionsDict):
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
-    return int(value) if value.strip() else default
+    if not value.strip():
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"Distributed.setEnvVarNames: environment variable {name} must "
+                         f"be an integer, got {value!r}") from None
 
 
 class _DistributedOptions(OptionsDict):
@@ -332,6 +354,9 @@ class _DistributedOptions(OptionsDict):
     or, when those are unset, ``WORLD_SIZE`` / ``RANK`` as set by ``torchrun`` and
     ``poprun`` (an extension: processes started by ``torch.distributed.run`` configure
     themselves). Behaviour follows PopTorch otherwise."""
+
+    _int_ranges = {"distributed_process_id": ("Distributed.configureProcessId", 0),
+                   "num_distributed_processes": ("Distributed.configureProcessId", 1)}
 
     def __init__(self):
         super().__init__(distributed_process_id=0, num_distributed_processes=1,
@@ -350,13 +375,29 @@ class _DistributedOptions(OptionsDict):
         """Read the process id from the variable named ``var_process_id`` (0 when
         unset) and the count from ``var_num_processes`` (1 when unset), then call
         :meth:`configureProcessId`. Returns self. ``ValueError`` if a variable is
-        not an integer."""
+        not an integer; ``AssertionError`` unless both names are str."""
+        check_type("Distributed.setEnvVarNames", var_num_processes, str)
+        check_type("Distributed.setEnvVarNames", var_process_id, str)
         return self.configureProcessId(_env_int(var_process_id, 0),
                                        _env_int(var_num_processes, 1))
 
     def configureProcessId(self, process_id: int, num_processes: int):
         """Keys ``distributed_process_id`` and ``num_distributed_processes``.
-        Returns self. ``AssertionError`` on non-int values."""
+        Returns self.
+
+        Raises:
+            AssertionError: non-int values.
+            ValueError: ``num_processes < 1`` or ``process_id`` outside
+                ``[0, num_processes)``; nothing is changed then.
+        """
+        ints = all(isinstance(v, int) for v in (process_id, num_processes))
+        if ints:  # otherwise set() raises the type error
+            check_int("Distributed.configureProcessId num_processes", int(num_processes), 1)
+            check_int("Distributed.configureProcessId process_id", int(process_id), 0)
+        if ints and process_id >= num_processes:
+            raise ValueError(f"Distributed.configureProcessId: process_id must be in "
+                             f"[0, {num_processes}) for {num_processes} processes, got "
+                             f"{process_id}")
         return self.set(distributed_process_id=process_id,
                         num_distributed_processes=num_processes)
 

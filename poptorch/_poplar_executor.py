@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -21,20 +23,18 @@ from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOpt
 from . import _instrument, enums
 from ._args import (ArgsParser, BoundArgs, Spec, check_batch, flatten, leaf_names,
                     unflatten, validate)
-from ._capture import Captured, capture
+from ._capture import Captured
+from ._executable_cache import program_for
 from ._impl import isRunningOnIpu
 from ._logging import logger
 from ._progress import ProgressBar
+from ._replica_grouping import ReplicaGroupingProxy
 from .options import Options
 
 __all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
 
 #: The message of every method that needs a compiled executable.
 NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
-
-#: PopTorch executor methods this version does not provide (a clear AttributeError
-#: instead of the lookup on the user's model).
-_NOT_AVAILABLE = frozenset({"save", "compileAndExport", "loadExecutable"})
 
 #: Training executors by ``id(user model)`` (live ones only).
 _TRAINING_WRAPPERS: "weakref.WeakValueDictionary[int, PoplarExecutor]" = \
@@ -48,6 +48,16 @@ def _no_backward(*args, **kwargs):
                    "inferenceModel, you should use a trainingModel instead.")
 
 
+def _serialised(method: Callable) -> Callable:
+    """Run ``method`` holding its executor's lock: calls, weight copies, optimizer
+    changes and attachment of one executor never interleave across threads."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class PoplarExecutor:
     """A model wrapped for the (simulated) IPU. Created by :func:`poptorch.trainingModel`,
     :func:`poptorch.inferenceModel` — not directly.
@@ -56,11 +66,21 @@ class PoplarExecutor:
     replica (S-10); the first call (or :meth:`compile`) captures ``forward`` once with
     ``torch.export`` and compiles it for the IPU Model (S-1). Attributes not defined
     here are looked up on the wrapped model (api §5.22). Behaviour follows PopTorch.
+
+    Reliability (beyond PopTorch's S-73): a call is all-or-nothing — an exception or
+    ``KeyboardInterrupt`` during the run leaves device weights, optimizer state,
+    buffers, the device RNG and the host's view as before the call, and a first call
+    that fails commits no compilation (the next call captures again). Executors may be
+    used from several threads: one executor runs one call (or weight copy, optimizer
+    change, attach / detach) at a time, captures are serialised process-wide, and a
+    Ctrl-C during a capture is raised once the capture has ended.
     """
 
     def __init__(self, model: torch.nn.Module, options: Optional[Options], training: bool,
                  poptorch_version: str, optimizer: Optional[torch.optim.Optimizer] = None,
                  user_model: Optional[torch.nn.Module] = None):
+        #: One call at a time per executor (re-entrant: a call may copy weights).
+        self._lock = threading.RLock()
         if options is None:
             options = Options()
         if not isinstance(options, Options):
@@ -93,6 +113,10 @@ class PoplarExecutor:
         self._device = None
         self._attached = False
         self._captured: Optional[Captured] = None
+        self._program = None  # the Program compiled (see _program.py)
+        self._loaded_program = None  # set by loadExecutable: compiled instead of capturing
+        self._capture_args = None  # (bound, spec, micro-batch) of the last capture
+        self._serialize_program = False  # keep the uncompiled program (compileAndExport)
         self._input_spec: Optional[Spec] = None
         self._input_names: List[str] = []
         self._num_positional = 0
@@ -137,18 +161,13 @@ class PoplarExecutor:
     def __getattr__(self, name: str):
         if name.startswith("__") or name in ("_user_model", "_training", "_attr_tracker"):
             raise AttributeError(name)
-        if name in _NOT_AVAILABLE:
-            raise AttributeError(
-                f"PoplarExecutor.{name}() is not available in this version of the IPU Model "
-                "simulator: exporting and loading executables is not implemented yet. "
-                "Re-create the wrapper and compile it instead.")
         model = self.__dict__["_user_model"]
         value = getattr(model, name)
         if isinstance(value, torch.nn.Parameter):
             with _instrument.syncing():
                 direct = model._parameters.get(name) is value
             if direct:
-                return _ReplicaGroupingProxy(self, name, value)
+                return ReplicaGroupingProxy(self, name, value)
         return value
 
     def __deepcopy__(self, memo):
@@ -279,9 +298,6 @@ class PoplarExecutor:
         sess_opts.small_ipu_model = small
         connection = int(o.connection_type)
         offline = connection == int(enums.ConnectionType.Never)
-        factor = self._batch_factor()
-        device_inputs = self._device_inputs(tensors)
-        micro = [t[: t.shape[0] // factor] if t.dim() else t for t in device_inputs]
 
         def acquire(num_ipus):
             return acquire_device(num_ipus, sess_opts.ipu_model_version,
@@ -292,15 +308,10 @@ class PoplarExecutor:
                                   auto_round_num_ipus=bool(o.auto_round_num_ipus))
 
         progress = self._progress
-        model = self._model
-        suspend = _instrument.suspended(self._user_model) if self._training else _null()
         try:
             progress(0, 10)
-            with suspend, _one_replica_slices(self._user_model, self.per_replica_params):
-                captured = capture(model, _forward_of(model), bound, spec, micro,
-                                   self._training, sess_opts.device,
-                                   strategy=o._execution_strategy,
-                                   module_namescope=o._module_namescope_enabled)
+            program = program_for(self, bound, tensors, spec, sess_opts)
+            captured = program.captured
             progress(4, 10)
             exe = Compiler.compile(captured.graph, sess_opts, self._training,
                                    progress=lambda p, t: progress(4 + (5 * p) // t, 10),
@@ -312,28 +323,35 @@ class PoplarExecutor:
             progress(10, 10)
         finally:
             progress.close()
-        self._captured = captured
-        self._input_spec = spec
-        self._input_names = list(bound.names)
-        self._num_positional = bound.num_positional
-        self._executable = exe
-        self._device = device
-        self._ran = False
-        if offline:
-            self._session = None
-            self._attached = False
-            return
-        if self._training:
-            self._session = TrainingSession(exe, device, self._optimizer_description)
-            if isinstance(self._optimizer, _optimizer_mixin()) and \
-                    self._optimizer.has_state():
-                self._optimizer._state_pending = True  # uploaded with the weights
-        else:
-            self._session = InferenceSession(exe, device)
-        self._attached = True
-        self._uploadState()
-        if self._training:  # multi-process: every process starts from process 0's state
-            self._session.broadcast_state()
+        # Committed only once complete: a failure (or Ctrl-C) while creating the
+        # session or uploading the state leaves the executor uncompiled.
+        try:
+            self._program = program
+            self._captured = captured
+            self._input_spec = program.input_spec
+            self._input_names = list(program.input_names)
+            self._num_positional = program.num_positional
+            self._executable = exe
+            self._device = device
+            self._ran = False
+            if offline:
+                self._session = None
+                self._attached = False
+                return
+            if self._training:
+                self._session = TrainingSession(exe, device, self._optimizer_description)
+                if isinstance(self._optimizer, _optimizer_mixin()) and \
+                        self._optimizer.has_state():
+                    self._optimizer._state_pending = True  # uploaded with the weights
+            else:
+                self._session = InferenceSession(exe, device)
+            self._attached = True
+            self._uploadState()
+            if self._training:  # multi-process: every process starts from process 0's state
+                self._session.broadcast_state()
+        except BaseException:
+            self._discard_executable()
+            raise
 
     def _uploadState(self) -> None:
         """Host → device at compile / attach: weights, optimizer, optimizer state, RNG."""
@@ -382,6 +400,7 @@ class PoplarExecutor:
                     "grouping its dimension 0 must be the number of replica groups "
                     f"({groups}), one value per group.")
 
+    @_serialised
     def compile(self, *args, **kwargs) -> None:
         """Capture and compile with these example arguments, attach and upload weights,
         optimizer and RNG state — like the first call, without running (api §5.3).
@@ -394,8 +413,67 @@ class PoplarExecutor:
         bound, tensors, spec = self._bind(args, kwargs)
         self._compile(bound, tensors, spec)
 
+    def compileAndExport(self, filename: str, *args, export_model: bool = True,
+                         **kwargs) -> None:
+        """:meth:`compile` with these arguments, then :meth:`save` to ``filename`` with
+        the RNG state (api §5.4, S-62): offline precompilation."""
+        self._serialize_program = True
+        try:
+            self.compile(*args, **kwargs)
+        finally:
+            self._serialize_program = False
+        self.save(filename, export_model=export_model, save_rng_state=True)
+
+    def save(self, filename: str, export_model: bool = True,
+             save_rng_state: bool = True) -> None:
+        """Write the compiled executable and its metadata to one file (api §5.5, S-62).
+        The format is described in the README ("Precompiled executables").
+
+        Args:
+            filename: the file; its parent directory is created. A directory gets
+                ``<dir>/model.poptorch`` (with a warning).
+            export_model: also store the model (weights, layout and, if picklable,
+                the pickled Python object), the training optimizer and its state, so
+                that :func:`poptorch.load` can rebuild everything.
+            save_rng_state: store :attr:`rng_state`.
+
+        Raises:
+            poptorch.Error: not compiled (``NO_EXECUTABLE``); nothing to export (no
+                device work); values that cannot be stored (custom-class constants,
+                custom-parser arguments, unsupported optimizer classes).
+            AssertionError: the parent of ``filename`` exists but is not a directory.
+        """
+        from ._export import save
+        save(self, filename, export_model, save_rng_state)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Load an executable saved by :meth:`save` into this wrapper, which must wrap
+        an equivalent model with the same compile-time options (api §5.6, S-62). No
+        capture takes place; the weights uploaded are this wrapper's model's current
+        host weights (not the file's), with its optimizer and RNG settings.
+
+        Raises:
+            poptorch.Error: "Invalid file <f>: <reason>": unreadable or corrupted file,
+                another format or PopTorch version, a training / inference mismatch, a
+                model with other weights or ``forward`` arguments, other compile-time
+                options.
+        """
+        from ._export import load_executable
+        load_executable(self, filename)
+
+    def _loadProgram(self, program) -> None:
+        """Compile ``program`` (read from a file) instead of capturing the model."""
+        if self.isCompiled():
+            self.destroy()
+        self._loaded_program = program
+        try:
+            self._compile(None, [], program.input_spec)
+        finally:
+            self._loaded_program = None
+
     # -- running ----------------------------------------------------------------------
 
+    @_serialised
     def __call__(self, *args, **kwargs):
         """Run the model on the device (api §5.2). Takes what ``forward`` takes.
 
@@ -409,6 +487,9 @@ class PoplarExecutor:
                 offline (``ConnectionType.Never``) model.
             poptorch.Error: inputs that differ from the compiled ones (S-22), a missing
                 mandatory argument, capture or compile errors.
+            Exception: whatever the run raises (e.g. ``IndexError`` for an
+                out-of-range class label); the device and host then hold what they
+                held before the call.
         """
         if isRunningOnIpu():
             raise py_error(
@@ -419,12 +500,31 @@ class PoplarExecutor:
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
                 "model.compile(inputs) instead of model(inputs).")
         bound, tensors, spec = self._bind(args, kwargs)
-        if not self.isCompiled():
+        first = not self.isCompiled()
+        if first:
             self._compile(bound, tensors, spec)
         else:
             self._validateInputs(bound, spec)
             if not self._attached:
                 self.attachToDevice()
+        try:
+            self._prepare_run()
+            inputs = self._device_inputs(tensors)
+            outputs = self._run_session(inputs)
+        except BaseException:
+            if first:  # a compile is committed by its first successful run
+                self._discard_executable()
+            raise
+        self._ran = True
+        self._writeBackInputs(tensors, inputs)
+        self._anchor_values = {a.key: self._session.anchors[a.key]
+                               for a in self._executable.options.anchors
+                               if a.key in self._session.anchors}
+        return self._buildOutputs(outputs)
+
+    def _prepare_run(self) -> None:
+        """What a call does on the device before running: the trainer's latest weights
+        (inference, S-31), a pending optimizer and optimizer state (training)."""
         if not self._training:
             self._syncFromTrainer()
         elif self._optimizer_pending:
@@ -435,18 +535,21 @@ class PoplarExecutor:
             if self._host_weights_stale:
                 self._implicitCopyWeightsToHost()
             self._writePendingOptimizerState()
-        inputs = self._device_inputs(tensors)
-        outputs = self._session.run(inputs)
-        self._ran = True
-        self._writeBackInputs(tensors, inputs)
-        self._anchor_values = {a.key: self._session.anchors[a.key]
-                               for a in self._executable.options.anchors
-                               if a.key in self._session.anchors}
+
+    def _run_session(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Run the session (all or nothing, S-73). The host is told before the run
+        that the device may move ahead, so that a Ctrl-C arriving just after the run
+        leaves no trained weights unseen; after a rolled-back run the flags are put
+        back."""
+        flags = (self._rng_stale, self._host_weights_stale, self._optimizer_state_stale)
         self._rng_stale = True
         if self._training:
-            self._host_weights_stale = True
-            self._optimizer_state_stale = True
-        return self._buildOutputs(outputs)
+            self._host_weights_stale = self._optimizer_state_stale = True
+        try:
+            return self._session.run(inputs)
+        except BaseException:
+            self._rng_stale, self._host_weights_stale, self._optimizer_state_stale = flags
+            raise
 
     def _validateInputs(self, bound: BoundArgs, spec: Spec) -> None:
         """S-22: the inputs must match those of the compilation."""
@@ -498,6 +601,7 @@ class PoplarExecutor:
             named.update(dict(model.named_buffers(remove_duplicate=False)))
         return named
 
+    @_serialised
     def copyWeightsToHost(self) -> None:
         """Device → host: every parameter and buffer, in place, keeping host dtypes
         (api §5.7). Bumps the host weight version (S-31).
@@ -523,10 +627,14 @@ class PoplarExecutor:
         self._host_weights_stale = False
         self._host_weights_version += 1
 
+    @_serialised
     def _implicitCopyWeightsToHost(self) -> None:
+        if not self._host_weights_stale:  # another thread copied while this one waited
+            return
         logger.debug("Implicit copyWeightsToHost()")
         self.copyWeightsToHost()
 
+    @_serialised
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy device → host if a run happened since the last copy; returns whether it
         copied. Always ``False`` for inference executors (api §5.9)."""
@@ -535,6 +643,7 @@ class PoplarExecutor:
         self._implicitCopyWeightsToHost()
         return True
 
+    @_serialised
     def copyWeightsToDevice(self) -> None:
         """Host → device: every parameter and buffer (api §5.8). Does not first pull the
         device's weights: un-copied training results are overwritten (S-32).
@@ -557,6 +666,7 @@ class PoplarExecutor:
         self._uploaded_version = trainer._host_weights_version if trainer is not None \
             else self._host_weights_version
 
+    @_serialised
     def copyNamedBuffersToDevice(self) -> None:
         """Upload only the buffers listed with ``Options.updatableNamedBuffers``.
 
@@ -572,6 +682,7 @@ class PoplarExecutor:
         with _instrument.syncing():
             self._session.writeWeights({n: host[n].detach() for n in names if n in host})
 
+    @_serialised
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
         """``model.load_state_dict`` then, if attached, :meth:`copyWeightsToDevice`."""
         result = self._user_model.load_state_dict(state_dict, strict)
@@ -640,6 +751,7 @@ class PoplarExecutor:
                 "the first compilation, or call destroy() and compile again.")
         return True
 
+    @_serialised
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Set or update the optimizer (api §5.12, S-50…S-58).
 
@@ -706,6 +818,7 @@ class PoplarExecutor:
         elif changed:
             self._optimizer_pending = True
 
+    @_serialised
     def _checkOptimizerStateFits(self, optimizer, ipu_state) -> None:
         """Called by ``optimizer.load_state_dict``: the loaded state and the loaded
         param groups' hyper-parameters must fit the compiled optimizer.
@@ -718,6 +831,7 @@ class PoplarExecutor:
         self._session.checkOptimizerState(ipu_state)
         self._session.checkOptimizer(self._describeOptimizer(optimizer))
 
+    @_serialised
     def _syncOptimizerStateToHost(self) -> None:
         from . import optim
         opt = self._optimizer
@@ -755,7 +869,8 @@ class PoplarExecutor:
             description = self._describeOptimizer(opt)
             self._session.checkOptimizer(description)
         except BaseException:
-            opt._state_pending = False
+            opt._state_pending = False  # dropped: a recompile does not retry it
+            opt._state_dict = dict(opt._state_dict, ipu_state=None, ipu_param=None)
             raise
         logger.info("Writing optimiser state tensors from host to IPU memory.")
         self._session.writeOptimizerState(state["ipu_state"])
@@ -772,6 +887,7 @@ class PoplarExecutor:
 
     # -- device attachment ---------------------------------------------------------------
 
+    @_serialised
     def detachFromDevice(self) -> None:
         """Release the device (api §5.13). Training executors first copy weights and
         optimizer state back; every executor saves its RNG state.
@@ -789,6 +905,7 @@ class PoplarExecutor:
         self._attached = False
         logger.debug("Detached from device %d", self._device.device_id if self._device else 0)
 
+    @_serialised
     def attachToDevice(self) -> None:
         """Attach again and re-upload weights, optimizer and RNG state (api §5.13).
 
@@ -808,6 +925,19 @@ class PoplarExecutor:
             self._optimizer._state_pending = True
         self._uploadState()
 
+    def _discard_executable(self) -> None:
+        """Forget a compilation whose first run failed: the next call captures and
+        compiles again (possibly for other input types). Nothing ran on the device,
+        so there is nothing to copy back."""
+        self._executable = None
+        self._program = None
+        self._session = None
+        self._attached = False
+        self._captured = None
+        self._input_spec = None
+        self._input_names = []
+
+    @_serialised
     def destroy(self) -> None:
         """Discard the executable (api §5.15). Training executors copy weights and
         optimizer state back first and remove the model's instrumentation. The executor
@@ -852,6 +982,7 @@ class PoplarExecutor:
             self._rng_stale = False
 
     @property
+    @_serialised
     def rng_state(self) -> Optional[List[int]]:
         """``[seed, *state]`` of the device RNG (api §5.16, S-96, S-97).
 
@@ -863,6 +994,7 @@ class PoplarExecutor:
         return None if self._rng_cache is None else list(self._rng_cache)
 
     @rng_state.setter
+    @_serialised
     def rng_state(self, state: List[int]) -> None:
         self._require_executable()
         if self._session is not None:
@@ -1026,77 +1158,6 @@ def _forward_of(model: torch.nn.Module) -> Callable:
     return model.forward
 
 
-class _ReplicaGroupingProxy:
-    """What ``executor.<name>`` returns for a parameter that is a direct attribute of
-    the model (api §5.22): attribute reads go to the parameter; ``replicaGrouping``
-    declares a replica-grouped weight (S-27). Not itself a tensor."""
-
-    def __init__(self, executor: "PoplarExecutor", name: str, param: torch.nn.Parameter):
-        object.__setattr__(self, "_executor", executor)
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_param", param)
-
-    def __getattr__(self, attr: str):
-        return getattr(self._param, attr)
-
-    def __repr__(self) -> str:
-        return repr(self._param)
-
-    def replicaGrouping(self, comm_group_type: enums.CommGroupType, shards: int,
-                        variable_retrieval_mode: enums.VariableRetrievalMode) -> None:
-        """Give this weight one value per replica group (S-27). Call before compiling.
-
-        Args:
-            comm_group_type: ``Consecutive`` / ``Orthogonal`` (groups of ``shards``
-                replicas), ``All`` (one group) or ``NoGrouping`` (one per replica).
-            shards: replicas per group.
-            variable_retrieval_mode: ``OnePerGroup`` (the host tensor holds one value
-                per group, stacked on dimension 0) or ``AllReplicas`` (reading back
-                gives one value per replica).
-
-        Raises:
-            AssertionError: arguments of the wrong type.
-            poptorch.Error: the model is already compiled.
-        """
-        if not isinstance(comm_group_type, enums.CommGroupType):
-            raise AssertionError("comm_group_type must be a poptorch.CommGroupType")
-        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
-            raise AssertionError("shards must be a positive integer")
-        if not isinstance(variable_retrieval_mode, enums.VariableRetrievalMode):
-            raise AssertionError("variable_retrieval_mode must be a "
-                                 "poptorch.VariableRetrievalMode")
-        if self._executor.isCompiled():
-            raise py_error(f"replicaGrouping of {self._name} must be called before the model "
-                           "is compiled.")
-        self._executor.per_replica_params[self._name] = (
-            comm_group_type, shards, variable_retrieval_mode)
-
-
-@contextlib.contextmanager
-def _one_replica_slices(model: torch.nn.Module, groupings: Dict[str, Any]):
-    """Capture replica-grouped weights with the shape of one group's slice (S-27)."""
-    swapped = []
-    with _instrument.syncing():
-        for name in groupings:
-            param = model._parameters[name]
-            swapped.append((param, param.data))
-            param.data = param.data[0]
-    try:
-        yield
-    finally:
-        with _instrument.syncing():
-            for param, data in swapped:
-                param.data = data
-
-
 def _optimizer_mixin():
     from .optim import Optimizer
     return Optimizer
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

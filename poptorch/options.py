@@ -4,7 +4,8 @@ Public names: :class:`Options`, :class:`TensorLocationSettings`,
 :class:`ConfigFileError`. Behaviour follows PopTorch 3.x. The storage
 (:class:`OptionsDict`, options §1) is in ``_options_dict.py``; the sub-groups
 (``Training``, ``Precision``, ``TensorLocations``, ``Distributed``, ``Jit``,
-``_Popart``) are in ``_options_groups.py``.
+``_Popart``) are in ``_options_groups.py``; ``loadFromFile`` / ``from_json`` in
+``_options_loading.py``.
 
 For the executor:
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import json
 import os
 from typing import Dict, List, Optional
 
@@ -31,7 +31,9 @@ from ._backend_options import _BackendOptions
 from ._execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
                                   SerialPhasedExecution, ShardedExecution)
 from ._logging import logger
-from ._options_dict import OptionsDict
+from ._options_dict import (OptionsDict, check_bool, check_int, check_proportion,
+                            check_strings, check_type)
+from ._options_loading import ConfigFileError, apply_json, load_file
 from ._options_groups import (TensorLocationSettings, _DistributedOptions, _JitOptions,
                               _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
                               _TrainingOptions)
@@ -41,24 +43,6 @@ _DEFAULT_SOURCE_LOCATION_EXCLUDES = [
     "install/poptorch", "site-packages/torch", "site-packages/poptorch"
 ]
 _UINT64_MAX = 2**64 - 1
-
-
-class ConfigFileError(Exception):
-    """Raised by :meth:`Options.loadFromFile` when the file has a Python syntax
-    error. Message: ``"<ErrorClass> at line <n> of <basename>: <detail>\\n> <line>"``
-    where ``<n>`` counts only retained command lines. Same as PopTorch."""
-
-
-def _convert_json_value(value):
-    """``"<EnumName>.<Member>"`` → the member of ``poptorch.enums.<EnumName>``."""
-    if isinstance(value, str) and "." in value:
-        enum_name, member = value.split(".", 1)
-        enum_cls = getattr(enums, enum_name, None)
-        if isinstance(enum_cls, type) and issubclass(enum_cls, enum.Enum):
-            if member not in enum_cls.__members__:
-                raise ValueError(f"{member} is not a member of poptorch.{enum_name}")
-            return enum_cls[member]
-    return value
 
 
 class Options(OptionsDict):
@@ -82,7 +66,19 @@ class Options(OptionsDict):
     ``model_name``, ``use_model``, ``ipu_id``, ``ipu_version``.
 
     Most setters return self (chainable); ``anchorTensor`` returns ``None``.
+
+    Every setter checks its arguments where they are set (issue: no error may wait
+    for the first call): a wrong type raises ``AssertionError`` and a value out of
+    range ``ValueError``, naming the setter and the allowed values. Integer keys with
+    a range (``device_iterations``, ``replication_factor`` ≥ 1, ...) are checked
+    however they are set (setter, attribute, ``set``, ``POPTORCH_DEFAULT_OPTIONS``).
     """
+
+    _int_ranges = {"device_iterations": ("deviceIterations", 1),
+                   "replication_factor": ("replicationFactor", 1),
+                   "input_group_size": ("inputReplicaGrouping", 1),
+                   "output_return_period": ("outputMode", 1),
+                   "max_repeat_logs": ("maxRepeatLogs", 0)}
 
     def __init__(self):
         # 1. Sub-groups.
@@ -123,7 +119,11 @@ class Options(OptionsDict):
             logger.info("POPTORCH_CACHE_DIR is set: setting cache path to %s", cache_dir)
             self.enableExecutableCaching(cache_dir)
         # 6. Default options from the environment.
-        self.from_json(os.environ.get("POPTORCH_DEFAULT_OPTIONS", "{}") or "{}")
+        defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS", "{}") or "{}"
+        try:
+            self.from_json(defaults)
+        except (AssertionError, ValueError, AttributeError, TypeError) as err:
+            raise type(err)(f"POPTORCH_DEFAULT_OPTIONS={defaults!r}: {err}") from None
 
     # -- sub-groups --------------------------------------------------------------
     @property
@@ -189,25 +189,7 @@ class Options(OptionsDict):
                 where ``<n>`` counts only the retained command lines.
             Exception: any other error of a call propagates with its own type.
         """
-        import poptorch  # pylint: disable=import-outside-toplevel
-
-        commands = []
-        with open(filepath, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                commands.append("options." + line)
-        code = "\n".join(commands)
-        try:
-            compiled = compile(code, f"<options file {os.path.basename(filepath)}>", "exec")
-        except SyntaxError as err:
-            lineno = min(max(err.lineno or 1, 1), max(len(commands), 1))
-            offending = commands[lineno - 1] if commands else ""
-            raise ConfigFileError(f"{type(err).__name__} at line {lineno} of "
-                                  f"{os.path.basename(filepath)}: {err.msg}\n> "
-                                  f"{offending}") from None
-        exec(compiled, {"poptorch": poptorch, "options": self})  # noqa: S102
+        load_file(self, filepath)
         return self
 
     def from_json(self, string: str):
@@ -221,27 +203,28 @@ class Options(OptionsDict):
             ValueError: invalid JSON, not a JSON object, or an unknown enum member.
             AttributeError: an unknown accessor.
         """
-        data = json.loads(string)
-        if not isinstance(data, dict):
-            raise ValueError("The JSON options must be an object mapping accessor paths "
-                             f"to values, got {type(data).__name__}")
-        for path, value in data.items():
-            target = self
-            for attr in path.split("."):
-                target = getattr(target, attr)
-            args = value if isinstance(value, list) else [value]
-            target(*[_convert_json_value(a) for a in args])
+        apply_json(self, string)
         return self
 
     # -- top-level setters ---------------------------------------------------------
     def deviceIterations(self, device_iterations: int):
-        """Batches processed per call (``int``, default 1, key
-        ``device_iterations``). Returns self. ``AssertionError`` on a non-int. S-10."""
+        """Batches processed per call (``int`` ≥ 1, default 1, key
+        ``device_iterations``). Returns self. S-10.
+
+        Raises:
+            AssertionError: not an int.
+            ValueError: less than 1.
+        """
         return self.set(device_iterations=device_iterations)
 
     def replicationFactor(self, replication_factor: int):
-        """Local replicas per process (``int``, default 1, key
-        ``replication_factor``). Returns self. ``AssertionError`` on a non-int. S-25."""
+        """Local replicas per process (``int`` ≥ 1, default 1, key
+        ``replication_factor``). Returns self. S-25.
+
+        Raises:
+            AssertionError: not an int.
+            ValueError: less than 1.
+        """
         return self.set(replication_factor=replication_factor)
 
     def inputReplicaGrouping(self, input_group_size: int,
@@ -258,9 +241,7 @@ class Options(OptionsDict):
         if not isinstance(input_group_type, enums.CommGroupType):
             raise AssertionError("input_group_type must be a poptorch.CommGroupType, got "
                                  f"{type(input_group_type)}")
-        if not isinstance(input_group_size, int):
-            raise AssertionError("input_group_size must be an int, got "
-                                 f"{type(input_group_size)}")
+        check_type("input_group_size", input_group_size, int)
         if input_group_type == enums.CommGroupType.NoGrouping:
             input_group_size = 1
             input_group_type = enums.CommGroupType.Consecutive
@@ -279,7 +260,8 @@ class Options(OptionsDict):
 
     def broadcastBuffers(self, broadcast_buffers: bool = True):
         """Broadcast buffers from replica 0 (``bool``, default True, key
-        ``broadcast_buffers``). Returns self. S-36."""
+        ``broadcast_buffers``). Returns self. S-36. ``AssertionError`` unless a
+        bool."""
         return self.set(broadcast_buffers=broadcast_buffers)
 
     def outputMode(self, output_mode: enums.OutputMode,
@@ -330,7 +312,8 @@ class Options(OptionsDict):
             raise AssertionError("output_mode must be a poptorch.OutputMode, got "
                                  f"{type(output_mode)}")
         if output_mode == enums.OutputMode.EveryN:
-            if not isinstance(output_return_period, int) or output_return_period <= 0:
+            if not isinstance(output_return_period, int) or isinstance(
+                    output_return_period, bool) or output_return_period <= 0:
                 raise AssertionError("EveryN anchor must have output_return_period set "
                                      "to valid positive integer")
         else:
@@ -342,17 +325,26 @@ class Options(OptionsDict):
     def randomSeed(self, random_seed: int):
         """Seed of the device RNG (key ``random_seed``, created); also calls
         ``torch.manual_seed(random_seed)`` on the host. Returns self. S-95.
-        ``AssertionError`` if not an int."""
-        if not isinstance(random_seed, int):
+
+        Raises:
+            AssertionError: not an int.
+            ValueError: outside ``[-2^63, 2^64 - 1]`` (what ``torch.manual_seed``
+                takes).
+        """
+        if not isinstance(random_seed, int) or isinstance(random_seed, bool):
             raise AssertionError("Random seed must be an integer, got "
                                  f"{type(random_seed)}")
+        if not -2 ** 63 <= random_seed <= _UINT64_MAX:
+            raise ValueError(f"randomSeed must be between -2**63 and 2**64 - 1, got "
+                             f"{random_seed}")
         self.createOrSet(random_seed=random_seed)
         torch.manual_seed(random_seed)
         return self
 
     def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True):
         """Round the number of IPUs up to a power of two on hardware (``bool``,
-        default False, key ``auto_round_num_ipus``). Returns self. S-64."""
+        default False, key ``auto_round_num_ipus``). Returns self. S-64.
+        ``AssertionError`` unless a bool."""
         return self.set(auto_round_num_ipus=auto_round_num_ipus)
 
     def setExecutionStrategy(self, strategy):
@@ -379,8 +371,9 @@ class Options(OptionsDict):
 
         Raises:
             AssertionError: a key not of the form ``"IPU<n>"`` (expected
-                ``{"IPU0": 0.5}``).
-            ValueError: ``<n>`` is not an integer.
+                ``{"IPU0": 0.5}``); a value that is not a number.
+            ValueError: ``<n>`` is not a non-negative integer; a proportion outside
+                ``[0, 1]``.
         """
         if not isinstance(available_memory_proportion, dict):
             raise AssertionError('Available memory proportion must be a dict of the form '
@@ -390,38 +383,51 @@ class Options(OptionsDict):
             if not isinstance(key, str) or not key.startswith("IPU"):
                 raise AssertionError(f"Invalid key {key!r}: available memory proportion "
                                      'must be set using the format {"IPU0": 0.5}')
-            actual[int(key[3:])] = proportion
+            index = key[3:]
+            if not index.isdigit():
+                raise ValueError(f"Invalid key {key!r}: available memory proportion keys "
+                                 'are "IPU<n>" with n a non-negative integer, e.g. '
+                                 '{"IPU0": 0.5}')
+            actual[int(index)] = check_proportion(
+                f"setAvailableMemoryProportion[{key!r}]", proportion)
         return self.createOrSet(available_memory_proportion=actual)
 
     def logDir(self, log_dir: str):
         """Directory for backend log/report files (``str``, default ``"."``, key
-        ``log_dir``). Returns self."""
-        return self.set(log_dir=log_dir)
+        ``log_dir``). Returns self. ``AssertionError`` unless a str or path."""
+        check_type("logDir", log_dir, (str, os.PathLike))
+        return self.set(log_dir=str(log_dir))
 
     def maxRepeatLogs(self, max_lines: Optional[int]):
         """Repeated log messages shown before suppression (``int``, default 4, key
-        ``max_repeat_logs``; ``None`` → 2^64−1, no suppression). Returns self."""
+        ``max_repeat_logs``; ``None`` → 2^64−1, no suppression). Returns self.
+        ``AssertionError`` unless an int or None; ``ValueError`` if negative."""
         return self.set(max_repeat_logs=_UINT64_MAX if max_lines is None else max_lines)
 
     def modelName(self, name: str):
         """Model name used as the profile sub-directory (key ``model_name``,
-        created; default name ``"inference"``/``"training"``). Returns self."""
+        created; default name ``"inference"``/``"training"``). Returns self.
+        ``AssertionError`` unless a str."""
+        check_type("modelName", name, str)
         return self.createOrSet(model_name=name)
 
     def enableExecutableCaching(self, path: Optional[str]):
         """Cache executables in ``path`` (``_Popart`` ``cachePath`` and
         ``enableEngineCaching=True``); ``None`` sets ``enableEngineCaching=False``.
-        Returns self. S-61."""
+        Returns self. S-61. ``AssertionError`` unless a str, path or None."""
+        check_type("enableExecutableCaching", path, (str, os.PathLike, type(None)))
         if path is None:
             self._popart.set("enableEngineCaching", False)
         else:
-            self._popart.set("cachePath", path)
+            self._popart.set("cachePath", os.fspath(path))
             self._popart.set("enableEngineCaching", True)
         return self
 
     def useIpuModel(self, use_model: bool):
         """Use the IPU Model (``True``) or request hardware (key ``use_model``,
-        created; overrides ``POPTORCH_IPU_MODEL``). Returns self. S-82."""
+        created; overrides ``POPTORCH_IPU_MODEL``). Returns self. S-82.
+        ``AssertionError`` unless a bool."""
+        check_bool("useIpuModel", use_model)
         return self.createOrSet(use_model=use_model)
 
     def connectionType(self, connection_type: enums.ConnectionType):
@@ -444,32 +450,42 @@ class Options(OptionsDict):
 
     def useIpuId(self, ipu_id: int):
         """Use this IPU id (key ``ipu_id``, created; hardware only). Returns self.
-        ``AssertionError`` if not an int. S-83."""
-        if not isinstance(ipu_id, int):
+        ``AssertionError`` if not an int; ``ValueError`` if negative. S-83."""
+        if not isinstance(ipu_id, int) or isinstance(ipu_id, bool):
             raise AssertionError(f"ipu_id must be an integer, got {type(ipu_id)}")
+        check_int("useIpuId", ipu_id, 0)
         return self.createOrSet(ipu_id=ipu_id)
 
     def useOfflineIpuTarget(self, ipu_version: int = 2):
         """Compile for an IPU without attaching (``connection_type = Never``, key
         ``ipu_version`` created: 1 = Mk1, 2 = Mk2, 21 = Mk2 with FP8). Returns self.
-        S-81."""
+        S-81. ``ValueError`` for another version (``AssertionError`` if not an
+        int)."""
+        check_type("useOfflineIpuTarget", ipu_version, int)
+        if ipu_version not in (1, 2, 21):
+            raise ValueError("useOfflineIpuTarget: ipu_version must be 1 (Mk1), 2 (Mk2) "
+                             f"or 21 (Mk2 with FP8), got {ipu_version}")
         self.connectionType(enums.ConnectionType.Never)
         return self.createOrSet(ipu_version=ipu_version)
 
     def enableStableNorm(self, enabled: bool):
-        """Backend ``enableStableNorm``. Returns self."""
+        """Backend ``enableStableNorm``. Returns self. ``AssertionError`` unless a
+        bool."""
+        check_bool("enableStableNorm", enabled)
         self._popart.set("enableStableNorm", enabled)
         return self
 
     def enableSyntheticData(self, enabled: bool):
         """Backend ``syntheticDataMode`` = 2 if enabled else 0 (no host I/O). Returns
-        self. S-84."""
+        self. S-84. ``AssertionError`` unless a bool."""
+        check_bool("enableSyntheticData", enabled)
         self._popart.set("syntheticDataMode", 2 if enabled else 0)
         return self
 
     def logCycleCount(self, log_cycle_count: bool):
         """Backend ``instrumentWithHardwareCycleCounter`` (hardware only). Returns
-        self."""
+        self. ``AssertionError`` unless a bool."""
+        check_bool("logCycleCount", log_cycle_count)
         self._popart.set("instrumentWithHardwareCycleCounter", log_cycle_count)
         return self
 
@@ -477,7 +493,8 @@ class Options(OptionsDict):
         """Merge ``debug.allowOutOfMemory="true"``, ``autoReport.directory=<dir or
         ".">`` and ``autoReport.all="true"`` into the backend ``engineOptions``.
         Warns if ``POPLAR_ENGINE_OPTIONS`` already sets one of them (the environment
-        wins). Returns self. S-85."""
+        wins). Returns self. S-85. ``AssertionError`` unless a str, path or None."""
+        check_type("enableProfiling", profile_dir, (str, os.PathLike, type(None)))
         env = os.environ.get("POPLAR_ENGINE_OPTIONS", "")
         for key in ("debug.allowOutOfMemory", "autoReport.directory", "autoReport.all"):
             if key in env:
@@ -487,7 +504,7 @@ class Options(OptionsDict):
         engine_options = dict(self._popart.options.get("engineOptions", {}))
         engine_options.update({
             "debug.allowOutOfMemory": "true",
-            "autoReport.directory": profile_dir or ".",
+            "autoReport.directory": os.fspath(profile_dir) if profile_dir else ".",
             "autoReport.all": "true",
         })
         self._popart.setEngineOptions(engine_options)
@@ -502,34 +519,39 @@ class Options(OptionsDict):
 
     def updatableNamedBuffers(self, buffers: List[str]):
         """Backend ``updatableNamedBuffers`` (enables ``copyNamedBuffersToDevice``).
-        Returns self."""
+        Returns self. ``AssertionError`` unless a list of str."""
+        check_strings("updatableNamedBuffers", buffers)
         self._popart.set("updatableNamedBuffers", buffers)
         return self
 
     def showCompilationProgressBar(self, show: bool = True):
         """Draw a "Graph compilation" progress bar on stderr during compile (private
         ``_show_compilation_progress_bar``, default True). Returns self.
-        ``AttributeError`` when frozen."""
-        self._show_compilation_progress_bar = bool(show)
+        ``AttributeError`` when frozen; ``AssertionError`` unless a bool."""
+        check_bool("showCompilationProgressBar", show)
+        self._show_compilation_progress_bar = show
         return self
 
     def relaxOptimizerAttributesChecks(self, relax: bool = True):
         """Turn warnings about unexpected optimizer attributes into debug messages
         (private ``_relax_optimizer_attributes_checks``, default False). Returns self.
-        S-53. ``AttributeError`` when frozen."""
-        self._relax_optimizer_attributes_checks = bool(relax)
+        S-53. ``AttributeError`` when frozen; ``AssertionError`` unless a bool."""
+        check_bool("relaxOptimizerAttributesChecks", relax)
+        self._relax_optimizer_attributes_checks = relax
         return self
 
     def sourceLocationExcludes(self, excludes: List[str]):
         """Replace the path fragments skipped when attributing ops to source lines
         (private ``_source_location_excludes``). Returns self. ``AttributeError`` when
-        frozen."""
+        frozen; ``AssertionError`` unless a list of str."""
+        check_strings("sourceLocationExcludes", excludes)
         self._source_location_excludes = list(excludes)
         return self
 
     def appendToLocationExcludes(self, *excludes: str):
         """Append path fragments to the source-location excludes. Returns self.
-        ``AttributeError`` when frozen."""
+        ``AttributeError`` when frozen; ``AssertionError`` unless each is a str."""
+        check_strings("appendToLocationExcludes", list(excludes))
         self._source_location_excludes = self._source_location_excludes + list(excludes)
         return self
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-import poptorch._poplar_executor as executor_module
+import poptorch._program as program_module  # where capture() is called
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -316,13 +316,13 @@ def test_automatic_loss_scaling_ignores_float32_gradients():
 @pytest.fixture
 def count_captures(monkeypatch):
     calls = []
-    real = executor_module.capture
+    real = program_module.capture
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(executor_module, "capture", counting)
+    monkeypatch.setattr(program_module, "capture", counting)
     return calls
 
 

@@ -1,0 +1,77 @@
+"""Replica-grouped weights (spec S-27, api §5.22): the proxy returned for a direct
+parameter of the wrapped model and the capture-time slicing of grouped weights."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict
+
+import torch
+
+from popart_compiler.errors import py_error
+
+from . import _instrument, enums
+
+__all__ = ["ReplicaGroupingProxy", "one_replica_slices"]
+
+
+class ReplicaGroupingProxy:
+    """What ``executor.<name>`` returns for a parameter that is a direct attribute of
+    the model (api §5.22): attribute reads go to the parameter; ``replicaGrouping``
+    declares a replica-grouped weight (S-27). Not itself a tensor."""
+
+    def __init__(self, executor: Any, name: str, param: torch.nn.Parameter):
+        object.__setattr__(self, "_executor", executor)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_param", param)
+
+    def __getattr__(self, attr: str):
+        return getattr(self._param, attr)
+
+    def __repr__(self) -> str:
+        return repr(self._param)
+
+    def replicaGrouping(self, comm_group_type: enums.CommGroupType, shards: int,
+                        variable_retrieval_mode: enums.VariableRetrievalMode) -> None:
+        """Give this weight one value per replica group (S-27). Call before compiling.
+
+        Args:
+            comm_group_type: ``Consecutive`` / ``Orthogonal`` (groups of ``shards``
+                replicas), ``All`` (one group) or ``NoGrouping`` (one per replica).
+            shards: replicas per group.
+            variable_retrieval_mode: ``OnePerGroup`` (the host tensor holds one value
+                per group, stacked on dimension 0) or ``AllReplicas`` (reading back
+                gives one value per replica).
+
+        Raises:
+            AssertionError: arguments of the wrong type.
+            poptorch.Error: the model is already compiled.
+        """
+        if not isinstance(comm_group_type, enums.CommGroupType):
+            raise AssertionError("comm_group_type must be a poptorch.CommGroupType")
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+            raise AssertionError("shards must be a positive integer")
+        if not isinstance(variable_retrieval_mode, enums.VariableRetrievalMode):
+            raise AssertionError("variable_retrieval_mode must be a "
+                                 "poptorch.VariableRetrievalMode")
+        if self._executor.isCompiled():
+            raise py_error(f"replicaGrouping of {self._name} must be called before the model "
+                           "is compiled.")
+        self._executor.per_replica_params[self._name] = (
+            comm_group_type, shards, variable_retrieval_mode)
+
+
+@contextlib.contextmanager
+def one_replica_slices(model: torch.nn.Module, groupings: Dict[str, Any]):
+    """Capture replica-grouped weights with the shape of one group's slice (S-27)."""
+    swapped = []
+    with _instrument.syncing():
+        for name in groupings:
+            param = model._parameters[name]
+            swapped.append((param, param.data))
+            param.data = param.data[0]
+    try:
+        yield
+    finally:
+        with _instrument.syncing():
+            for param, data in swapped:
+                param.data = data
