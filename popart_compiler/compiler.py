@@ -20,8 +20,9 @@ import torch.fx as fx
 
 from . import backends, cost_model, inductor_backend, placement, steering
 from .errors import backend_error
+from .dropout import remove_dropout
 from .ipu_model import target_for
-from .ir import Graph
+from .ir import Graph, uses_random_numbers
 from .logging import logger
 from .placement import PlacementPlan, StrategySettings
 from .profile_report import write_report
@@ -194,6 +195,8 @@ class Compiler:
                            "the IPU has no 64-bit floating point type")
         if options.device != "cpu":
             _rewrite_args(graph.module, {torch.device("cpu"): torch.device(options.device)})
+        if not training and remove_dropout(graph.module):  # PopART's inference rule, S-34
+            graph.random = uses_random_numbers(graph.module)
         report(2, total)
         loss_index = Compiler._check_loss(graph) if training else None
         Compiler._check_buffers(graph, options, training)
@@ -312,7 +315,7 @@ class Compiler:
     @staticmethod
     def _check_inputs(graph: Graph) -> None:
         """Input and output dtypes the IPU takes (S-45; complex values only inside the
-        graph); no zero-sized tensor anywhere (S-3)."""
+        graph); no zero-sized user input or output (S-3)."""
         for node in graph.placeholders:
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor) and val.dtype in UNSUPPORTED_DTYPES:
@@ -327,12 +330,13 @@ class Compiler:
                     "types: complex values may only be intermediate results inside the "
                     "model (e.g. of torch.fft); return torch.view_as_real(x), x.real, "
                     "x.imag or x.abs() instead.")
-        for node in graph.module.graph.nodes:
-            val = node.meta.get("val")
-            for v in val if isinstance(val, (list, tuple)) else (val,):
-                if isinstance(v, torch.Tensor) and v.numel() == 0:
-                    raise backend_error(f"Zero-sized tensors are unsupported (Got shape "
-                                        f"{list(v.shape)})")
+        # Only the tensors the user passes or receives: intermediate values of a
+        # decomposition (EmbeddingBag's offsets, an empty key/value cache that is
+        # concatenated to) never reach the user and are computed as in PyTorch.
+        for info in list(graph.user_inputs) + list(graph.user_outputs):
+            if info is not None and 0 in info.shape:
+                raise backend_error(f"Zero-sized tensors are unsupported (Got shape "
+                                    f"{list(info.shape)})")
 
     @staticmethod
     def _check_loss(graph: Graph) -> int:
@@ -348,13 +352,19 @@ class Compiler:
                 f"{', '.join(n.name for n in finals)}. Graph must have a single final "
                 "loss: wrap the final combined loss in poptorch.identity_loss(loss, "
                 "reduction=...).")
-        loss = finals[0]
-        for i, node in enumerate(graph.output_nodes):
-            if node is loss:
-                return i
-        raise backend_error(
-            "The final loss must be returned by the model's forward (e.g. "
-            "`return output, loss`).")
+        outputs = graph.loss_outputs(finals[0])
+        if len(outputs) > 1:
+            raise backend_error(
+                f"The model's forward returns {len(outputs)} different values computed "
+                "from its final loss (outputs "
+                f"{', '.join(str(i) for i in outputs)}): return the loss once, or wrap "
+                "the value to back-propagate from in poptorch.identity_loss(loss, "
+                "reduction=...).")
+        if not outputs:
+            raise backend_error(
+                "The final loss must be returned by the model's forward (e.g. "
+                "`return output, loss`).")
+        return outputs[0]
 
     @staticmethod
     def _check_buffers(graph: Graph, options: SessionOptions, training: bool) -> None:

@@ -17,8 +17,8 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-__all__ = ["Graph", "LOSS_OPS", "IDENTITY_LOSS_OP", "register_per_micro_batch_op",
-           "annotation_text"]
+__all__ = ["Graph", "LOSS_OPS", "LOSS_ARITHMETIC_OPS", "IDENTITY_LOSS_OP",
+           "register_per_micro_batch_op", "annotation_text", "uses_random_numbers"]
 
 #: ATen ops that mark a loss (spec S-40), by overload packet name.
 LOSS_OPS = frozenset({
@@ -29,6 +29,15 @@ LOSS_OPS = frozenset({
     "cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss",
     "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
     "ctc_loss", "gaussian_nll_loss",
+})
+#: Ops after which a loss is still the loss (S-40): scalar arithmetic (``loss * 0.5``,
+#: ``loss / n``, ``KLDivLoss(reduction="batchmean")``'s division by the batch size),
+#: reductions of an unreduced loss, views and casts. Back-propagation starts from the
+#: value the model returns, so the gradient carries the factor.
+LOSS_ARITHMETIC_OPS = frozenset({
+    "mul", "div", "true_divide", "add", "sub", "rsub", "neg", "sum", "mean",
+    "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "clone",
+    "contiguous", "alias", "_to_copy", "to", "type_as",
 })
 #: Qualified name of the ``poptorch.identity_loss`` custom op.
 IDENTITY_LOSS_OP = "poptorch::identity_loss"
@@ -114,6 +123,15 @@ def _written_nodes(graph: fx.Graph) -> List[fx.Node]:
                 if isinstance(v, fx.Node):
                     written.append(_aliased_base(v))
     return written
+
+
+def uses_random_numbers(module: fx.GraphModule) -> bool:
+    """Whether some op of ``module`` (or of its sub-graphs) draws random numbers."""
+    return any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in n.target.tags
+        for gm in module.modules() if isinstance(gm, fx.GraphModule)
+        for n in gm.graph.nodes)
 
 
 #: Placeholder order of a :class:`Graph`: parameters, buffers, then the rest as captured.
@@ -221,11 +239,7 @@ class Graph:
         self.mutated_constants = {name_of[n] for n in written
                                   if n in name_of and name_of[n] in self.constants}
         self.mutated_inputs = {i for i, n in enumerate(user_nodes) if n in written}
-        self.random = any(
-            n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in n.target.tags
-            for gm in self.module.modules() if isinstance(gm, fx.GraphModule)
-            for n in gm.graph.nodes)
+        self.random = uses_random_numbers(self.module)
         self.loss_nodes = [n for n in self.module.graph.nodes if _is_loss_node(n)]
         #: block id → ``placement.Placement`` of the blocks the capture recorded
         #: (api §9), in order of first use; empty without annotations.
@@ -283,6 +297,29 @@ class Graph:
             if not feeds:
                 finals.append(node)
         return finals
+
+    def loss_outputs(self, loss: fx.Node) -> List[int]:
+        """Indices of the user outputs that hold the final loss ``loss`` (S-40).
+
+        That is ``loss`` itself if ``forward`` returns it; otherwise every returned
+        value computed from ``loss`` through :data:`LOSS_ARITHMETIC_OPS` only (e.g.
+        ``loss * 0.5``). Several outputs of the same value count once.
+        """
+        direct = [i for i, n in enumerate(self.output_nodes) if n is loss]
+        if direct:
+            return direct[:1]
+        reached, frontier = {loss}, [loss]
+        while frontier:
+            for user in frontier.pop().users:
+                if user not in reached and user.op == "call_function" \
+                        and _op_name(user) in LOSS_ARITHMETIC_OPS:
+                    reached.add(user)
+                    frontier.append(user)
+        first: Dict[fx.Node, int] = {}
+        for i, node in enumerate(self.output_nodes):
+            if node in reached:
+                first.setdefault(node, i)
+        return sorted(first.values())
 
     def activation_names(self) -> Dict[str, fx.Node]:
         """``<scope>/<OpType>:<index>`` name of every op (spec S-16).

@@ -148,20 +148,54 @@ def importPoptorchMetadataFromFile(filename: str) -> bytes:
     return import_metadata(filename)
 
 
+#: Opt-in: report the IPU Model's IPUs as hardware (see :func:`ipuHardwareIsAvailable`).
+_IPU_MODEL_AS_HARDWARE = "POPTORCH_IPU_MODEL_AS_HARDWARE"
+
+#: IPU architecture version of each IPU Model version (``POPTORCH_IPU_MODEL_VERSION``).
+_ARCH_VERSIONS = {"ipu1": 1, "ipu2": 2, "ipu21": 21}
+
+
+def _model_as_hardware() -> bool:
+    return (_os.environ.get(_IPU_MODEL_AS_HARDWARE, "0") or "0").strip().lower() not in (
+        "0", "", "false", "no", "off")
+
+
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
-    """Whether physical IPUs are present: always ``False`` here (the IPU Model is the
-    device; spec api §2.5)."""
-    return False
+    """Whether physical IPUs are present (spec api §2.5).
+
+    Always ``False`` by default: the IPU Model is the device. Frameworks that refuse to
+    start without hardware (lightning-graphcore's ``IPUAccelerator``) can be run on the
+    simulator by setting the environment variable ``POPTORCH_IPU_MODEL_AS_HARDWARE=1``
+    before they import PopTorch: the IPU Model's IPUs (up to 64) are then reported as
+    present.
+
+    Args:
+        num_ipus: IPUs needed.
+    """
+    if not _model_as_hardware():
+        return False
+    from popart_compiler.ipu_model import MAX_IPUS
+    return 1 <= num_ipus <= MAX_IPUS
 
 
 def ipuHardwareVersion() -> int:
     """The IPU architecture version of the hardware (spec api §2.6).
 
+    With ``POPTORCH_IPU_MODEL_AS_HARDWARE=1``: the IPU Model's version
+    (``POPTORCH_IPU_MODEL_VERSION``: 1 for ``ipu1``, 2 for ``ipu2``, the default, 21
+    for ``ipu21``; -1 with a warning if unrecognised).
+
     Raises:
-        AssertionError: "No IPU hardware available on this system" (always: there is no
-            physical IPU).
+        AssertionError: "No IPU hardware available on this system" (without the
+            opt-in: there is no physical IPU).
     """
-    raise AssertionError("No IPU hardware available on this system")
+    if not _model_as_hardware():
+        raise AssertionError("No IPU hardware available on this system")
+    name = _os.environ.get("POPTORCH_IPU_MODEL_VERSION", "ipu2") or "ipu2"
+    if name not in _ARCH_VERSIONS:
+        logger.warning("Unknown IPU architecture %s", name)
+        return -1
+    return _ARCH_VERSIONS[name]
 
 
 _faulthandler.enable()

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import io
+import os
 import sys
 import traceback
 import warnings
@@ -24,10 +25,12 @@ from popart_compiler.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 
 from . import _blocks
 
-from . import _data_dependence, _dynamic_slicing, _impl, _opaque_ops
+from . import _data_dependence, _dynamic_slicing, _host_ops, _impl, _opaque_ops
 from ._capture_constants import VALUE_READS, constant_value, producing_op
 from ._args import BoundArgs, Spec, flatten, unflatten
 from ._capture_guard import capture_guard, thread_stderr
+from ._capture_warnings import at_user_code
+from ._dtype_rules import DtypeRulesMode
 from ._execution_strategy import PipelinedExecution
 from ._logging import logger
 
@@ -187,6 +190,10 @@ def _patch_tensor_ipu() -> Callable[[], None]:
 
 
 # -- error translation ------------------------------------------------------------------
+
+#: poptorch's own source directory (a PopTorch op's argument checks raise from here).
+_POPTORCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
     """The innermost traceback frame in user code (not torch / poptorch)."""
@@ -473,6 +480,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     for hook in list(_PRE_HOOKS.values()):
         hook()
     before = _state_identity(model)
+    _host_ops.take_captured()
     constants_before = _plain_tensor_attributes(model)
     containers = _container_attributes(model)
     had_forward = "forward" in vars(model)
@@ -484,8 +492,9 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         example = tuple(t.detach() for t in micro_batch)
         scope = {} if module_namescope else {"no_module_scope": True}
         with _block_tags(strategy), _impl.device_context(training), _quiet_torch_logs(), \
+                at_user_code(_data_dependence.user_frame), \
                 _device_weights(model), _opaque_ops.opaque_functions(), \
-                _IpuDeviceMode(device), _no_distribution_validation(), \
+                _IpuDeviceMode(device), DtypeRulesMode(), _no_distribution_validation(), \
                 fx_traceback.annotate(scope):
             program = torch.export.export(model, example, strict=False)
             history = _blocks.block_history()
@@ -506,6 +515,9 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         origin = traceback.extract_tb(exc.__traceback__)
         if frame is not None and origin and origin[-1].filename == frame.filename:
             raise  # raised by the user's own code
+        if (frame is not None and isinstance(exc, (ValueError, AssertionError)) and origin
+                and os.path.abspath(origin[-1].filename).startswith(_POPTORCH_DIR)):
+            raise  # a PopTorch op's argument check: api §8 names these exception types
         if isinstance(exc, (AssertionError, ValueError, TypeError, RuntimeError,
                             NotImplementedError, KeyError, IndexError)) and frame is None:
             raise
@@ -524,6 +536,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     _bake_constants(program, constants_before)
     graph = Graph(program)
     graph.blocks = blocks
+    graph.host_functions = _host_ops.take_captured()  # keeps inline poptorch.CPU ops alive
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
 

@@ -38,6 +38,10 @@ def _check_common(tensor, dim, start, size) -> None:
                        f"{type(tensor).__name__}")
     if not isinstance(dim, int):
         raise py_error("Dimension must be an integer.")
+    if not -tensor.dim() <= dim < max(tensor.dim(), 1):
+        raise py_error(f"dynamic_slice/dynamic_update: dim {dim} is out of range for a "
+                       f"tensor of shape {list(tensor.shape)}: use a dimension in "
+                       f"[{-tensor.dim()}, {tensor.dim() - 1}]")
     if not isinstance(start, torch.Tensor):
         raise py_error("dynamic_slice/dynamic_update: start must be a tensor holding the "
                        f"runtime offset, got {type(start).__name__}")
@@ -74,7 +78,7 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
 
     Raises:
         poptorch.Error: a non-tensor ``tensor`` or ``start``, ``dim``/``size``/``step``
-            not int, ``size == 0`` ("start and end of a slice must be different"),
+            not int, ``dim`` out of range, ``size == 0`` ("start and end of a slice must be different"),
             ``size < 0``, ``step < 1`` ("Slicing step must be at least 1"), a ``start``
             without an integer dtype.
     """
@@ -109,8 +113,9 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,  # noqa: A0
 
     Raises:
         poptorch.Error: non-tensor ``input``/``src``/``start``; ``dim``/``size`` not int;
-            "input and src tensors must have same dimensionality"; different dtypes;
-            ``size <= 0``.
+            ``dim`` out of range; "input and src tensors must have same
+            dimensionality"; different dtypes; ``size <= 0``; in a wrapped model, a
+            ``src`` whose shape is not the window's.
     """
     _check_common(input, dim, start, size)
     if not isinstance(src, torch.Tensor):
@@ -123,6 +128,12 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,  # noqa: A0
     if not isRunningOnIpu():
         first = int(start.reshape(()))
         return input.slice_scatter(src, dim, first, first + size)
+    window = list(input.shape)
+    window[dim] = size
+    if list(src.shape) != window:
+        raise py_error(f"dynamic_update: src has shape {list(src.shape)}, but a window of "
+                       f"size {size} along dim {dim} of an input of shape "
+                       f"{list(input.shape)} has shape {window}: pass a src of that shape")
     return input.index_copy(dim, _window(input, dim, start, size), src)
 
 

@@ -161,6 +161,16 @@ def run_on_examples(fn: Callable, inputs: Sequence[torch.Tensor]) -> Any:
 _HOST_FUNCTIONS: "weakref.WeakValueDictionary[str, CPU]" = weakref.WeakValueDictionary()
 _next_key = itertools.count()
 _active: List["CPU"] = []
+#: CPU ops called during the capture in progress; the captured graph keeps them alive
+#: (a CPU op created inside ``forward`` has no other owner, as in PopTorch).
+_captured: List["CPU"] = []
+
+
+def take_captured() -> List["CPU"]:
+    """Return and forget the CPU ops called since the last call (one capture)."""
+    taken = list(_captured)
+    _captured.clear()
+    return taken
 
 
 def _host_call(inputs: List[torch.Tensor], key: str, outputs: str) -> List[torch.Tensor]:
@@ -235,6 +245,7 @@ class CPU:
             _active.pop()
         single = isinstance(example, torch.Tensor)
         spec = encode_outputs(as_tensor_list(f"poptorch.CPU op {self.ID!r}", example))
+        _captured.append(self)
         outs = _HOST_CALL(list(inputs), self._key, spec)
         if single:
             return outs[0]

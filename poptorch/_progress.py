@@ -7,6 +7,9 @@ from typing import Optional
 
 __all__ = ["ProgressBar"]
 
+_TITLE = "Graph compilation"
+_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}<{remaining}]"
+
 
 class ProgressBar:
     """The ``compilation_progress_bar_fn`` of :meth:`Options.toDict`: a callable
@@ -21,15 +24,16 @@ class ProgressBar:
     def __init__(self, show: bool = True):
         self.show = show
         self._bar = None
+        self._total = self._n = 0
         self.start = time.perf_counter()
         self.elapsed: Optional[float] = None
 
     def __call__(self, progress: int, total: int) -> None:
-        if self.show and self._bar is None and self.elapsed is None:
+        self._total, self._n = total, progress
+        if self.show and self._bar is None and self.elapsed is None and _interactive():
             from tqdm import tqdm
-            self._bar = tqdm(desc="Graph compilation", total=total, file=sys.stderr,
-                             bar_format="{desc}: {percentage:3.0f}%|{bar}| "
-                             "{n}/{total} [{elapsed}<{remaining}]")
+            self._bar = tqdm(desc=_TITLE, total=total, file=sys.stderr,
+                             bar_format=_FORMAT)
         if self._bar is not None and progress != self._bar.n:
             self._bar.n = progress
             self._bar.refresh()
@@ -37,10 +41,25 @@ class ProgressBar:
             self.close()
 
     def close(self) -> None:
-        """Stop the timer and close the bar."""
+        """Stop the timer and close the bar. When stderr is not a terminal (a log
+        file, CI), the bar is not animated: closing writes its final state (the step
+        reached) as one line instead."""
         if self.elapsed is None:
             self.elapsed = time.perf_counter() - self.start
+            if self.show and self._bar is None and self._total:
+                from tqdm import tqdm
+                line = tqdm.format_meter(self._n, self._total, self.elapsed,
+                                         prefix=_TITLE, bar_format=_FORMAT, ncols=80)
+                sys.stderr.write(line + "\n")
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _interactive() -> bool:
+    isatty = getattr(sys.stderr, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # closed stream
+        return False
 

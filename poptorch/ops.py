@@ -111,7 +111,8 @@ def cond(condition: torch.Tensor, then_body: Callable, then_inps: List[torch.Ten
     Raises:
         ValueError: ``then_inps`` or ``else_inps`` is not a list.
         poptorch.Error: used in a training model ("poptorch.cond() is only supported in
-            inference.").
+            inference."); a branch torch.compile cannot capture (outputs differing
+            between the branches, host ops such as ``ipu_print_tensor`` inside a branch).
     """
     if not isinstance(then_inps, list):
         raise ValueError("poptorch.cond: then_inps must be a list of tensors "
@@ -137,8 +138,18 @@ def cond(condition: torch.Tensor, then_body: Callable, then_inps: List[torch.Ten
         outs = _as_list(else_body(*[o.clone() for o in operands[n_then:]]))
         return tuple(o.clone() for o in outs)
 
-    return list(torch.cond(condition.reshape(()).bool(), true_fn, false_fn,
-                           tuple(then_inps) + tuple(else_inps)))
+    try:
+        return list(torch.cond(condition.reshape(()).bool(), true_fn, false_fn,
+                               tuple(then_inps) + tuple(else_inps)))
+    except torch._dynamo.exc.UncapturedHigherOrderOpError as exc:
+        reason = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()),
+                      type(exc).__name__)
+        raise py_error(
+            f"poptorch.cond: a branch could not be captured ({reason}). The branches are "
+            "traced with torch.compile: both must return the same number of tensors with "
+            "the same shapes and dtypes, and they may only use traceable tensor code; call "
+            "host ops (ipu_print_tensor, CPU, custom_op) outside the branches, on cond's "
+            "inputs or outputs.") from exc
 
 
 def _check_tensor_list(name: str, values) -> None:

@@ -1,6 +1,16 @@
-"""Shared fixtures: deterministic seeds and a clean PopTorch state per test."""
+"""Shared fixtures: deterministic seeds and a clean PopTorch state per test.
+
+The suite runs PyTorch on one intra-op thread: its models are tiny, a second thread
+brings nothing, and on a busy machine OpenMP's synchronisation between contended
+threads makes each small kernel many times slower. ``POPTORCH_TEST_THREADS=N``
+overrides it.
+"""
+import os
+
 import pytest
 import torch
+
+torch.set_num_threads(int(os.environ.get("POPTORCH_TEST_THREADS", "1") or "1"))
 
 
 @pytest.fixture(autouse=True)

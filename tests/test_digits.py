@@ -17,7 +17,10 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "digits.py"
 
-pytestmark = pytest.mark.timeout(120)
+#: A guard against hangs only: nothing here depends on how fast the machine is (the
+#: full run takes about 10 s on an idle 2-core machine and several times that when the
+#: cores are busy).
+pytestmark = pytest.mark.timeout(1200)
 
 #: Tolerance of the weight comparison: |poptorch - reference| <= ATOL + RTOL * |reference|
 #: element-wise (torch.testing.assert_close). Both sides run the same float32 CPU
@@ -193,18 +196,32 @@ def test_main_reduced_epochs(digits, capsys, one_thread):
     accuracy = digits.main(["--epochs", "3", "--seed", "0"])
     out = capsys.readouterr().out
     assert out.count("epoch ") == 3
+    assert "1 thread(s)" in out
     assert "test accuracy:" in out
     assert accuracy >= 0.85
 
 
+@pytest.mark.slow
 def test_full_run_reaches_95_percent():
     """``python examples/digits.py`` (default 20 epochs) reaches ≥ 95 % test accuracy.
 
-    Runs as a subprocess, exactly as a user would (about 5–10 s on 2 CPU cores).
+    Runs as a subprocess, exactly as a user would, with no time limit of its own.
     """
     result = subprocess.run([sys.executable, str(EXAMPLE), "--quiet"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=110, check=True)
+                            capture_output=True, text=True, check=True)
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("test accuracy:"), result.stdout
     accuracy = float(last.split()[2].rstrip("%")) / 100
     assert accuracy >= 0.95, last
+
+
+def test_tiny_models_run_on_one_thread(digits):
+    """The example picks one intra-op thread below a million parameters, PyTorch's
+    default above, and --threads overrides it (restoring the caller's setting)."""
+    assert digits.default_threads(digits.DigitsCNN()) == 1
+    big = torch.nn.Linear(1000, 1001)
+    assert digits.default_threads(big) == torch.get_num_threads()
+    before = torch.get_num_threads()
+    with pytest.raises(SystemExit):
+        digits.main(["--threads", "0"])
+    assert torch.get_num_threads() == before

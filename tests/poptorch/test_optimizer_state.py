@@ -315,7 +315,7 @@ def test_checkpoint_resumed_in_a_new_process_is_bit_identical(tmp_path, kind):
     out = tmp_path / "resumed.pt"
     script = _RESUME.format(tests=os.path.dirname(__file__), path=str(path), out=str(out),
                             kind=kind)
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=900,
                    env={**os.environ, "POPTORCH_LOG_LEVEL": "ERR"})
     resumed = torch.load(out)
     for k, v in model.state_dict().items():

@@ -1,0 +1,53 @@
+"""The opt-in ``POPTORCH_IPU_MODEL_AS_HARDWARE=1`` reports the IPU Model's IPUs as
+hardware, so frameworks that refuse to start without hardware run on the simulator
+(lightning-graphcore's IPUStrategy); off by default (spec api §2.5, §2.6)."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import poptorch
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("POPTORCH_IPU_MODEL_AS_HARDWARE", raising=False)
+    assert poptorch.ipuHardwareIsAvailable() is False
+    with pytest.raises(AssertionError, match="No IPU hardware available on this system"):
+        poptorch.ipuHardwareVersion()
+    monkeypatch.setenv("POPTORCH_IPU_MODEL_AS_HARDWARE", "0")
+    assert poptorch.ipuHardwareIsAvailable() is False
+
+
+@pytest.mark.parametrize("version, number", [("ipu1", 1), ("ipu2", 2), ("ipu21", 21),
+                                             (None, 2)])
+def test_opt_in_reports_the_ipu_model(monkeypatch, version, number):
+    monkeypatch.setenv("POPTORCH_IPU_MODEL_AS_HARDWARE", "1")
+    if version is None:
+        monkeypatch.delenv("POPTORCH_IPU_MODEL_VERSION", raising=False)
+    else:
+        monkeypatch.setenv("POPTORCH_IPU_MODEL_VERSION", version)
+    assert poptorch.ipuHardwareIsAvailable() is True
+    assert poptorch.ipuHardwareIsAvailable(64) is True
+    assert poptorch.ipuHardwareIsAvailable(65) is False  # more than the IPU Model has
+    assert poptorch.ipuHardwareVersion() == number
+
+
+@pytest.mark.slow
+def test_lightning_ipu_strategy_matches_a_plain_lightning_cpu_run():
+    """Trainer.fit / validate / predict of the digits CNN with lightning-graphcore's
+    IPUStrategy (Lightning 2.0.9, explicit IPUPrecision plugin) equal a CPU run."""
+    result = subprocess.run([sys.executable, str(HERE / "lightning_digits_run.py")],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["strategies"] == ["IPUStrategy", "SingleDeviceStrategy"]
+    assert report["weights_moved"]
+    assert report["weight_difference"] <= 1e-5
+    ipu_metrics, cpu_metrics = report["validate"]
+    assert ipu_metrics[0]["val_acc"] == pytest.approx(cpu_metrics[0]["val_acc"])
+    assert report["prediction_shape"] == [64, 10]
+    assert report["prediction_difference"] <= 1e-5
