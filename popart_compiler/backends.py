@@ -4,26 +4,23 @@ The ``eager`` backend runs the captured ATen graph (an ``fx.GraphModule``) with 
 eager kernels. For inference graphs without state, :func:`vectorize` turns the
 per-micro-batch graph into one graph over all the micro-batches of a run with
 ``torch.func.vmap`` traced by ``make_fx``: the same arithmetic per micro-batch, batched
-kernels instead of a Python loop.
+kernels instead of a Python loop. Ops without a batching rule are decomposed into ops
+that have one; vmap's slow per-slice fallback is never used.
 """
 from __future__ import annotations
 
 import contextlib
 import io
-import warnings
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .logging import logger
 
 __all__ = ["vectorize", "simplify"]
-
-#: vmap's warning for an op it runs through its (slower, equally exact) loop fallback.
-_NO_BATCHING_RULE = r"There is a performance drop because we have not yet implemented " \
-    r"the batching rule"
 
 
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
@@ -82,25 +79,6 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-@contextlib.contextmanager
-def _quiet_vmap_fallback() -> Iterator[None]:
-    """An op without a vmap batching rule is traced as a loop over the micro-batches:
-    the same values, so vmap's "performance drop ... please file us an issue" note
-    (a Python warning, or a line on stderr when it comes from inside the dispatcher) is
-    PyTorch's business, not the user's. The note is switched back on afterwards (its
-    default)."""
-    switch = getattr(torch._C._functorch, "_set_vmap_fallback_warning_enabled", None)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
-        if switch is not None:
-            switch(False)
-        try:
-            yield
-        finally:
-            if switch is not None:
-                switch(True)
-
-
 def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
               slots: int) -> Optional[fx.GraphModule]:
     """Trace ``fn(*state, *inputs)`` vmapped over ``slots`` micro-batches.
@@ -116,21 +94,43 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
         a leading dimension of ``slots``, returning outputs with that leading dimension;
         ``None`` if the graph cannot be vectorized (the caller then loops).
     """
-    in_dims = tuple([None] * len(state) + [0] * len(inputs))
     if isinstance(fn, fx.GraphModule) and _has_cond(fn):
         fn = _CondAsSelect(fn).run
-    vmapped = torch.func.vmap(fn, in_dims=in_dims, randomness="different")
     examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)
                 for x in inputs]
     try:
-        # a failed trace is expected (the caller loops); fx prints its own traceback
-        with torch.no_grad(), _quiet_vmap_fallback(), \
-                contextlib.redirect_stderr(io.StringIO()):
-            gm = make_fx(vmapped, tracing_mode="fake")(*state, *examples)
+        return simplify(_trace_vmapped(fn, state, examples))
     except Exception as e:  # no batching rule, data-dependent op, ...
+        logger.debug("Vectorizing with decomposed ops: %s", e)
+    try:
+        # Ops without a batching rule (e.g. CPU scaled-dot-product attention) are
+        # decomposed into ops that have one; the graph stays one batched program.
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+            decomposed = make_fx(fn, decomposition_table=core_aten_decompositions(),
+                                 tracing_mode="fake")(*state, *inputs)
+        return simplify(_trace_vmapped(decomposed, state, examples))
+    except Exception as e:  # still no batching rule, data-dependent op, ...
         logger.debug("Running micro-batches one by one: vectorization failed (%s)", e)
         return None
-    return simplify(gm)
+
+
+def _trace_vmapped(fn: Callable, state: Sequence[torch.Tensor],
+                   examples: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """``make_fx`` of ``fn`` vmapped over the leading dimension of ``examples``.
+    vmap's per-slice fallback (and its "BatchedFallback" warning) is disabled: an op
+    without a batching rule raises instead."""
+    in_dims = tuple([None] * len(state) + [0] * len(examples))
+    vmapped = torch.func.vmap(fn, in_dims=in_dims, randomness="different")
+    functorch = torch._C._functorch  # pylint: disable=protected-access
+    enabled = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(False)
+    try:
+        # a failed trace is expected (the caller retries or loops); fx prints its own
+        # traceback
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+            return make_fx(vmapped, tracing_mode="fake")(*state, *examples)
+    finally:
+        functorch._set_vmap_fallback_enabled(enabled)
 
 
 def _has_cond(gm: fx.GraphModule) -> bool:

@@ -7,7 +7,9 @@ on the device and prepares the runners of the backend.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -16,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from . import backends, cost_model, placement, steering
+from . import backends, cost_model, inductor_backend, placement, steering
 from .errors import backend_error
 from .dropout import remove_dropout
 from .ipu_model import target_for
@@ -64,6 +66,10 @@ class Executable:
         compile_seconds: wall-clock time of the compilation.
         placement: where each op runs (IPU, pipeline stage, phase; api §9); every
             node of ``module`` carries ``node.meta["placement"]``.
+        runner: what runs one micro-batch (``module`` itself on the eager backend,
+            its Inductor compilation on the inductor backend).
+        stage_wrapper: turns a pipeline stage's submodule into its runner (``None``:
+            call the submodule).
         estimate: the IPU Model's memory / cycle estimate (:mod:`.cost_model`).
     """
     graph: Graph
@@ -73,11 +79,13 @@ class Executable:
     num_ipus: int
     activation_anchors: List[Anchor]
     state_anchors: List[Anchor]
-    vectorized: Optional[fx.GraphModule]
+    vectorized: Optional[Callable]
     tensor_names: List[str]
     compile_seconds: float = 0.0
     vectorized_slots: int = 1
     placement: Optional[PlacementPlan] = None
+    runner: Optional[Callable] = None
+    stage_wrapper: Optional[Callable[[fx.GraphModule], Callable]] = None
     estimate: Optional[cost_model.IpuEstimate] = None
 
     @property
@@ -211,7 +219,8 @@ class Compiler:
                 and not options.synthetic_data and not options.fp_exceptions
                 and not options.replica_groupings and graph.has_device_work()
                 and not graph.runs_per_micro_batch()):
-            chunk = Compiler._chunk(graph, slots)
+            # Inductor's fused kernels have no cache-size sweet spot: one call for all.
+            chunk = slots if options.backend == "inductor" else Compiler._chunk(graph, slots)
             if chunk > 1:
                 vectorized = Compiler._vectorize(graph, chunk, options.device)
         report(5, total)
@@ -225,6 +234,8 @@ class Compiler:
                          vectorized=vectorized, tensor_names=names,
                          vectorized_slots=chunk if vectorized is not None else 1,
                          placement=plan)
+        if options.backend == "inductor":
+            Compiler._use_inductor(exe)
         if logger.isEnabledFor(logging.DEBUG):
             placement.log_placement(exe.placement_summary(backward=False))
         exe.estimate = Compiler._estimate(graph, options, training, optimizer)
@@ -247,6 +258,26 @@ class Compiler:
         return result
 
     # -- checks -------------------------------------------------------------------
+
+    @staticmethod
+    def _use_inductor(exe: Executable) -> None:
+        """Route the runners of ``exe`` through TorchInductor (compiled at first run).
+        Floating-point exception checks (S-46) need the op-by-op interpreter, so they
+        keep the eager runner."""
+        if exe.options.fp_exceptions:
+            logger.warning("Floating point exceptions are checked op by op: the inductor "
+                           "compiler is not used for this model.")
+            return
+        random = exe.graph.random
+        runner = exe.module
+        if not exe.training and exe.options.device == "cpu":
+            runner = inductor_backend.onednn_linear(copy.deepcopy(exe.module))
+            if exe.vectorized is not None:
+                inductor_backend.onednn_linear(exe.vectorized)
+        exe.runner = inductor_backend.compile_graph(runner, random=random)
+        exe.stage_wrapper = functools.partial(inductor_backend.compile_graph, random=random)
+        if exe.vectorized is not None:
+            exe.vectorized = inductor_backend.compile_graph(exe.vectorized, random=random)
 
     @staticmethod
     def _check_options(options: SessionOptions, training: bool) -> None:

@@ -212,6 +212,8 @@ class StepSettings:
         als_threshold: proportion of float16 gradient elements in the top histogram
             bin above which the factor is halved.
         als_bin_edge: lower edge of the top bin as a fraction of the float16 maximum.
+        foreach: update all the weights of a group with ``torch._foreach_*`` kernels
+            (the inductor backend) instead of one weight at a time; same arithmetic.
         all_reduce: in a multi-process run (S-28), sums a list of tensors over the
             processes (``collectives.ProcessGroup.all_reduce_sum``); called once per
             weight update with the gradients summed over the local replicas (and the
@@ -227,6 +229,7 @@ class StepSettings:
     als_update_period: int = 1
     als_threshold: float = 1e-7
     als_bin_edge: float = 0.125
+    foreach: bool = False
     all_reduce: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
 
 
@@ -809,7 +812,7 @@ class DeviceOptimizer:
             _sgd.sgd(params, [g for _, _, g in items], lists,
                      weight_decay=float(h.get("weight_decay", 0.0)), momentum=momentum,
                      lr=lr, dampening=dampening, nesterov=bool(h.get("nesterov", False)),
-                     maximize=False, foreach=False)
+                     maximize=False, foreach=self.settings.foreach)
             if momentum != 0.0:
                 for n, w, new in zip(names, work, lists):
                     if w is not None and new is not None and new is not w:
@@ -824,7 +827,7 @@ class DeviceOptimizer:
                 _float32([self.state[f"Accl2___{n}"] for n in names]) as v:
             fn(params, [g for _, _, g in items], m, v, [],
                [self.state[f"Step___{n}"] for n in names],
-               foreach=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=float(h["lr"]),
+               foreach=self.settings.foreach, amsgrad=False, beta1=beta1, beta2=beta2, lr=float(h["lr"]),
                weight_decay=float(h.get("weight_decay", 0.0)),
                eps=float(h.get("eps", 1e-8)), maximize=False, **extra)
 
@@ -851,7 +854,7 @@ class DeviceOptimizer:
             _rmsprop.rmsprop(
                 params, [g for _, _, g in items], sq, avg, mom,
                 [self.state[f"Step___{n}"] for n in names],
-                foreach=False, lr=float(h["lr"]), alpha=float(h.get("alpha", 0.99)),
+                foreach=self.settings.foreach, lr=float(h["lr"]), alpha=float(h.get("alpha", 0.99)),
                 eps=float(h.get("eps", 1e-8)),
                 weight_decay=float(h.get("weight_decay", 0.0)),
                 momentum=momentum, centered=centered)

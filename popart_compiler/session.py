@@ -27,6 +27,7 @@ from .rollback import SavedTensors, deferred_interrupts
 from .ipu_model import IpuModel
 from .logging import logger
 from .optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
+from .perf_counters import IterationClock, returned_iterations
 from .schedule import StagedProgram
 
 __all__ = ["InferenceSession", "TrainingSession", "reduce_output", "device_dtype"]
@@ -309,18 +310,21 @@ class _Session(abc.ABC):
         self.weights = _Weights(executable, torch_device)
         self._graph = executable.module
         self._runner = (FloatingPointChecker(self._graph).run
-                        if executable.options.fp_exceptions else self._graph)
+                        if executable.options.fp_exceptions
+                        else self._graph if executable.runner is None else executable.runner)
         #: Several stages: micro-batches run through them in schedule order (S-63).
         self._staged = StagedProgram(
             self._graph, executable.placement.pipelined,
             wrap=(lambda m: FloatingPointChecker(m).run)
-            if executable.options.fp_exceptions else None) if executable.staged else None
+            if executable.options.fp_exceptions else executable.stage_wrapper
+        ) if executable.staged else None
         self.rng = _DeviceRng(self.options.random_seed, torch_device,
                               stream=self.options.process_id)
         self.anchors: Dict[str, torch.Tensor] = {}
         self.perf_counters: Dict[str, List[List[float]]] = {
             "input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
         self.runs = 0
+        self.clock = IterationClock(self.options.device_iterations)
         self._saved = SavedTensors()
 
     # -- weights IO -------------------------------------------------------------------
@@ -434,10 +438,7 @@ class _Session(abc.ABC):
         """
         if self.options.synthetic_data:
             inputs = self._synthetic(inputs)
-        now = time.perf_counter()
-        self.perf_counters = {"input": [[now] for _ in inputs] or [[]],
-                              "input_complete": [[now] for _ in inputs] or [[]],
-                              "output": [[]], "output_complete": [[]]}
+        self.clock = IterationClock(self.options.device_iterations)
         ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
         # All or nothing (S-73): whatever ends a run early (an error, a
         # KeyboardInterrupt) leaves the device as it was before the run.
@@ -451,9 +452,9 @@ class _Session(abc.ABC):
                 with deferred_interrupts():
                     self._restore(snap, mutable)
             raise
-        done = time.perf_counter()
-        self.perf_counters["output"] = [[done] for _ in outs] or [[]]
-        self.perf_counters["output_complete"] = [[time.perf_counter()] for _ in outs] or [[]]
+        o = self.options
+        self.perf_counters = self.clock.counters(len(inputs), len(outs), returned_iterations(
+            o.output_mode, o.output_return_period, o.device_iterations))
         self.runs += 1
         return outs
 
@@ -493,19 +494,24 @@ class InferenceSession(_Session):
         d, r = o.device_iterations, o.replication_factor
         exe = self.executable
         gm = self._runner
+        since = time.perf_counter()
         if d * r == 1 and self._staged is None:
             x = [t.to(self.torch_device) for t in inputs]
             with torch.no_grad():
                 outs = gm(*self.weights.state(0), *x)
+            self.clock.mark(0, 1, since)
             return self._finish([t.detach()[None, None, None] for t in outs])
         split = self._split(inputs)
         if exe.vectorized is not None:
             xs = [t.reshape(d * r, *t.shape[3:]) for t in split]
             c = exe.vectorized_slots
             state = self.weights.state(0)
+            chunks = []
             with torch.no_grad():
-                chunks = [exe.vectorized(*state, *[x[k:k + c] for x in xs])
-                          for k in range(0, d * r, c)]
+                for k in range(0, d * r, c):
+                    since = time.perf_counter()
+                    chunks.append(exe.vectorized(*state, *[x[k:k + c] for x in xs]))
+                    self.clock.mark(k // r, (k + c - 1) // r - k // r + 1, since)
             outs = [torch.cat(parts) if len(parts) > 1 else parts[0]
                     for parts in zip(*chunks)]
             return self._finish([t.reshape(d, 1, r, *t.shape[1:]) for t in outs])
@@ -518,11 +524,14 @@ class InferenceSession(_Session):
                     results[i * r + rep] = [t.detach().clone() for t in outs]
                 self._staged.run([[[*self.weights.state(rep), *[t[i, 0, rep] for t in split]]
                                    for rep in range(r)] for i in range(d)], done)
+                self.clock.mark(0, d, since)
             else:
                 for i in range(d):
+                    since = time.perf_counter()
                     for rep in range(r):
                         outs = gm(*self.weights.state(rep), *[t[i, 0, rep] for t in split])
                         results.append([t.detach().clone() for t in outs])
+                    self.clock.mark(i, 1, since)
         stacked = [torch.stack([res[j] for res in results]).reshape(d, 1, r, *results[0][j].shape)
                    for j in range(len(results[0]))] if results else []
         return self._finish(stacked)
@@ -566,6 +575,7 @@ class TrainingSession(_Session):
             replica_groups=self.weights.replica_groups(),
             auto_loss_scaling=o.auto_loss_scaling, als_update_period=o.als_update_period,
             als_threshold=o.als_threshold, als_bin_edge=o.als_bin_edge,
+            foreach=o.backend == "inductor",
             all_reduce=self.process_group.all_reduce_sum if self.process_group else None)
         self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params,
                                          settings)
@@ -656,6 +666,7 @@ class TrainingSession(_Session):
         state_anchor_names = {anc.name for anc in exe.state_anchors}
         per_iteration: Dict[str, List[torch.Tensor]] = {n: [] for n in state_anchor_names}
         for i in range(d):
+            since = time.perf_counter()
             opt.begin_step()
             scale = opt.loss_scale
             if "finalLossScale" in per_iteration:
@@ -701,6 +712,7 @@ class TrainingSession(_Session):
                 if key in per_iteration and g is not None:
                     per_iteration[key].append(g.to(params[self.weights.index[name]].dtype))
             self._collect_state(per_iteration)
+            self.clock.mark(i, 1, since)
         stacked = [torch.stack([res[j] for res in results]).reshape(d, a, r, *results[0][j].shape)
                    for j in range(len(results[0]))] if results else []
         self._record_state_anchors(per_iteration)

@@ -100,7 +100,7 @@ gradient_accumulation accumulation_and_replication_reduction_type
 meanAccumulationAndReplicationReductionStrategy distributed_process_id
 num_distributed_processes ipuof_configs execution_mode separate_backward_phase
 tensors_liveness serial_phases_execution location_activation location_weight
-location_optimizer location_accumulator numIOTiles
+location_optimizer location_accumulator numIOTiles execution_device compiler_backend
 """.split())
 
 
@@ -230,7 +230,9 @@ class SessionOptions:
         process_id: this process's index; it owns global replicas
             ``[process_id × R, (process_id + 1) × R)``.
         device: ``"cpu"`` or ``"cuda"``: where the IPU Model's kernels run.
-        backend: ``"eager"`` (FX graph run with PyTorch eager kernels).
+        backend: ``"eager"`` (FX graph run with PyTorch eager kernels) or
+            ``"inductor"`` (TorchInductor through ``torch.compile``, see
+            :mod:`popart_compiler.inductor_backend`).
         ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
         use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).
         small_ipu_model: the 4-tile IPU Model of ``POPTORCH_SMALL_IPU_MODEL``.
@@ -266,6 +268,13 @@ class SessionOptions:
     connection_type: int = 0
     progress_callback: Optional[Callable[[int, int], None]] = None
     raw: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def backend_key(self) -> str:
+        """``"<device>/<backend>"``, e.g. ``"cpu/eager"``: the part of an
+        executable-cache key that names the backend (an executable compiled for one
+        backend is never loaded for another)."""
+        return f"{self.device}/{self.backend}"
 
     @property
     def input_groups(self) -> int:
@@ -352,11 +361,16 @@ class SessionOptions:
             process_id=int(get("distributed_process_id", 0)),
             ipu_model_version=version,
             connection_type=int(get("connection_type", 0)),
+            device=str(get("execution_device", "cpu")),
+            backend=str(get("compiler_backend", "eager")),
             progress_callback=get("compilation_progress_bar_fn"),
             raw=dict(values),
         )
         for k, v in overrides.items():
             setattr(opts, k, v)
+        if opts.device not in ("cpu", "cuda") or opts.backend not in ("eager", "inductor"):
+            raise backend_error(f"Unknown backend {opts.backend_key}: the execution device "
+                                "must be cpu or cuda and the compiler eager or inductor.")
         return opts
 
 

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import enums
+from ._backend_options import _BackendOptions
 from ._execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
                                   SerialPhasedExecution, ShardedExecution)
 from ._logging import logger
@@ -87,6 +88,7 @@ class Options(OptionsDict):
         self._precision = _PrecisionOptions(self._popart)
         self._distributed = _DistributedOptions()
         self._tensor_locations = _TensorLocationOptions()
+        self._backend = _BackendOptions()
         # 2. Execution strategy.
         self._execution_strategy = PipelinedExecution()
         # 3. Private flags.
@@ -150,13 +152,19 @@ class Options(OptionsDict):
         return self._jit
 
     @property
+    def Backend(self) -> _BackendOptions:
+        """Execution device and compiler of the IPU Model (``_BackendOptions``; our
+        extension, README "Compiled backends and CUDA")."""
+        return self._backend
+
+    @property
     def _Popart(self) -> _PopartOptions:
         """Advanced backend options (:class:`_PopartOptions`, options §4.6)."""
         return self._popart
 
     def _groups(self):
         return (self._jit, self._popart, self._training, self._precision,
-                self._distributed, self._tensor_locations)
+                self._distributed, self._tensor_locations, self._backend)
 
     def _freeze(self) -> None:
         """Freeze these options and all the sub-groups (``_Popart`` included)."""
@@ -592,13 +600,14 @@ class Options(OptionsDict):
         out = self._training.update(out)
         out = self._distributed.update(out)
         out = self._tensor_locations.update(out)
+        out = self._backend.update(out)
         if self._show_compilation_progress_bar:
             out["compilation_progress_bar_fn"] = ProgressBar()
         return out
 
     def __repr__(self) -> str:
         parts = [f"{k}={v!r}" for k, v in self._values.items()]
-        for name in sorted(("Distributed", "Jit", "Precision", "TensorLocations",
+        for name in sorted(("Backend", "Distributed", "Jit", "Precision", "TensorLocations",
                             "Training", "_Popart")):
             parts.append(f"{name}={getattr(self, name)!r}")
         return "Options(" + ", ".join(parts) + ")"

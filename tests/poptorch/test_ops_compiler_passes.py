@@ -63,6 +63,10 @@ def test_per_micro_batch_ops_are_never_vectorised():
     lib.define("side_effect(Tensor x) -> Tensor")
     lib.impl("side_effect", lambda x: x.clone(), "CompositeExplicitAutograd")
     torch.library.register_fake("test_steering::side_effect", torch.empty_like, lib=lib)
+    # a batching rule, so that vmap (which never falls back to a per-slice loop) can
+    # vectorise the op until it is registered as per-micro-batch
+    torch.library.register_vmap("test_steering::side_effect",
+                                lambda info, in_dims, x: (x.clone(), in_dims[0]), lib=lib)
     options = SessionOptions(device_iterations=4)
     assert Compiler.compile(export(Model(), torch.randn(3)), options,
                             training=False).vectorized is not None

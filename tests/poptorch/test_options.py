@@ -671,7 +671,7 @@ def test_to_dict_merge():
     # Jit/Precision have no values of their own; nothing else leaks in
     expected = (1 + len(opts._Popart.options) + len(opts._values)
                 + len(opts.Training._values) + len(opts.Distributed._values)
-                + len(opts.TensorLocations._values) + 1)
+                + len(opts.TensorLocations._values) + len(opts.Backend._values) + 1)
     assert len(d) == expected
     opts.showCompilationProgressBar(False)
     assert "compilation_progress_bar_fn" not in opts.toDict()

@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""Our backends against peers, side by side in one process (issue 11).
+
+Models: an MLP (784-512-512-10, micro-batch 32), a CNN (2 × conv + pool, then a
+linear layer; 3×32×32 input, micro-batch 16) and a BERT-style encoder (hidden 384,
+6 layers, 6 heads, sequence 128, micro-batch 8, scaled-dot-product attention).
+
+Inference, ``deviceIterations(8)``: time per sample of one call over the combined
+batch (8 micro-batches). Runners: plain eager PyTorch on the combined batch under
+``torch.no_grad()`` (the reference), ours with the eager compiler, ours with the
+inductor compiler, ``torch.compile`` of the model, ONNX Runtime (CPU execution
+provider, model exported with ``torch.onnx.export``; skipped if ``onnxruntime`` is
+not installed: ``pip install .[bench]``).
+
+Training, SGD (lr 0.01), one weight update per micro-batch, 8 per call: time per
+micro-batch. Runners: a plain eager loop (forward, cross-entropy, backward,
+``torch.optim.SGD`` step per micro-batch; the reference), ours-eager, ours-inductor,
+and the same loop with the forward + loss compiled by ``torch.compile``.
+
+First results: seconds from wrapping a fresh model to its first output ("first": the
+first model of that runner in this process; "again": a second fresh model with the
+same architecture, so the Inductor/FX caches and imports are warm).
+
+Ratios are runner / reference of median times (lower is better); the sides are
+interleaved so that background load affects them alike. ``torch.set_num_threads``
+defaults to 1 (``--threads``) for the least noise on a shared machine.
+
+Usage::
+
+    python bench/peers.py                       # every model; minutes (Inductor compiles)
+    python bench/peers.py --models mlp cnn --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import poptorch  # noqa: E402  pylint: disable=wrong-import-position
+
+DEVICE_ITERATIONS = 8
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(),
+                                 nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Cnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(self.features(x).flatten(1))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.norm1 = nn.LayerNorm(hidden)
+        self.ff = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                                nn.Linear(4 * hidden, hidden))
+        self.norm2 = nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).reshape(b, s, 3, self.heads, h // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        att = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, h)
+        x = self.norm1(x + self.out(att))
+        return self.norm2(x + self.ff(x))
+
+
+class Bert(nn.Module):
+    """Encoder over token ids: embedding, 6 layers, a 2-class head on token 0."""
+
+    def __init__(self, hidden=384, layers=6, heads=6, vocab=1000, seq=128):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(torch.randn(seq, hidden) * 0.02)
+        self.layers = nn.ModuleList([EncoderLayer(hidden, heads) for _ in range(layers)])
+        self.head = nn.Linear(hidden, 2)
+
+    def forward(self, ids):
+        x = self.emb(ids) + self.pos
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x[:, 0])
+
+
+MODELS = {
+    "mlp": ("MLP 784-512-512-10, mb 32", Mlp, 32,
+            lambda n: torch.randn(n, 1, 28, 28), 10),
+    "cnn": ("CNN 2×conv+pool+linear, 3×32×32, mb 16", Cnn, 16,
+            lambda n: torch.randn(n, 3, 32, 32), 10),
+    "bert": ("BERT encoder, hidden 384, 6 layers, seq 128, mb 8", Bert, 8,
+             lambda n: torch.randint(0, 1000, (n, 128)), 2),
+}
+
+
+class WithLoss(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, t):
+        out = self.model(x)
+        return out, F.cross_entropy(out, t)
+
+
+def _opts(compiler: str) -> poptorch.Options:
+    opts = poptorch.Options().deviceIterations(DEVICE_ITERATIONS)
+    opts.Backend.compiler(compiler)
+    opts.showCompilationProgressBar(False)
+    return opts
+
+
+def _first(make: Callable[[], Callable], *args) -> float:
+    start = time.perf_counter()
+    make()(*args)
+    return time.perf_counter() - start
+
+
+def _onnx(model: nn.Module, x: torch.Tensor, threads: int) -> Optional[Callable]:
+    try:
+        import onnxruntime as ort  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return None
+    path = os.path.join(tempfile.mkdtemp(), "model.onnx")
+    torch.onnx.export(model, (x,), path, dynamo=True, external_data=False)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    feed = x.numpy()
+    return lambda: sess.run(None, {name: feed})
+
+
+def _interleaved(runners: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
+    times: Dict[str, List[float]] = {k: [] for k in runners}
+    for fn in runners.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for k, fn in runners.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def inference(key: str, repeats: int, threads: int) -> Dict[str, Dict[str, float]]:
+    _, cls, mb, data, _ = MODELS[key]
+    torch.manual_seed(0)
+    model = cls().eval()
+    n = mb * DEVICE_ITERATIONS
+    x = data(n)
+    first: Dict[str, float] = {}
+    again: Dict[str, float] = {}
+    ours = {}
+    for compiler in ("eager", "inductor"):
+        first[f"ours-{compiler}"] = _first(
+            lambda c=compiler: ours.setdefault(c, poptorch.inferenceModel(model, _opts(c))), x)
+        again[f"ours-{compiler}"] = _first(
+            lambda c=compiler: poptorch.inferenceModel(cls().eval(), _opts(c)), x)
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        first["torch.compile"] = _first(lambda: compiled, x)
+        again["torch.compile"] = _first(lambda: torch.compile(cls().eval()), x)
+    runners = {"eager": lambda: model(x), "ours-eager": lambda: ours["eager"](x),
+               "ours-inductor": lambda: ours["inductor"](x),
+               "torch.compile": lambda: compiled(x)}
+    start = time.perf_counter()
+    ort_run = _onnx(model, x, threads)
+    if ort_run is not None:
+        ort_run()
+        first["onnxruntime"] = time.perf_counter() - start
+        runners["onnxruntime"] = ort_run
+    with torch.no_grad():
+        times = _interleaved(runners, repeats)
+    return {"time": {k: v / n for k, v in times.items()}, "first": first, "again": again}
+
+
+def training(key: str, repeats: int) -> Dict[str, Dict[str, float]]:
+    _, cls, mb, data, classes = MODELS[key]
+    torch.manual_seed(0)
+    d = DEVICE_ITERATIONS
+    x, t = data(mb * d), torch.randint(0, classes, (mb * d,))
+    first: Dict[str, float] = {}
+    ours = {}
+    for compiler in ("eager", "inductor"):
+        model = WithLoss(cls())
+        first[f"ours-{compiler}"] = _first(lambda c=compiler, m=model: ours.setdefault(
+            c, poptorch.trainingModel(m, _opts(c), poptorch.optim.SGD(m.parameters(),
+                                                                        lr=0.01))), x, t)
+
+    def loop(model, opt, fwd):
+        def run():
+            for i in range(d):
+                opt.zero_grad()
+                fwd(x[i * mb:(i + 1) * mb], t[i * mb:(i + 1) * mb])[1].backward()
+                opt.step()
+        return run
+
+    plain = WithLoss(cls())
+    comp = WithLoss(cls())
+    comp_fwd = torch.compile(comp)
+    first["torch.compile"] = _first(lambda: comp_fwd, x[:mb], t[:mb])
+    runners = {
+        "eager": loop(plain, torch.optim.SGD(plain.parameters(), lr=0.01), plain),
+        "ours-eager": lambda: ours["eager"](x, t),
+        "ours-inductor": lambda: ours["inductor"](x, t),
+        "torch.compile": loop(comp, torch.optim.SGD(comp.parameters(), lr=0.01), comp_fwd),
+    }
+    times = _interleaved(runners, repeats)
+    return {"time": {k: v / d for k, v in times.items()}, "first": first}
+
+
+def _row(title: str, res: Dict[str, float], ref: str, cols: List[str]) -> str:
+    cells = []
+    for c in cols:
+        if c not in res:
+            cells.append("-")
+        else:
+            cells.append(f"{res[c] * 1e3:.3f} ms ({res[c] / res[ref]:.2f})")
+    return f"| {title} | " + " | ".join(cells) + " |"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-training", action="store_true")
+    parser.add_argument("--no-inference", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cols = ["eager", "ours-eager", "ours-inductor", "torch.compile", "onnxruntime"]
+    lines = [f"torch {torch.__version__}, {args.threads} thread(s), deviceIterations "
+             f"{DEVICE_ITERATIONS}, median of {args.repeats}; cells: time (ratio to eager)",
+             "", "Inference, per sample:", "",
+             "| model | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    firsts = []
+    for key in [] if args.no_inference else args.models:
+        res = inference(key, args.repeats, args.threads)
+        lines.append(_row(MODELS[key][0], res["time"], "eager", cols))
+        print(lines[-1], flush=True)
+        firsts.append((f"{key} inference", res["first"], res["again"]))
+    if not args.no_training:
+        lines += ["", "Training (SGD), per micro-batch:", "",
+                  "| model | " + " | ".join(cols[:4]) + " |", "|---" * 5 + "|"]
+        for key in args.models:
+            res = training(key, args.repeats)
+            lines.append(_row(MODELS[key][0], res["time"], "eager", cols[:4]))
+            print(lines[-1], flush=True)
+            firsts.append((f"{key} training", res["first"], {}))
+    lines += ["", "First result, seconds (first in this process / again with a fresh "
+              "model):", "", "| model | ours-eager | ours-inductor | torch.compile | "
+              "onnxruntime |", "|---|---|---|---|---|"]
+    for title, first, again in firsts:
+        cells = []
+        for c in ("ours-eager", "ours-inductor", "torch.compile", "onnxruntime"):
+            if c not in first:
+                cells.append("-")
+            elif c in again:
+                cells.append(f"{first[c]:.2f} / {again[c]:.2f}")
+            else:
+                cells.append(f"{first[c]:.2f}")
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

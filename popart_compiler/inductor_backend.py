@@ -1,0 +1,129 @@
+"""The ``inductor`` backend: captured graphs compiled by TorchInductor.
+
+The same ATen graph the ``eager`` backend interprets is handed to ``torch.compile``
+with a backend that calls Inductor's ``compile_fx``: forward graphs become fused
+kernels and, for training, AOTAutograd compiles the backward graph too (gradients
+still come from ``torch.autograd.grad`` on the compiled forward). Parameters, buffers
+and constants stay graph *inputs* — never constants folded into the kernels — so the
+device weights can be rewritten (``copyWeightsToDevice``, optimizer updates) without
+recompiling. A program is compiled once per input signature: later runs with the same
+shapes and dtypes reuse the kernels (:func:`compile_count` counts compilations).
+
+Inference graphs on the CPU run their linear layers with oneDNN
+(:func:`onednn_linear`): PyTorch's ``addmm`` goes through the BLAS library it was
+built with, which can be several times slower than oneDNN on some CPUs (measured 9.0 ms
+against 0.9 ms for a 256×784 by 784×512 product, one thread of an AMD EPYC); the
+weights stay plain, unpacked graph inputs.
+
+Random ops keep the device RNG's semantics: Inductor is told to call PyTorch's random
+kernels (``fallback_random``) so they draw from the generator the session swaps in
+(S-95) and match the eager backend.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable, List, Optional
+
+import torch
+import torch.fx as fx
+
+from .logging import logger
+
+__all__ = ["compile_graph", "compile_count", "onednn_linear"]
+
+_lock = threading.Lock()
+_compiles = 0
+
+
+def compile_count() -> int:
+    """Number of graphs Inductor has compiled in this process (forward graphs; the
+    backward graph of a training program is compiled with its forward)."""
+    return _compiles
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
+              random: bool) -> Callable:
+    """Dynamo backend: count, then compile with Inductor."""
+    global _compiles  # pylint: disable=global-statement
+    from torch._inductor.compile_fx import compile_fx  # pylint: disable=import-outside-toplevel
+    with _lock:
+        _compiles += 1
+    logger.debug("Compiling a graph of %d nodes with TorchInductor",
+                 len(gm.graph.nodes))
+    patches = {"fallback_random": True} if random else {}
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def compile_graph(gm: fx.GraphModule, *, random: bool = False) -> Callable:
+    """Compile ``gm`` with TorchInductor (lazily: on its first call).
+
+    Args:
+        gm: a flat graph module (state and inputs as placeholders), as captured or
+            vectorized by the compiler.
+        random: the graph has random ops: draw from PyTorch's generator (see module
+            docstring) instead of Inductor's own.
+
+    Returns:
+        A callable with ``gm``'s signature. It compiles at the first call, and again
+        only for a new input signature (shape, dtype, device, ``requires_grad``).
+    """
+    return torch.compile(gm, backend=functools.partial(_inductor, random=random),
+                         dynamic=False, fullgraph=True)
+
+
+@torch.library.custom_op("popart_compiler::onednn_linear", mutates_args=())
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ weight.T + bias`` by oneDNN (Inductor calls it as an external kernel)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@_onednn_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def onednn_linear(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``addmm(b, x, t(w))`` and ``mm(x, t(w))`` on float32 CPU tensors into
+    oneDNN's linear (``popart_compiler::onednn_linear``, an external kernel for
+    Inductor; same result up to float rounding).
+    Inference only: the oneDNN op has no autograd formula. Returns ``gm`` (rewritten in
+    place); unchanged where oneDNN is unavailable."""
+    if not torch.backends.mkldnn.is_available():
+        return gm
+    aten = torch.ops.aten
+    linear = torch.ops.popart_compiler.onednn_linear.default
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.addmm.default,
+                                                             aten.mm.default):
+            continue
+        if node.kwargs:
+            continue
+        bias, x, wt = (node.args if node.target is aten.addmm.default
+                       else (None,) + tuple(node.args))
+        if not (isinstance(wt, fx.Node) and wt.target in (aten.t.default,
+                                                          aten.permute.default)):
+            continue
+        if wt.target is aten.permute.default and list(wt.args[1]) != [1, 0]:
+            continue
+        w = wt.args[0]
+        vals = [getattr(n, "meta", {}).get("val") for n in (x, w, node)]
+        if bias is not None:
+            vals.append(bias.meta.get("val") if isinstance(bias, fx.Node) else None)
+        if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32
+                   and v.device.type == "cpu" for v in vals):
+            continue
+        if bias is not None and vals[-1].dim() != 1:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(linear, (x, w, bias))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm

@@ -1,0 +1,62 @@
+"""Passes of the inductor backend on their own: the weight update with
+``torch._foreach_*`` kernels (``StepSettings.foreach``) equals the per-weight update for
+every optimizer kind using PyTorch's functional optimizers; the oneDNN linear rewrite."""
+import pytest
+import torch
+
+from popart_compiler.optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
+
+
+@pytest.mark.parametrize("kind,hyper", [
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=False)),
+    ("SGD", dict(lr=0.1)),
+    ("Adam", dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)),
+    ("AdamW", dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)),
+    ("RMSprop", dict(lr=0.01, alpha=0.9, eps=1e-8, momentum=0.5, centered=True,
+                     weight_decay=0.0)),
+])
+def test_foreach_update_equals_per_weight_update(kind, hyper):
+    shapes = [(4, 3), (3,), (2, 2, 2)]
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    results = []
+    for foreach in (False, True):
+        desc = OptimizerDescription(kind, defaults=dict(hyper), groups=[], group_of={})
+        params = [torch.ones(s) for s in shapes]
+        opt = DeviceOptimizer(desc, [f"p{i}" for i in range(len(shapes))], params,
+                              StepSettings(foreach=foreach))
+        for step_grads in grads:
+            opt.begin_step()
+            opt.accumulate(0, 0, [g * opt.loss_scale for g in step_grads])
+            opt.finish_step(params)
+        results.append((params, opt.state_dict()))
+    (p0, s0), (p1, s1) = results
+    assert not torch.equal(p0[0], torch.ones(4, 3))
+    for a, b in zip(p0, p1):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert s0.keys() == s1.keys()
+    for k in s0:
+        torch.testing.assert_close(s0[k], s1[k], rtol=1e-6, atol=1e-7)
+
+
+def test_onednn_linear_pass_keeps_values():
+    """The inductor backend's CPU inference pass: ``addmm`` / ``mm`` with a transposed
+    weight become oneDNN linears with the same values; weights stay graph inputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from popart_compiler.inductor_backend import onednn_linear
+
+    def fn(w1, b1, w2, x):
+        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)),
+                                          w2)
+    args = [torch.randn(16, 8), torch.randn(16), torch.randn(4, 16), torch.randn(5, 8)]
+    gm = make_fx(fn)(*args)
+    expected = fn(*args)
+    gm = onednn_linear(gm)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    if torch.backends.mkldnn.is_available():
+        assert "popart_compiler.onednn_linear.default" in targets
+        assert not targets & {"aten.addmm.default", "aten.mm.default"}
+    torch.testing.assert_close(gm(*args), expected, rtol=1e-5, atol=1e-5)
+    args[0] = args[0] * 2  # a new weight value is used as is (not frozen)
+    torch.testing.assert_close(gm(*args), fn(*args), rtol=1e-5, atol=1e-5)
