@@ -40,3 +40,17 @@ def test_unary_math_after_a_loss_is_the_loss(head):
     training.copyWeightsToHost()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_every_options_group_can_be_stored_in_an_executable_file(tmp_path):
+    """``Options.Backend`` lives in its own module: save() refused it and every
+    save / compileAndExport failed (api §5.4)."""
+    from poptorch import _serialization
+    opts = poptorch.Options()
+    decoded = _serialization.decode(_serialization.encode(opts))
+    assert decoded.Backend.compilerName == opts.Backend.compilerName
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    path = str(tmp_path / "linear.poptorch")
+    poptorch.inferenceModel(model).compileAndExport(path, x)
+    torch.testing.assert_close(poptorch.load(path)(x), model(x))
