@@ -25,7 +25,8 @@ from popart_compiler.errors import backend_error, py_error
 
 from . import _instrument, enums
 from ._logging import logger
-from ._optimizer_record import optimizer_record, rebuild_optimizer
+from ._optimizer_record import (device_state_of, optimizer_record, rebuild_optimizer,
+                                write_device_state)
 from ._program import (capture_program, decode_signature, encode_signature,
                        from_blobs, structure_of, to_blobs)
 from ._serialization import (decode, encode, read_container, tensors_from_bytes,
@@ -115,7 +116,8 @@ def save(executor, filename: str, export_model: bool = True,
         if executor._training and executor._optimizer is not None:
             executor._syncOptimizerStateToHost()
             meta["optimizer"], blobs["optimizer.safetensors"] = optimizer_record(
-                executor._optimizer, executor._param_names())
+                executor._optimizer, executor._param_names(),
+                device_state_of(executor._optimizer, executor._session))
         try:
             with _instrument.syncing():
                 blobs["model.pkl"] = pickle.dumps(executor._user_model)
@@ -309,6 +311,9 @@ def load(filename: str, edit_opts_fn: Optional[Callable] = None,
         executor.per_replica_params[name] = grouping
     _check_fits(executor, filename, meta, structure_of(blobs))
     executor._loadProgram(from_blobs(blobs))
+    if meta["training"] and executor._session is not None:
+        write_device_state(executor._optimizer, executor._session,
+                           blobs.get("optimizer.safetensors", b""))
     if meta.get("rng_state") is not None:
         executor.rng_state = meta["rng_state"]
     return executor

@@ -54,3 +54,34 @@ def test_every_options_group_can_be_stored_in_an_executable_file(tmp_path):
     path = str(tmp_path / "linear.poptorch")
     poptorch.inferenceModel(model).compileAndExport(path, x)
     torch.testing.assert_close(poptorch.load(path)(x), model(x))
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=0.01)], ids=["sgd_momentum", "adam"])
+def test_torch_optim_state_survives_save_and_load(tmp_path, make):
+    """A ``torch.optim`` optimizer keeps its state only on the device: save() lost
+    the momentum / Adam moments, so the loaded model trained differently (S-62)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    trainer = poptorch.trainingModel(
+        _Loss(model), optimizer=make(model.parameters()))
+    x, t = torch.randn(4, 4), torch.randint(0, 4, (4,))
+    for _ in range(2):
+        trainer(x, t)
+    path = str(tmp_path / "train.poptorch")
+    trainer.save(path)
+    expected = [trainer(x, t) for _ in range(3)]
+    loaded = poptorch.load(path)
+    got = [loaded(x, t) for _ in range(3)]
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+class _Loss(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.body(x), t)
