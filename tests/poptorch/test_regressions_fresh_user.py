@@ -85,3 +85,11 @@ class _Loss(nn.Module):
 
     def forward(self, x, t):
         return F.cross_entropy(self.body(x), t)
+
+
+def test_default_options_that_are_not_json(monkeypatch):
+    """A malformed POPTORCH_DEFAULT_OPTIONS raised a TypeError from re-raising a
+    json.JSONDecodeError; it is a ValueError naming the variable."""
+    monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", "notjson")
+    with pytest.raises(ValueError, match="POPTORCH_DEFAULT_OPTIONS='notjson': Expecting"):
+        poptorch.Options()
