@@ -254,9 +254,10 @@ class ExportedModel(torch.nn.Module):
 
         def forward(*args, **kwargs):
             raise py_error("This model was loaded from an exported file without its "
-                           "Python source: it runs only through the executor returned "
-                           "by poptorch.load(). To recompile, rebuild the original "
-                           "model and call loadExecutable() or compile().")
+                           "Python source: it cannot be captured again (e.g. after "
+                           "destroy()). Load the file again with poptorch.load(), or "
+                           "rebuild the original model, wrap it and call "
+                           "loadExecutable() or compile().")
         forward.__signature__ = decode_signature(signature)  # type: ignore[attr-defined]
         self.forward = forward
 

@@ -93,3 +93,18 @@ def test_default_options_that_are_not_json(monkeypatch):
     monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", "notjson")
     with pytest.raises(ValueError, match="POPTORCH_DEFAULT_OPTIONS='notjson': Expecting"):
         poptorch.Options()
+
+
+def test_calling_a_loaded_model_after_destroy_says_to_load_again(tmp_path):
+    """The error told the user to use 'the executor returned by poptorch.load()',
+    which is the one they were calling; it now says to load the file again."""
+    x = torch.randn(3, 4)
+    model = nn.Linear(4, 2)
+    path = str(tmp_path / "linear.poptorch")
+    poptorch.inferenceModel(model).compileAndExport(path, x)
+    loaded = poptorch.load(path)
+    loaded.destroy()
+    with pytest.raises(poptorch.Error, match=r"after destroy\(\)\)\. Load the file "
+                                             r"again with poptorch\.load\(\)"):
+        loaded(x)
+    torch.testing.assert_close(poptorch.load(path)(x), model(x))
