@@ -22,6 +22,7 @@ the failure is re-raised as a ``poptorch.Error`` that says so.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import os
@@ -137,6 +138,23 @@ class ProcessGroup:
                 f"{TIMEOUT_ENV}): {e}. Start every process (torchrun or poprun does) with "
                 "the same MASTER_ADDR / MASTER_PORT.") from None
         self.owned = True
+        atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Leave the run cleanly (at exit, for a group this process created): wait
+        (at most ``_EXIT_BARRIER_S``) until every process got here, then destroy the
+        group, so that no process closes its connections while another still uses
+        them (gloo aborts the process then)."""
+        if not self.owned or self.failed is not None or not dist.is_initialized():
+            return
+        self.owned = False
+        try:
+            if self.backend == "gloo":
+                dist.monitored_barrier(
+                    timeout=datetime.timedelta(seconds=_EXIT_BARRIER_S))
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError) as e:
+            logger.debug("Leaving the distributed run: %s", e)
 
     # -- collectives ------------------------------------------------------------------
 
@@ -258,6 +276,8 @@ class ProcessGroup:
 
 
 _GROUP: Optional[ProcessGroup] = None
+#: Longest wait (seconds) for the other processes when a process leaves the run.
+_EXIT_BARRIER_S = 30
 
 
 def process_group(process_id: int, num_processes: int, device: str = "cpu"
