@@ -23,3 +23,31 @@ def test_profile_report_directory_is_a_file_raises_poptorch_error(tmp_path):
     out = poptorch.inferenceModel(model, good)(x)
     assert torch.allclose(out, model(x))
     assert (tmp_path / "reports" / "inference" / "profile.json").is_file()
+
+
+class _NumpyInForward(torch.nn.Module):
+    def forward(self, x):
+        return torch.from_numpy(x.detach().cpu().numpy() * 2)  # the user's line
+
+
+class _NumpyOfConstant(torch.nn.Module):
+    def forward(self, x):
+        k = torch.tensor([1.0, 2.0]).numpy()  # same on every run: known at capture
+        return x * float(k.sum())
+
+
+def test_numpy_of_run_time_tensor_names_the_read_and_the_line():
+    """x.numpy() in forward was a bare "Failed to capture ...: .numpy() is not supported
+    for tensor subclasses"; it is a data-dependence error like .tolist()."""
+    with pytest.raises(poptorch.Error) as info:
+        poptorch.inferenceModel(_NumpyInForward())(torch.ones(2))
+    text = str(info.value)
+    assert "tensor.numpy()" in text
+    assert "test_regressions_fresh_user_b.py" in text and "the user's line" in text
+    assert "torch.where" in text
+
+
+def test_numpy_of_constant_tensor_is_known_at_capture():
+    x = torch.randn(2)
+    out = poptorch.inferenceModel(_NumpyOfConstant())(x)
+    assert torch.allclose(out, x * 3.0)
