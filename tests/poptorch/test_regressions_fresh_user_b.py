@@ -51,3 +51,22 @@ def test_numpy_of_constant_tensor_is_known_at_capture():
     x = torch.randn(2)
     out = poptorch.inferenceModel(_NumpyOfConstant())(x)
     assert torch.allclose(out, x * 3.0)
+
+
+def test_process_count_differing_from_torchrun_fails_at_once(monkeypatch):
+    """configureProcessId(i, 3) under `torchrun --nproc-per-node 2` waited for a third
+    process until the rendezvous timeout, then blamed MASTER_ADDR / MASTER_PORT."""
+    import torch.distributed as dist
+    from popart_compiler.collectives import ProcessGroup
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fresh-user-b")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # never contacted: the check comes first
+    with pytest.raises(poptorch.Error,
+                       match=r"started this process as process 1 of 2 \(RANK / WORLD_SIZE\) "
+                             r"but the options say process 1 of 3"):
+        ProcessGroup(1, 3)
+    assert not dist.is_initialized()
