@@ -17,12 +17,19 @@ LOG=${OUT:-$ROOT}/gpu-results.txt
 : > "$LOG"
 say() { echo "$*" | tee -a "$LOG"; }
 
-if [ ! -x .venv-gpu/bin/python ]; then
-    "$PY" -m venv --system-site-packages .venv-gpu || say "venv creation failed; using $PY"
+if "$PY" -c "import torch, pytest" 2>/dev/null; then
+    # The machine's python already holds torch and pytest (often itself a venv, whose
+    # packages a --system-site-packages venv would not see): use it as it is.
+    VPY=$(command -v "$PY")
+else
+    if [ ! -x .venv-gpu/bin/python ]; then
+        "$PY" -m venv --system-site-packages .venv-gpu || say "venv creation failed; using $PY"
+    fi
+    VPY=$ROOT/.venv-gpu/bin/python
+    [ -x "$VPY" ] || VPY=$(command -v "$PY")
+    "$VPY" -m pip install -q -e ".[test]" --no-deps --no-build-isolation >>"$LOG" 2>&1 \
+        || say "editable install failed: using PYTHONPATH"
 fi
-VPY=$ROOT/.venv-gpu/bin/python
-[ -x "$VPY" ] || VPY=$(command -v "$PY")
-"$VPY" -m pip install -q -e ".[test]" --no-deps --no-build-isolation >>"$LOG" 2>&1 || say "editable install failed: using PYTHONPATH"
 for pkg in pytest pytest-timeout tqdm safetensors onnx onnxruntime; do
     mod=${pkg//-/_}
     [ "$pkg" = pytest-timeout ] && mod=pytest_timeout

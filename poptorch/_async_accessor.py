@@ -435,22 +435,21 @@ class AsynchronousDataAccessor:
                 last_check = now
                 self._check_worker()
 
-    def _check_worker(self) -> None:
-        """Handle pending messages; raise if the worker reported an error or died."""
+    def _drain_messages(self) -> None:
+        """Handle every message the worker has sent so far."""
         while self._conn.poll():
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
             self._handle_message(msg)
+
+    def _check_worker(self) -> None:
+        """Handle pending messages; raise if the worker reported an error or died."""
+        self._drain_messages()
         if not self._process.is_alive():
             # It may have written a last message just before exiting.
-            while self._conn.poll():
-                try:
-                    msg = self._conn.recv()
-                except (EOFError, OSError):
-                    break
-                self._handle_message(msg)
+            self._drain_messages()
             code = self._process.exitcode
             self._shutdown_worker()
             self._pass_state = "done"

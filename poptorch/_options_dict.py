@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["OptionsDict", "FROZEN_MESSAGE", "check_type", "check_int", "check_bool",
+__all__ = ["OptionsDict", "UnfrozenCopies", "FROZEN_MESSAGE", "check_type", "check_int", "check_bool",
            "check_proportion", "check_strings"]
 
 FROZEN_MESSAGE = "Can't modify frozen Options"
@@ -70,6 +70,25 @@ def check_strings(option: str, values: Any) -> None:
         check_type(f"{option} entries", value, str)
 
 
+class UnfrozenCopies:
+    """Copying and pickling of an option group: ``copy.deepcopy`` returns an unfrozen
+    copy; pickling keeps every attribute (frozen state included)."""
+
+    def __deepcopy__(self, memo):
+        result = type(self).__new__(type(self))
+        memo[id(self)] = result
+        for key, value in self.__dict__.items():
+            object.__setattr__(result, key, copy.deepcopy(value, memo))
+        object.__setattr__(result, "_is_frozen", False)
+        return result
+
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
 class _OptionsMeta(type):
     """Marks an option group as fully constructed once ``__init__`` has returned
     (new private attributes are rejected afterwards)."""
@@ -80,7 +99,7 @@ class _OptionsMeta(type):
         return obj
 
 
-class OptionsDict(metaclass=_OptionsMeta):
+class OptionsDict(UnfrozenCopies, metaclass=_OptionsMeta):
     """A "safe dictionary" of option values (options §1). Behaviour follows PopTorch.
 
     * ``set(**kw)``: only existing keys; a new value must be an instance of the
@@ -209,20 +228,6 @@ class OptionsDict(metaclass=_OptionsMeta):
         else:
             self.set(**{option: value})
 
-    # -- copying / pickling --------------------------------------------------
-    def __deepcopy__(self, memo):
-        result = type(self).__new__(type(self))
-        memo[id(self)] = result
-        for key, value in self.__dict__.items():
-            object.__setattr__(result, key, copy.deepcopy(value, memo))
-        object.__setattr__(result, "_is_frozen", False)
-        return result
-
-    def __getstate__(self):
-        return dict(self.__dict__)
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
 
     # -- printing --------------------------------------------------------------
     def _private_items(self):

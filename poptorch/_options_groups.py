@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any, Optional
 
@@ -12,12 +11,13 @@ import torch
 
 from . import enums
 from ._logging import logger
-from ._options_dict import FROZEN_MESSAGE, OptionsDict, check_bool, check_int, check_type
+from ._options_dict import (FROZEN_MESSAGE, OptionsDict, UnfrozenCopies, check_bool, check_int,
+                            check_type)
 
 __all__ = ["TensorLocationSettings"]
 
 
-class _PopartOptions:
+class _PopartOptions(UnfrozenCopies):
     """Advanced backend options (``Options._Popart``, options §4.6): a plain
     ``options`` dict accepting any key; keys are validated only at compile time.
     Default content: ``instrumentWithHardwareCycleCounter=False``,
@@ -82,20 +82,6 @@ class _PopartOptions:
     def toDict(self) -> dict:
         """A (shallow) copy of the options."""
         return dict(self.options)
-
-    def __deepcopy__(self, memo):
-        result = type(self).__new__(type(self))
-        memo[id(self)] = result
-        for key, value in self.__dict__.items():
-            object.__setattr__(result, key, copy.deepcopy(value, memo))
-        object.__setattr__(result, "_is_frozen", False)
-        return result
-
-    def __getstate__(self):
-        return dict(self.__dict__)
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return "_PopartOptions(" + ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + ")"

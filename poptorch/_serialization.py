@@ -50,7 +50,7 @@ _MANIFEST = "manifest.json"
 #: Modules whose classes the tagged JSON encoding may rebuild (options and enums).
 _ALLOWED_MODULES = ("poptorch.options", "poptorch._options_groups",
                     "poptorch._options_dict", "poptorch._execution_strategy",
-                    "poptorch.enums", "poptorch.optim")
+                    "poptorch.enums", "poptorch.optim", "poptorch._backend_options")
 
 
 def _sha256(data: bytes) -> str:

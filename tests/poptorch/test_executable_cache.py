@@ -180,3 +180,14 @@ def test_a_writer_killed_mid_write_leaves_no_entry(tmp_path, captures):
     opts = poptorch.Options().enableExecutableCaching(str(tmp_path / "cache"))
     torch.testing.assert_close(poptorch.inferenceModel(model, opts)(x), model(x))
     assert len(captures) == 1 and len(entries(tmp_path / "cache")) == 1
+
+
+def test_the_key_covers_the_backend(tmp_path, captures):
+    """Issue 11: the compiler choice is part of the key (compile() only: the Inductor
+    backend compiles lazily at the first run, so no Inductor compile happens here)."""
+    x = torch.randn(4, 6)
+    for compiler in ("eager", "inductor", "eager"):
+        opts = cached(tmp_path)
+        opts.Backend.compiler(compiler)
+        poptorch.inferenceModel(Mlp().eval(), opts).compile(x)
+    assert len(captures) == 2 and len(entries(tmp_path)) == 2
