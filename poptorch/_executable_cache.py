@@ -53,7 +53,9 @@ from ._serialization import FORMAT_VERSION, encode, read_container, write_contai
 __all__ = ["cache_directory", "cache_key", "obtain_program", "program_for"]
 
 #: Options that do not change the compiled program.
-_NOT_IN_KEY = frozenset({"cachePath", "enableEngineCaching"})
+#: Options that do not change what is compiled: where the cache is, and which process of
+#: a distributed run compiles (all processes of one run share one entry, S-28).
+_NOT_IN_KEY = frozenset({"cachePath", "enableEngineCaching", "distributed_process_id"})
 
 
 def cache_directory(options) -> Optional[str]:

@@ -191,3 +191,14 @@ def test_the_key_covers_the_backend(tmp_path, captures):
         opts.Backend.compiler(compiler)
         poptorch.inferenceModel(Mlp().eval(), opts).compile(x)
     assert len(captures) == 2 and len(entries(tmp_path)) == 2
+
+
+def test_processes_of_one_distributed_run_share_one_entry(tmp_path, captures):
+    """S-28: the process id is not part of the key, so every process of a run (here
+    simulated in one process: inference needs no process group) uses one entry."""
+    x = torch.randn(4, 6)
+    for process in (0, 1):
+        opts = cached(tmp_path)
+        opts.Distributed.configureProcessId(process, 2)
+        poptorch.inferenceModel(Mlp().eval(), opts).compile(x)
+    assert len(captures) == 1 and len(entries(tmp_path)) == 1
