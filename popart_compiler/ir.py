@@ -32,10 +32,12 @@ LOSS_OPS = frozenset({
 })
 #: Ops after which a loss is still the loss (S-40): scalar arithmetic (``loss * 0.5``,
 #: ``loss / n``, ``KLDivLoss(reduction="batchmean")``'s division by the batch size),
-#: reductions of an unreduced loss, views and casts. Back-propagation starts from the
+#: element-wise math (``torch.sqrt(mse)`` for RMSE, ``loss ** 2``), reductions of an
+#: unreduced loss, views and casts. Back-propagation starts from the
 #: value the model returns, so the gradient carries the factor.
 LOSS_ARITHMETIC_OPS = frozenset({
     "mul", "div", "true_divide", "add", "sub", "rsub", "neg", "sum", "mean",
+    "pow", "sqrt", "rsqrt", "log", "exp", "abs", "square",
     "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "clone",
     "contiguous", "alias", "_to_copy", "to", "type_as",
 })

@@ -25,7 +25,8 @@ from popart_compiler.errors import backend_error, py_error
 
 from . import _instrument, enums
 from ._logging import logger
-from ._optimizer_record import optimizer_record, rebuild_optimizer
+from ._optimizer_record import (device_state_of, optimizer_record, rebuild_optimizer,
+                                write_device_state)
 from ._program import (capture_program, decode_signature, encode_signature,
                        from_blobs, structure_of, to_blobs)
 from ._serialization import (decode, encode, read_container, tensors_from_bytes,
@@ -115,7 +116,8 @@ def save(executor, filename: str, export_model: bool = True,
         if executor._training and executor._optimizer is not None:
             executor._syncOptimizerStateToHost()
             meta["optimizer"], blobs["optimizer.safetensors"] = optimizer_record(
-                executor._optimizer, executor._param_names())
+                executor._optimizer, executor._param_names(),
+                device_state_of(executor._optimizer, executor._session))
         try:
             with _instrument.syncing():
                 blobs["model.pkl"] = pickle.dumps(executor._user_model)
@@ -252,9 +254,10 @@ class ExportedModel(torch.nn.Module):
 
         def forward(*args, **kwargs):
             raise py_error("This model was loaded from an exported file without its "
-                           "Python source: it runs only through the executor returned "
-                           "by poptorch.load(). To recompile, rebuild the original "
-                           "model and call loadExecutable() or compile().")
+                           "Python source: it cannot be captured again (e.g. after "
+                           "destroy()). Load the file again with poptorch.load(), or "
+                           "rebuild the original model, wrap it and call "
+                           "loadExecutable() or compile().")
         forward.__signature__ = decode_signature(signature)  # type: ignore[attr-defined]
         self.forward = forward
 
@@ -309,6 +312,9 @@ def load(filename: str, edit_opts_fn: Optional[Callable] = None,
         executor.per_replica_params[name] = grouping
     _check_fits(executor, filename, meta, structure_of(blobs))
     executor._loadProgram(from_blobs(blobs))
+    if meta["training"] and executor._session is not None:
+        write_device_state(executor._optimizer, executor._session,
+                           blobs.get("optimizer.safetensors", b""))
     if meta.get("rng_state") is not None:
         executor.rng_state = meta["rng_state"]
     return executor

@@ -9,7 +9,7 @@ the device optimizer state (``ipu_state`` / ``ipu_param``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,7 +18,8 @@ from popart_compiler.errors import backend_error
 from . import optim
 from ._serialization import decode, encode, tensors_from_bytes, tensors_to_bytes
 
-__all__ = ["optimizer_record", "rebuild_optimizer"]
+__all__ = ["device_state_of", "optimizer_record", "rebuild_optimizer",
+           "write_device_state"]
 
 _CLASSES = {f"poptorch.optim.{c.__name__}": c for c in (
     optim.SGD, optim.Adam, optim.AdamW, optim.RMSprop, optim.LAMB)}
@@ -30,10 +31,36 @@ _ATTRIBUTES = tuple(a for a in optim.Optimizer._PICKLED
                     if a not in ("_state_dict", "_state_pending"))
 
 
-def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, str]
+def device_state_of(optimizer: torch.optim.Optimizer, session: Any
+                    ) -> Optional[Dict[str, torch.Tensor]]:
+    """The device optimizer state (``ipu_state``) of a ``torch.optim`` optimizer,
+    which has no host copy of it (momentum, Adam moments, step counts); ``None`` for
+    ``poptorch.optim`` optimizers (their host copy is stored) or before compiling."""
+    if isinstance(optimizer, optim.Optimizer) or session is None:
+        return None
+    return session.readOptimizerState()
+
+
+def write_device_state(optimizer: torch.optim.Optimizer, session: Any,
+                       state_bytes: bytes) -> None:
+    """Write the ``torch.optim`` device state :func:`device_state_of` stored to the
+    compiled ``session`` (``poptorch.optim`` state is uploaded by the executor)."""
+    if isinstance(optimizer, optim.Optimizer):
+        return
+    prefix = "ipu_state/"
+    state = {k[len(prefix):]: v for k, v in tensors_from_bytes(state_bytes).items()
+             if k.startswith(prefix)}
+    if state:
+        session.checkOptimizerState(state)
+        session.writeOptimizerState(state)
+
+
+def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, str],
+                     device_state: Optional[Dict[str, torch.Tensor]] = None
                      ) -> Tuple[Dict[str, Any], bytes]:
     """``(settings, state_bytes)`` describing ``optimizer``; its device state must
-    already be synchronised to the host.
+    already be synchronised to the host (``device_state``: that of a ``torch.optim``
+    optimizer, see :func:`device_state_of`).
 
     Raises:
         poptorch.Error: an optimizer class that cannot be stored.
@@ -56,6 +83,8 @@ def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, st
         for part in ("ipu_state", "ipu_param"):
             for name, value in (state.get(part) or {}).items():
                 tensors[f"{part}/{name}"] = value
+    for name, value in (device_state or {}).items():
+        tensors[f"ipu_state/{name}"] = value
     return settings, tensors_to_bytes(tensors)
 
 

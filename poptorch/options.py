@@ -123,7 +123,11 @@ class Options(OptionsDict):
         try:
             self.from_json(defaults)
         except (AssertionError, ValueError, AttributeError, TypeError) as err:
-            raise type(err)(f"POPTORCH_DEFAULT_OPTIONS={defaults!r}: {err}") from None
+            # The built-in base class: subclasses such as json.JSONDecodeError take
+            # other constructor arguments.
+            kind = next(k for k in (AssertionError, ValueError, AttributeError, TypeError)
+                        if isinstance(err, k))
+            raise kind(f"POPTORCH_DEFAULT_OPTIONS={defaults!r}: {err}") from None
 
     # -- sub-groups --------------------------------------------------------------
     @property
