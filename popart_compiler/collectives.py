@@ -23,6 +23,7 @@ the failure is re-raised as a ``poptorch.Error`` that says so.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import hashlib
 import os
@@ -75,6 +76,22 @@ def backend_for(device: str) -> str:
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
+def _check_launcher(rank: int, size: int) -> None:
+    """Under torchrun (or poprun, which runs it) the launcher started ``WORLD_SIZE``
+    processes: options that say otherwise would wait for processes that never come
+    until the rendezvous timeout, so fail at once naming both."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    with contextlib.suppress(ValueError):
+        launched = (int(os.environ.get("RANK", rank)), int(os.environ.get("WORLD_SIZE", size)))
+        if launched != (rank, size):
+            raise backend_error(
+                f"The launcher (torchrun) started this process as process {launched[0]} "
+                f"of {launched[1]} (RANK / WORLD_SIZE) but the options say process {rank} "
+                f"of {size}: make Options.Distributed.configureProcessId(id, n) match "
+                "the launcher, or leave it to the launcher's RANK / WORLD_SIZE.")
+
+
 class ProcessGroup:
     """This process's view of the processes of a distributed run.
 
@@ -117,6 +134,7 @@ class ProcessGroup:
                     "process group (or leave it to the launcher's RANK / WORLD_SIZE).")
             self.backend = str(dist.get_backend())
             return
+        _check_launcher(self.rank, self.size)
         self.backend = backend_for(device)
         timeout = collective_timeout()
         if self.backend == "nccl" and os.environ.get("LOCAL_RANK", "").strip():

@@ -16,6 +16,7 @@ import os
 from typing import Any, Dict, List
 
 from .cost_model import IpuEstimate
+from .errors import backend_error
 from .logging import logger
 from .memory_model import CATEGORIES
 
@@ -164,15 +165,25 @@ def write_report(directory: str, estimate: IpuEstimate, model_name: str,
 
     Returns:
         The path of ``profile.json``.
+
+    Raises:
+        Error: ``directory`` cannot be created or written (e.g. a file is in the way).
     """
-    os.makedirs(directory, exist_ok=True)
     report = {"format": FORMAT, "model_name": model_name, "training": training,
               **estimate.summary()}
     text = json.dumps(report, indent=1)
     path = os.path.join(directory, "profile.json")
-    for name, content in (("profile.json", text), ("profile.pop", text),
-                          ("profile.html", render_html(report))):
-        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-            f.write(content)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for name, content in (("profile.json", text), ("profile.pop", text),
+                              ("profile.html", render_html(report))):
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                f.write(content)
+    except OSError as error:
+        raise backend_error(
+            f"Cannot write the profile report to {directory!r} ({error}): give "
+            "Options.enableProfiling (or autoReport.directory in "
+            "POPLAR_ENGINE_OPTIONS) a directory that can be created and "
+            "written.") from error
     logger.info("Wrote the IPU Model profile report to %s", directory)
     return path

@@ -158,7 +158,8 @@ def _read_value(func, args, kwargs):
     try:
         return func(*args, **kwargs)
     except Exception as exc:
-        if _data_dependence.is_data_dependent(exc):
+        # A fake tensor has no storage for .numpy() to share: its value is unknown too.
+        if _data_dependence.is_data_dependent(exc) or func is torch.Tensor.numpy:
             raise _data_dependence.read_error(
                 VALUE_READS[func], traceback.extract_stack()[:-1]) from None
         raise

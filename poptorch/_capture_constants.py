@@ -29,6 +29,7 @@ VALUE_READS = {
     torch.Tensor.__bool__: "bool(tensor)",
     torch.Tensor.item: "tensor.item()",
     torch.Tensor.tolist: "tensor.tolist()",
+    torch.Tensor.numpy: "tensor.numpy()",
     torch.Tensor.__int__: "int(tensor)",
     torch.Tensor.__float__: "float(tensor)",
     torch.Tensor.__index__: "a tensor used as a Python int",

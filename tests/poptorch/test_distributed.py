@@ -328,8 +328,10 @@ def _load_script():
 @pytest.mark.parametrize("launcher", ["poprun", "torchrun"])
 def test_popdist_script_runs_unchanged_under_poprun_and_torchrun(tmp_path, launcher):
     if launcher == "poprun":
+        # a free rendezvous port: PopRun's default 29400 is shared by concurrent runs
         cmd = [sys.executable, "-m", "popdist.poprun", "--num-instances", "2",
-               "--num-replicas", "4", sys.executable, SCRIPT, str(tmp_path)]
+               "--num-replicas", "4", "--rdzv-port", str(_free_port()),
+               sys.executable, SCRIPT, str(tmp_path)]
         local = 2
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
