@@ -305,12 +305,21 @@ class SessionOptions:
     def profile_dir(self, training: bool) -> Optional[str]:
         """Where the profile report goes, ``<autoReport.directory>/<model name>``
         (S-85; the name defaults to ``"training"`` / ``"inference"``), or ``None``
-        unless the engine option ``autoReport.all`` is ``"true"``."""
+        unless the engine option ``autoReport.all`` is ``"true"``.
+
+        Raises:
+            Error: the model name is not a plain name (a path separator, ``.`` or
+                ``..``), so the report would land outside ``autoReport.directory``.
+        """
         engine = self.engine_options
         if str(engine.get("autoReport.all", "false")).lower() != "true":
             return None
-        name = self.raw.get("model_name") or ("training" if training else "inference")
-        return os.path.join(str(engine.get("autoReport.directory", ".")), str(name))
+        name = str(self.raw.get("model_name") or ("training" if training else "inference"))
+        if name in (".", "..") or any(sep and sep in name for sep in (os.sep, os.altsep)):
+            raise backend_error(
+                f"Options.modelName({name!r}) names the profile report's folder inside "
+                "the report directory: give a plain name without path separators.")
+        return os.path.join(str(engine.get("autoReport.directory", ".")), name)
 
     @classmethod
     def from_dict(cls, values: Dict[str, Any], anchors: Optional[List[Anchor]] = None,

@@ -325,3 +325,14 @@ def test_poptorch_steering_ops_change_the_estimate():
     capped = steered(proportion=0.0001)
     assert capped["temporaries"] < base["temporaries"]
     assert steered(factor=4)["temporaries"] < base["temporaries"]
+
+
+@pytest.mark.parametrize("name", ["../escaped", "a/b", ".."])
+def test_model_name_with_a_path_cannot_move_the_report(tmp_path, name):
+    """A fresh user's finding: modelName("../escaped") wrote the report outside the
+    report directory."""
+    opts = quiet().enableProfiling(str(tmp_path / "reports")).modelName(name)
+    model = poptorch.inferenceModel(Classifier(64), opts)
+    with pytest.raises(poptorch.Error, match="plain name without path separators"):
+        model(torch.randn(8, 64))
+    assert not (tmp_path / "escaped").exists()
