@@ -2,6 +2,7 @@
 weights, optimizer state, buffers, RNG and the host view as before the call; a failed
 first call commits no compilation; Ctrl-C during capture is deferred; a retry sees the
 user's fixes to the module's containers."""
+import contextlib
 import copy
 import os
 import signal
@@ -164,11 +165,9 @@ def test_sigint_during_training_calls_never_half_updates():
         timer = _interrupt_after(duration * (0.2 + 0.2 * trial))
         timer.start()
         finished = False
-        try:
+        with contextlib.suppress(KeyboardInterrupt):  # interrupted: checked below
             training(x, y)
             finished = True
-        except KeyboardInterrupt:
-            pass
         if finished:
             _deliver_pending(timer)
         timer.join(timeout=60)
