@@ -62,10 +62,10 @@ def trainingModel(model: _torch.nn.Module, options: "Options" = None,
             ``torch.Tensor``.
         AssertionError / ValueError: unsupported optimizer.
     """
-    from ._poplar_executor import _TRAINING_WRAPPERS
+    from ._executor_sync import TRAINING_WRAPPERS
     from . import _instrument
     user_model = _resolve(model)
-    if id(user_model) in _TRAINING_WRAPPERS and _instrument.is_instrumented(user_model):
+    if id(user_model) in TRAINING_WRAPPERS and _instrument.is_instrumented(user_model):
         raise RuntimeError(
             "Model has already been wrapped in 'poptorch.trainingModel'. Call "
             "model.destroy() on the model to unwrap it before wrapping it again.")

@@ -113,11 +113,12 @@ def save(executor, filename: str, export_model: bool = True,
         if executor._training:
             executor.copyWeightsToHostIfNeeded()
         meta["weights"], blobs["weights.safetensors"] = _weights_record(executor)
-        if executor._training and executor._optimizer is not None:
+        binding = executor._optimizer_binding
+        if executor._training and binding.optimizer is not None:
             executor._syncOptimizerStateToHost()
             meta["optimizer"], blobs["optimizer.safetensors"] = optimizer_record(
-                executor._optimizer, executor._param_names(),
-                device_state_of(executor._optimizer, executor._session))
+                binding.optimizer, binding.param_names(),
+                device_state_of(binding.optimizer, executor._session))
         try:
             with _instrument.syncing():
                 blobs["model.pkl"] = pickle.dumps(executor._user_model)
@@ -313,7 +314,7 @@ def load(filename: str, edit_opts_fn: Optional[Callable] = None,
     _check_fits(executor, filename, meta, structure_of(blobs))
     executor._loadProgram(from_blobs(blobs))
     if meta["training"] and executor._session is not None:
-        write_device_state(executor._optimizer, executor._session,
+        write_device_state(executor._optimizer_binding.optimizer, executor._session,
                            blobs.get("optimizer.safetensors", b""))
     if meta.get("rng_state") is not None:
         executor.rng_state = meta["rng_state"]

@@ -1,5 +1,6 @@
 """Replica-grouped weights (spec S-27, api §5.22): the proxy returned for a direct
-parameter of the wrapped model and the capture-time slicing of grouped weights."""
+parameter of the wrapped model, the compile-time check of the grouped weights' shapes
+and the capture-time slicing of grouped weights."""
 from __future__ import annotations
 
 import contextlib
@@ -7,11 +8,11 @@ from typing import Any, Dict
 
 import torch
 
-from popart_compiler.errors import py_error
+from popart_compiler.errors import backend_error, py_error
 
 from . import _instrument, enums
 
-__all__ = ["ReplicaGroupingProxy", "one_replica_slices"]
+__all__ = ["ReplicaGroupingProxy", "one_replica_slices", "check_per_replica_params"]
 
 
 class ReplicaGroupingProxy:
@@ -75,3 +76,35 @@ def one_replica_slices(model: torch.nn.Module, groupings: Dict[str, Any]):
         with _instrument.syncing():
             for param, data in swapped:
                 param.data = data
+
+
+def check_per_replica_params(model: torch.nn.Module, sess_opts: Any) -> None:
+    """S-27: replica-grouped weights hold one value per group on dimension 0.
+
+    Raises:
+        poptorch.Error: a scalar weight, a grouping that does not fit the
+            replication factor, or a leading dimension that is not the number of
+            groups (or of replicas, for ``AllReplicas``).
+    """
+    replicas = sess_opts.global_replicas  # groups span all processes (S-28)
+    with _instrument.syncing():
+        params = dict(model._parameters)
+    for name, grouping in sess_opts.replica_groupings.items():
+        param = params.get(name)
+        if param is None:
+            raise py_error(f"{name} is not a parameter of the model: replicaGrouping "
+                           "only applies to direct parameters of the wrapped module.")
+        if param.dim() == 0:
+            raise backend_error("Scalars cannot be passed as per-replica weight tensor "
+                                "values")
+        grouping.validate(name, replicas)
+        groups = grouping.num_groups(replicas)
+        allowed = {groups} | ({replicas} if grouping.retrieval_mode == 2 else set())
+        if param.shape[0] not in allowed:
+            processes = (f" × {sess_opts.num_processes} processes"
+                         if sess_opts.num_processes > 1 else "")
+            raise backend_error(
+                f"Per-replica weight {name} has shape {list(param.shape)}: with "
+                f"replicationFactor {sess_opts.replication_factor}{processes} and this "
+                "grouping its dimension 0 must be the number of replica groups "
+                f"({groups}), one value per group.")

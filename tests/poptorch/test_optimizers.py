@@ -306,9 +306,9 @@ def test_automatic_loss_scaling_ignores_float32_gradients():
                                                                       lr=0.1))
     for _ in range(3):
         training(*data(2))
-    state = training._optimizer.state_dict()["ipu_state"]
+    state = training._optimizer_binding.optimizer.state_dict()["ipu_state"]
     assert state["lossScaleUpdateFactor"].item() == 1.0
-    assert "loss_scaling" not in training._optimizer_description.constant
+    assert "loss_scaling" not in training._optimizer_binding.description.constant
 
 
 # -- constant and variable attributes (S-52, S-53, S-58) ---------------------------------
@@ -383,7 +383,7 @@ def test_relaxed_attribute_checks_log_at_debug(poptorch_logs):
     training.setOptimizer(opt)
     record = [r for r in poptorch_logs.records if "Ignoring unexpected" in r.getMessage()]
     assert record and record[0].levelno == logging.DEBUG
-    assert training._optimizer_description.loss_scaling == 1.0  # group value ignored
+    assert training._optimizer_binding.description.loss_scaling == 1.0  # group value ignored
 
 
 def test_group_loss_scaling_is_ignored_with_a_warning(poptorch_logs):
@@ -426,7 +426,7 @@ def test_unpassed_attributes_are_constant():
     training(x, t)
     opt.param_groups[0]["lr"] = 1e-4
     training.setOptimizer(opt)
-    assert training._optimizer_description.groups[0]["lr"] == 1e-4
+    assert training._optimizer_binding.description.groups[0]["lr"] == 1e-4
 
 
 def test_mark_as_constant_and_variable():
@@ -458,7 +458,7 @@ def test_torch_optimizer_constant_rules():
     def constants(cls, **kw):
         model = Classifier()
         training = poptorch.trainingModel(model, optimizer=cls(model.parameters(), **kw))
-        return training._optimizer_description.constant
+        return training._optimizer_binding.description.constant
 
     assert constants(torch.optim.SGD, lr=0.1) >= {"momentum", "dampening", "weight_decay",
                                                   "nesterov", "loss_scaling"}
@@ -568,7 +568,7 @@ def test_invalid_optimizers_leave_weights_and_state_untouched():
     for make, exc, phrase in cases:
         with pytest.raises(exc, match=phrase):
             training.setOptimizer(make())
-        assert training._optimizer is opt
+        assert training._optimizer_binding.optimizer is opt
         assert_unchanged(weights, device_weights(training))
         assert_unchanged(state, device_state(training))
     for k, v in model.state_dict().items():
