@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from popart_compiler import cost_model  # noqa: E402
 from popart_compiler.ipu_model import target_for  # noqa: E402
-from popart_compiler.optimizers import OptimizerDescription  # noqa: E402
+from popart_compiler.optimizer_description import OptimizerDescription  # noqa: E402
 from popart_compiler.session_options import SessionOptions  # noqa: E402
 
 import reference_models as models  # noqa: E402

@@ -38,7 +38,7 @@ from .logging import logger
 
 if TYPE_CHECKING:
     from .compiler import Executable
-    from .optimizers import OptimizerDescription
+    from .optimizer_description import OptimizerDescription
 
 __all__ = ["ProcessGroup", "process_group", "program_signature", "collective_timeout",
            "backend_for", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]

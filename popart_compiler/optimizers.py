@@ -25,9 +25,11 @@ Precision model (what the IPU Model does):
   on float32 working copies); results are rounded to nearest into the parameters' and
   states' storage dtypes.
 
-SGD, Adam, AdamW and RMSprop use ``torch.optim``'s functional implementations (so the
-updates equal ``torch.optim``'s for the same hyper-parameters); LAMB and the TensorFlow
-RMSprop variant follow the formulas of S-54. State tensors carry PopART's names (S-56):
+The update rule of each optimizer type (S-54) is in :mod:`.optimizer_updates`; what the
+device knows about an optimizer (:class:`OptimizerDescription`, its compile signature,
+S-52) is in :mod:`.optimizer_description`. This module holds the shared machinery:
+state allocation and transfer, accumulation and reduction, clipping, loss scaling and
+the combined SGD variant. State tensors carry PopART's names (S-56):
 ``Accl___<p>`` (SGD velocity / RMSprop momentum), ``Accl1___<p>`` / ``Accl2___<p>``
 (first / second moments), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and
 ``lossScaleUpdateFactor`` (automatic loss scaling).
@@ -39,160 +41,18 @@ import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-import torch.optim.adam as _adam
-import torch.optim.adamw as _adamw
-import torch.optim.rmsprop as _rmsprop
-import torch.optim.sgd as _sgd
 
 from .errors import backend_error
 from .logging import logger
+from .optimizer_description import OptimizerDescription, describe_change
+from .optimizer_updates import UpdateRules, float32_work
 
-__all__ = ["OptimizerDescription", "DeviceOptimizer", "StepSettings", "HYPER_PARAMETERS",
-           "ACCUMULATION_TYPES", "FLOAT16_MAX"]
-
-#: Per-group hyper-parameters of each optimizer type.
-HYPER_PARAMETERS = {
-    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "velocity_scaling"),
-    "Adam": ("lr", "betas", "eps", "weight_decay"),
-    "AdamW": ("lr", "betas", "eps", "weight_decay"),
-    "RMSprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"),
-    "LAMB": ("lr", "betas", "eps", "weight_decay", "max_weight_norm"),
-}
-
-#: Storage dtypes accepted for gradient accumulators, velocities and moments.
-ACCUMULATION_TYPES = (torch.float32, torch.float16)
+__all__ = ["DeviceOptimizer", "StepSettings", "FLOAT16_MAX"]
 
 #: Largest finite float16 value.
 FLOAT16_MAX = 65504.0
 #: Smallest normal float16 value (lower bound of the automatic loss scale).
 _FLOAT16_MIN_NORMAL = 2.0 ** -14
-
-#: Hyper-parameters whose value decides the shape of the optimizer state; they are
-#: always fixed at compile time.
-_STRUCTURAL = ("centered",)
-
-#: PopART names of hyper-parameters, used in logs (S-91).
-_POPART_NAMES = {
-    "lr": "LearningRate", "momentum": "Momentum", "dampening": "Dampening",
-    "weight_decay": "WeightDecay", "velocity_scaling": "VelocityScaling",
-    "eps": "Eps", "alpha": "Alpha", "max_weight_norm": "MaxWeightNorm",
-    "betas": "Betas", "nesterov": "Nesterov", "centered": "Centered",
-}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-@dataclasses.dataclass
-class OptimizerDescription:
-    """What the device needs to know about an optimizer.
-
-    Attributes:
-        type: ``"SGD"``, ``"Adam"``, ``"AdamW"``, ``"RMSprop"`` or ``"LAMB"``.
-        defaults: hyper-parameters for parameters in no group (S-55).
-        groups: hyper-parameters of each param group, in order.
-        group_of: parameter name → group index (absent: the defaults).
-        constant: names of hyper-parameters compiled as constants (S-52).
-        loss_scaling: global loss scaling (S-51).
-        use_combined_accum: SGD combined variant.
-        accum_type / velocity_accum_type / first_order_type / second_order_type:
-            storage dtypes of the gradient accumulator, SGD velocity, first and second
-            moments (S-54); ``torch.float32`` or ``torch.float16``.
-        max_grad_norm: clip the global gradient norm to this (``inf``: off).
-        bias_correction: Adam-family bias correction (LAMB; AdamW always corrects).
-        use_tf_variant: TensorFlow-style RMSprop.
-    """
-    type: str
-    defaults: Dict[str, Any]
-    groups: List[Dict[str, Any]]
-    group_of: Dict[str, int]
-    constant: Set[str] = dataclasses.field(default_factory=set)
-    loss_scaling: float = 1.0
-    use_combined_accum: bool = False
-    accum_type: torch.dtype = torch.float32
-    velocity_accum_type: torch.dtype = torch.float32
-    first_order_type: torch.dtype = torch.float32
-    second_order_type: torch.dtype = torch.float32
-    max_grad_norm: float = math.inf
-    bias_correction: bool = True
-    use_tf_variant: bool = False
-
-    def validate(self) -> None:
-        """Check what the device cannot run.
-
-        Raises:
-            Error: unknown optimizer type, accumulation dtype other than float32 /
-                float16, ``NaN`` maximum gradient norm, non-positive loss scaling.
-        """
-        if self.type not in HYPER_PARAMETERS:
-            raise backend_error(f"Unsupported optimizer type {self.type}: pick one of "
-                                f"{sorted(HYPER_PARAMETERS)}")
-        for field in ("accum_type", "velocity_accum_type", "first_order_type",
-                      "second_order_type"):
-            if getattr(self, field) not in ACCUMULATION_TYPES:
-                raise backend_error(f"Optimizer {field} must be torch.float32 or "
-                                    f"torch.float16, got {getattr(self, field)}")
-        if math.isnan(self.max_grad_norm):
-            raise backend_error("Maximum norm of gradients cannot be NaN")
-        if not (self.loss_scaling > 0 and math.isfinite(self.loss_scaling)):
-            raise backend_error(f"Loss scaling must be a positive finite number, got "
-                                f"{self.loss_scaling}")
-
-    def hyper(self, name: str) -> Dict[str, Any]:
-        """Hyper-parameters applying to parameter ``name``."""
-        index = self.group_of.get(name)
-        return self.defaults if index is None else self.groups[index]
-
-    def values_of(self, attr: str) -> Tuple[Any, Tuple[Any, ...]]:
-        """``(default value, value in each group)`` of a hyper-parameter."""
-        if attr == "loss_scaling":
-            return self.loss_scaling, ()
-        return self.defaults.get(attr), tuple(g.get(attr) for g in self.groups)
-
-    def is_variable(self, attr: str) -> bool:
-        """Whether ``attr`` may change after compilation."""
-        return attr not in self.constant and attr not in _STRUCTURAL
-
-    def compile_signature(self) -> Dict[str, Any]:
-        """What may not change after compilation (S-52): type, variant, dtypes,
-        clipping, which attributes are constant and the values of the constants."""
-        sig: Dict[str, Any] = {
-            "optimizer type": self.type,
-            "use_combined_accum": self.use_combined_accum,
-            "accum_type": self.accum_type,
-            "velocity_accum_type": self.velocity_accum_type,
-            "first_order_momentum_accum_type": self.first_order_type,
-            "second_order_momentum_accum_type": self.second_order_type,
-            "use_tf_variant": self.use_tf_variant,
-            "bias_correction": self.bias_correction,
-            "max_grad_norm": self.max_grad_norm,
-            "set of constant attributes": tuple(sorted(self.constant)),
-        }
-        attrs = set(self.constant) | set(_STRUCTURAL)
-        for attr in sorted(attrs):
-            if attr == "loss_scaling" or attr in HYPER_PARAMETERS[self.type]:
-                sig[f"constant attribute {attr}"] = self.values_of(attr)
-        return sig
-
-    def describe(self) -> List[str]:
-        """The lines logged when the optimizer is pushed to the device (S-91):
-        ``SGD, defaultLearningRate=0.01 (const), ..., lossScaling=1.0 (const)`` and one
-        ``learningRate=…`` line per group."""
-        def fmt(prefix: str, values: Dict[str, Any]) -> List[str]:
-            out = []
-            for key, value in values.items():
-                const = " (const)" if key in self.constant else ""
-                name = _POPART_NAMES.get(key, key)
-                name = prefix + name if prefix else name[0].lower() + name[1:]
-                out.append(f"{name}={value}{const}")
-            return out
-        const = " (const)" if "loss_scaling" in self.constant else ""
-        lines = [", ".join([self.type] + fmt("default", self.defaults)
-                           + [f"lossScaling={self.loss_scaling}{const}"])]
-        for group in self.groups:
-            lines.append(", ".join(fmt("", group)))
-        return lines
 
 
 @dataclasses.dataclass
@@ -233,59 +93,7 @@ class StepSettings:
     all_reduce: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
 
 
-class _float32:
-    """``with _float32(tensors) as work``: float32 working copies of ``tensors`` (the
-    tensors themselves when already float32, ``None`` stays ``None``); on a normal exit
-    the copies are rounded back into the originals."""
-
-    __slots__ = ("tensors", "work")
-
-    def __init__(self, tensors: Sequence[Optional[torch.Tensor]]):
-        self.tensors = tensors
-        self.work = [t if t is None or t.dtype == torch.float32 else t.float()
-                     for t in tensors]
-
-    def __enter__(self) -> List[Optional[torch.Tensor]]:
-        return self.work
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            for t, w in zip(self.tensors, self.work):
-                if w is not t:
-                    t.copy_(w)
-        return False
-
-
-def _describe_change(key: str, old: Any, new: Any) -> str:
-    """``momentum of group 0: 0.0 -> 0.5`` for a changed compile-signature entry."""
-    if key.startswith("constant attribute ") and isinstance(old, tuple) and \
-            isinstance(new, tuple) and len(old) == len(new) == 2:
-        attr = key[len("constant attribute "):]
-        parts = []
-        if old[0] != new[0]:
-            parts.append(f"constant {attr} (default): {old[0]} -> {new[0]}")
-        for i, (a, b) in enumerate(zip(old[1], new[1])):
-            if a != b:
-                parts.append(f"constant {attr} of group {i}: {a} -> {b}")
-        if parts:
-            return "; ".join(parts)
-    if key == "set of constant attributes":
-        old_set, new_set = set(old or ()), set(new or ())
-        parts = [f"{a} became variable" for a in sorted(old_set - new_set)]
-        parts += [f"{a} became constant" for a in sorted(new_set - old_set)]
-        return "; ".join(parts)
-    return f"{key}: {old} -> {new}"
-
-
-def _norms(t: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """L2 norm of ``t`` (per slice of the leading group dimension when ``grouped``)."""
-    if grouped:
-        return torch.linalg.vector_norm(t.float().reshape(t.shape[0], -1), dim=1).reshape(
-            (t.shape[0],) + (1,) * (t.dim() - 1))
-    return torch.linalg.vector_norm(t.float())
-
-
-class DeviceOptimizer:
+class DeviceOptimizer(UpdateRules):
     """The optimizer state and update of one training session.
 
     Args:
@@ -494,7 +302,7 @@ class DeviceOptimizer:
         if "optimizer type" in changed:
             changed = ["optimizer type"]  # everything else follows from it
         if changed:
-            details = "; ".join(_describe_change(k, self._signature.get(k), new.get(k))
+            details = "; ".join(describe_change(k, self._signature.get(k), new.get(k))
                                 for k in changed)
             raise backend_error(
                 "The compiled optimizer cannot be changed this way: the optimizer type, "
@@ -729,7 +537,7 @@ class DeviceOptimizer:
             acc = buf.float()
             if clip is not None:
                 acc = start + (acc - start) * clip
-            with _float32([p]) as (w,):
+            with float32_work([p]) as (w,):
                 if wd:
                     acc = acc + (vs * f * wd) * w
                 velocity = acc / vs
@@ -770,144 +578,3 @@ class DeviceOptimizer:
         elif scale * value * 2 <= FLOAT16_MAX:
             value *= 2
         factor.fill_(value)
-
-    def step(self, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
-             ) -> None:
-        """Update ``params`` in place from their reduced, unscaled gradients (clipped
-        here when ``max_grad_norm`` is finite). Parameters whose gradient is ``None``
-        are not updated.
-
-        Raises:
-            Error: ``max_grad_norm`` is NaN.
-        """
-        d = self.description
-        clip = self._clip_factor(grads)
-        present = [(n, p, g if clip is None else g * clip)
-                   for n, p, g in zip(self.names, params, grads) if g is not None]
-        if not present:
-            return
-        # Parameters sharing the same hyper-parameters: one call per group.
-        buckets: Dict[int, List] = {}
-        for n, p, g in present:
-            buckets.setdefault(d.group_of.get(n, -1), []).append((n, p, g.float()))
-        with torch.no_grad():
-            for index, items in buckets.items():
-                h = d.defaults if index < 0 else d.groups[index]
-                getattr(self, f"_step_{d.type}")(h, items)
-
-    def _step_SGD(self, h: Dict[str, Any], items) -> None:
-        momentum = float(h.get("momentum", 0.0))
-        dampening = float(h.get("dampening", 0.0))
-        lr = float(h["lr"])
-        if momentum == 0.0:
-            # PopART scales the step by (1 - dampening) even without momentum (S-54).
-            lr = lr * (1.0 - dampening)
-        names = [n for n, _, _ in items]
-        bufs = [self.state.get(f"Accl___{n}") if momentum != 0.0 else None for n in names]
-        with _float32([p for _, p, _ in items]) as params, _float32(bufs) as work:
-            # torch's functional SGD starts the velocity from the first gradient when
-            # the buffer is None; our buffers are pre-allocated, so emulate that.
-            lists = [None if momentum == 0.0 or n not in self._started_names else b
-                     for n, b in zip(names, work)]
-            _sgd.sgd(params, [g for _, _, g in items], lists,
-                     weight_decay=float(h.get("weight_decay", 0.0)), momentum=momentum,
-                     lr=lr, dampening=dampening, nesterov=bool(h.get("nesterov", False)),
-                     maximize=False, foreach=self.settings.foreach)
-            if momentum != 0.0:
-                for n, w, new in zip(names, work, lists):
-                    if w is not None and new is not None and new is not w:
-                        w.copy_(new)
-                    self._started_names.add(n)
-
-    def _adam_like(self, h: Dict[str, Any], items, fn, **extra) -> None:
-        beta1, beta2 = (float(b) for b in h.get("betas", (0.9, 0.999)))
-        names = [n for n, _, _ in items]
-        with _float32([p for _, p, _ in items]) as params, \
-                _float32([self.state[f"Accl1___{n}"] for n in names]) as m, \
-                _float32([self.state[f"Accl2___{n}"] for n in names]) as v:
-            fn(params, [g for _, _, g in items], m, v, [],
-               [self.state[f"Step___{n}"] for n in names],
-               foreach=self.settings.foreach, amsgrad=False, beta1=beta1, beta2=beta2, lr=float(h["lr"]),
-               weight_decay=float(h.get("weight_decay", 0.0)),
-               eps=float(h.get("eps", 1e-8)), maximize=False, **extra)
-
-    def _step_Adam(self, h, items) -> None:
-        self._adam_like(h, items, _adam.adam)
-
-    def _step_AdamW(self, h, items) -> None:
-        # AdamW always applies bias correction on the device (S-54 quirk).
-        self._adam_like(h, items, _adamw.adamw)
-
-    def _step_RMSprop(self, h, items) -> None:
-        if self.description.use_tf_variant:
-            self._step_RMSprop_tf(h, items)
-            return
-        names = [n for n, _, _ in items]
-        momentum = float(h.get("momentum", 0.0))
-        centered = bool(h.get("centered", False))
-        with _float32([p for _, p, _ in items]) as params, \
-                _float32([self.state[f"Accl2___{n}"] for n in names]) as sq, \
-                _float32([self.state[f"Accl1___{n}"] for n in names] if centered
-                         else []) as avg, \
-                _float32([self.state[f"Accl___{n}"] for n in names] if momentum != 0
-                         else []) as mom:
-            _rmsprop.rmsprop(
-                params, [g for _, _, g in items], sq, avg, mom,
-                [self.state[f"Step___{n}"] for n in names],
-                foreach=self.settings.foreach, lr=float(h["lr"]), alpha=float(h.get("alpha", 0.99)),
-                eps=float(h.get("eps", 1e-8)),
-                weight_decay=float(h.get("weight_decay", 0.0)),
-                momentum=momentum, centered=centered)
-
-    def _step_RMSprop_tf(self, h, items) -> None:
-        """TensorFlow RMSprop: squared average starting at one, ``eps`` inside the
-        square root, learning rate folded into the momentum buffer (S-54)."""
-        lr, alpha = float(h["lr"]), float(h.get("alpha", 0.99))
-        eps, wd = float(h.get("eps", 1e-8)), float(h.get("weight_decay", 0.0))
-        momentum = float(h.get("momentum", 0.0))
-        centered = bool(h.get("centered", False))
-        for n, p, g in items:
-            states = [self.state[f"Accl2___{n}"], self.state.get(f"Accl1___{n}"),
-                      self.state.get(f"Accl___{n}") if momentum else None]
-            with _float32([p]) as (w,), _float32(states) as (sq, avg, buf):
-                if wd:
-                    g = g + wd * w
-                sq.mul_(alpha).addcmul_(g, g, value=1 - alpha)
-                denom = sq
-                if centered:
-                    avg.mul_(alpha).add_(g, alpha=1 - alpha)
-                    denom = sq - avg * avg
-                denom = (denom + eps).sqrt()
-                if buf is not None:
-                    buf.mul_(momentum).addcdiv_(g, denom, value=lr)
-                    w.sub_(buf)
-                else:
-                    w.addcdiv_(g, denom, value=-lr)
-            self.state[f"Step___{n}"].add_(1)
-
-    def _step_LAMB(self, h, items) -> None:
-        """LAMB per S-54; the trust ratio of a replica-grouped weight is per group."""
-        d = self.description
-        beta1, beta2 = (float(b) for b in h.get("betas", (0.9, 0.999)))
-        lr, eps = float(h["lr"]), float(h.get("eps", 1e-8))
-        wd = float(h.get("weight_decay", 1e-2))
-        max_norm = h.get("max_weight_norm", 65500.0)
-        max_norm = 65500.0 if max_norm is None else float(max_norm)
-        for n, p, g in items:
-            grouped = self._grouped(n)
-            step = self.state[f"Step___{n}"]
-            step.add_(1)
-            with _float32([p]) as (w,), _float32([self.state[f"Accl1___{n}"],
-                                                  self.state[f"Accl2___{n}"]]) as (m, v):
-                m.mul_(beta1).add_(g, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                if d.bias_correction:
-                    t = float(step)
-                    m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
-                else:
-                    m_hat, v_hat = m, v
-                u = m_hat / (v_hat.sqrt() + eps) + wd * w
-                r1 = _norms(w, grouped).clamp(max=max_norm)
-                r2 = _norms(u, grouped)
-                trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
-                w.sub_(lr * trust * u)

@@ -26,7 +26,8 @@ from .fp_exceptions import FloatingPointChecker
 from .rollback import SavedTensors, deferred_interrupts
 from .ipu_model import IpuModel
 from .logging import logger
-from .optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
+from .optimizer_description import OptimizerDescription
+from .optimizers import DeviceOptimizer, StepSettings
 from .perf_counters import IterationClock, returned_iterations
 from .schedule import StagedProgram
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from popart_compiler.errors import py_error
-from popart_compiler.optimizers import HYPER_PARAMETERS, OptimizerDescription
+from popart_compiler.optimizer_description import HYPER_PARAMETERS, OptimizerDescription
 
 from ._logging import logger
 

@@ -4,7 +4,8 @@ every optimizer kind using PyTorch's functional optimizers; the oneDNN linear re
 import pytest
 import torch
 
-from popart_compiler.optimizers import DeviceOptimizer, OptimizerDescription, StepSettings
+from popart_compiler.optimizer_description import OptimizerDescription
+from popart_compiler.optimizers import DeviceOptimizer, StepSettings
 
 
 @pytest.mark.parametrize("kind,hyper", [

@@ -10,7 +10,7 @@ import torch
 
 from popart_compiler import cost_model
 from popart_compiler.ipu_model import target_for
-from popart_compiler.optimizers import OptimizerDescription
+from popart_compiler.optimizer_description import OptimizerDescription
 from popart_compiler.session_options import SessionOptions
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))

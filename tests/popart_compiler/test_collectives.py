@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from popart_compiler.optimizers import (FLOAT16_MAX, DeviceOptimizer, OptimizerDescription,
-                                        StepSettings)
+from popart_compiler.optimizer_description import OptimizerDescription
+from popart_compiler.optimizers import FLOAT16_MAX, DeviceOptimizer, StepSettings
 from popart_compiler.session import _DeviceRng
 
 

@@ -16,7 +16,8 @@ from popart_compiler.compiler import Compiler
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError
 from popart_compiler.ipu_model import TARGETS, acquire_device
 from popart_compiler.ir import Graph
-from popart_compiler.optimizers import DeviceOptimizer, OptimizerDescription
+from popart_compiler.optimizer_description import OptimizerDescription
+from popart_compiler.optimizers import DeviceOptimizer
 from popart_compiler.session import InferenceSession, TrainingSession, reduce_output
 from popart_compiler.session_options import Anchor, SessionOptions
 
