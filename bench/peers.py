@@ -163,10 +163,13 @@ def _interleaved(runners: Dict[str, Callable[[], object]], repeats: int) -> Dict
     times: Dict[str, List[float]] = {k: [] for k in runners}
     for fn in runners.values():
         fn()  # warm-up
-    for _ in range(repeats):
-        for k, fn in runners.items():
+    order = list(runners)
+    for r in range(repeats):
+        # rotate the order: a runner that follows a memory-heavy one starts with cold
+        # caches and page faults; every runner takes every position equally often
+        for k in order[r % len(order):] + order[:r % len(order)]:
             start = time.perf_counter()
-            fn()
+            runners[k]()
             times[k].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 

@@ -75,13 +75,21 @@ def compile_graph(gm: fx.GraphModule, *, random: bool = False) -> Callable:
 @torch.library.custom_op("popart_compiler::onednn_linear", mutates_args=())
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x @ weight.T + bias`` by oneDNN (Inductor calls it as an external kernel)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """``x.reshape(-1, K) @ weight.T + bias`` by oneDNN, for ``weight`` of shape
+    ``(N, K)``: a 2-D ``(x.numel() // K, N)`` result. Inductor calls it as an external
+    kernel; taking ``x`` before its flattening lets Inductor keep the producer's
+    vectorized layout (the reshape is a view when ``x`` is contiguous)."""
+    rows = x.reshape(-1, weight.shape[1])
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
 
 
 @_onednn_linear.register_fake
 def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((x.numel() // weight.shape[1], weight.shape[0]))
+
+
+_FLATTENS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.reshape.default)
 
 
 def onednn_linear(gm: fx.GraphModule) -> fx.GraphModule:
@@ -109,6 +117,8 @@ def onednn_linear(gm: fx.GraphModule) -> fx.GraphModule:
         if wt.target is aten.permute.default and list(wt.args[1]) != [1, 0]:
             continue
         w = wt.args[0]
+        while isinstance(x, fx.Node) and x.target in _FLATTENS:
+            x = x.args[0]  # flattened inside the op (see _onednn_linear)
         vals = [getattr(n, "meta", {}).get("val") for n in (x, w, node)]
         if bias is not None:
             vals.append(bias.meta.get("val") if isinstance(bias, fx.Node) else None)

@@ -61,3 +61,30 @@ def test_onednn_linear_pass_keeps_values():
     torch.testing.assert_close(gm(*args), expected, rtol=1e-5, atol=1e-5)
     args[0] = args[0] * 2  # a new weight value is used as is (not frozen)
     torch.testing.assert_close(gm(*args), fn(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_linear_takes_the_input_before_its_flattening():
+    """A linear layer after a flatten (a CNN's classifier) gets the unflattened tensor:
+    the op flattens it itself, so Inductor keeps the producing kernel vectorized in its
+    own layout (issue 11: a flattened output made the pooling kernel scalar, 2 × slower
+    than ``torch.compile``). Values equal the unrewritten graph, also for an input whose
+    layout is not contiguous."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from popart_compiler.inductor_backend import onednn_linear
+
+    def fn(w, b, x):
+        return torch.nn.functional.linear(torch.relu(x).flatten(1), w, b)
+    args = [torch.randn(10, 24), torch.randn(10), torch.randn(5, 2, 3, 4)]
+    gm = make_fx(fn)(*args)
+    gm = onednn_linear(gm)
+    if torch.backends.mkldnn.is_available():
+        (op,) = [n for n in gm.graph.nodes
+                 if n.target is torch.ops.popart_compiler.onednn_linear.default]
+        assert op.args[0].target is torch.ops.aten.relu.default
+    torch.testing.assert_close(gm(*args), fn(*args), rtol=1e-5, atol=1e-5)
+    channels_last = args[2].to(memory_format=torch.channels_last)
+    torch.testing.assert_close(gm(args[0], args[1], channels_last), fn(*args),
+                               rtol=1e-5, atol=1e-5)
+    out = torch.ops.popart_compiler.onednn_linear(channels_last, args[0], args[1])
+    assert out.shape == (5, 10)
