@@ -8,7 +8,7 @@ import torch
 
 from popart_compiler.optimizer_description import OptimizerDescription
 from popart_compiler.optimizers import FLOAT16_MAX, DeviceOptimizer, StepSettings
-from popart_compiler.session import _DeviceRng
+from popart_compiler.device_state import DeviceRng
 
 
 class _ThreadAllReduce:
@@ -119,7 +119,7 @@ def test_each_process_has_its_own_random_stream():
     """Same seed: process 0 keeps the seed's stream; process 1 draws other numbers,
     reproducibly; the reported seed stays the user's."""
     def draw(stream):
-        rng = _DeviceRng(7, "cpu", stream=stream)
+        rng = DeviceRng(7, "cpu", stream=stream)
         with rng.active():
             values = torch.rand(4)
         return values, rng.to_list()[0]
