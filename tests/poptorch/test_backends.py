@@ -8,7 +8,6 @@ representative subset (inference, output modes, training, replication, anchors).
 """
 import copy
 import importlib.util
-import os
 import pathlib
 
 import pytest
@@ -173,9 +172,6 @@ _ON_INDUCTOR = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(os.environ.get("POPTORCH_TEST_INDUCTOR", "0") != "1",
-                    reason="five more Inductor compiles (minutes on 2 cores): set "
-                           "POPTORCH_TEST_INDUCTOR=1 (bench/gpu.sh does)")
 @pytest.mark.parametrize("suite,name", _ON_INDUCTOR)
 def test_suite_on_inductor(suite, name, monkeypatch):
     """Existing tests re-run with ``POPTORCH_COMPILER=inductor`` (every Options they
