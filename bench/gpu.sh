@@ -47,7 +47,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
 PYEOF
 
 say "== CUDA and backend tests"
-POPTORCH_TEST_INDUCTOR=1 "$VPY" -m pytest -q -p no:cacheprovider tests/poptorch/test_backends.py 2>&1 | tail -25 | tee -a "$LOG"
+"$VPY" -m pytest -q -p no:cacheprovider tests/poptorch/test_backends.py 2>&1 | tail -25 | tee -a "$LOG"
 
 say "== CUDA benchmark"
 "$VPY" - <<'PYEOF' 2>&1 | tee -a "$LOG"

@@ -20,6 +20,7 @@ from popart_compiler.compiler import Compiler, Executable
 from popart_compiler.errors import py_error
 from popart_compiler.ipu_model import acquire_device
 from popart_compiler.session import InferenceSession, TrainingSession
+from popart_compiler.warm_up import warm_up
 from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
                                              ipu_model_env)
 
@@ -255,6 +256,7 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
                                    progress=lambda p, t: progress(4 + (5 * p) // t, 10),
                                    optimizer=self._optimizer_binding.description
                                    if self._training else None)
+            warm_up(exe)  # the inductor backend compiles its kernels here
             # The IPUs needed are known once the graph is placed (S-64); with
             # ConnectionType.OnDemand the device is acquired after compiling too.
             device = acquire(exe.num_ipus)  # offline: raises for the rejected cases

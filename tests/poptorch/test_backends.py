@@ -8,7 +8,6 @@ representative subset (inference, output modes, training, replication, anchors).
 """
 import copy
 import importlib.util
-import os
 import pathlib
 
 import pytest
@@ -110,6 +109,8 @@ def test_inductor_inference_compiles_once_and_follows_weight_writes():
     model = poptorch.inferenceModel(m, opts)
     x = torch.randn(4 * 3, 8)
     before = inductor_backend.compile_count()
+    model.compile(x)  # Inductor compiles here, inside the progress bar
+    assert inductor_backend.compile_count() == before + 1
     torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
     assert inductor_backend.compile_count() == before + 1
     x2 = torch.randn(4 * 3, 8)
@@ -136,14 +137,22 @@ def test_inductor_training_matches_eager_backend():
             m, opts, poptorch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
                                         loss_scaling=4.0))
         torch.manual_seed(2)
-        losses = [model(torch.randn(8, 8), torch.randint(0, 4, (8,)))[1]
-                  for _ in range(3)]
+        batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(3)]
+        model.compile(*batches[0])
+        compiled = dict(counters["inductor"])  # forward and backward graphs
+        losses = [model(*b)[1] for b in batches]
+        assert dict(counters["inductor"]) == compiled  # nothing compiled at run time
         model.copyWeightsToHost()
         return losses, copy.deepcopy(m.state_dict())
 
+    from torch._dynamo.utils import counters
     before = inductor_backend.compile_count()
+    misses = counters["inductor"]["fxgraph_cache_miss"] + \
+        counters["inductor"]["fxgraph_cache_hit"]
     losses, weights = train("inductor")
     assert inductor_backend.compile_count() == before + 1
+    assert counters["inductor"]["fxgraph_cache_miss"] + \
+        counters["inductor"]["fxgraph_cache_hit"] == misses + 2  # forward, backward
     ref_losses, ref_weights = train("eager")
     for a, b in zip(losses, ref_losses):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -163,9 +172,6 @@ _ON_INDUCTOR = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(os.environ.get("POPTORCH_TEST_INDUCTOR", "0") != "1",
-                    reason="five more Inductor compiles (minutes on 2 cores): set "
-                           "POPTORCH_TEST_INDUCTOR=1 (bench/gpu.sh does)")
 @pytest.mark.parametrize("suite,name", _ON_INDUCTOR)
 def test_suite_on_inductor(suite, name, monkeypatch):
     """Existing tests re-run with ``POPTORCH_COMPILER=inductor`` (every Options they

@@ -1,0 +1,73 @@
+"""Compiling the ``inductor`` backend's kernels ahead of the first run (issue 11).
+
+``torch.compile`` compiles at the first call of a compiled graph. :func:`warm_up` makes
+that call while the executable is being compiled, so the compilation progress bar (and
+``compilationTime()``) covers TorchInductor's work and the first run of the model does
+not pay it. The call uses what the session will pass - the device weights of replica 0
+(as :class:`~popart_compiler.device_state.DeviceWeights` makes them) and zero-filled
+inputs of the per-call shapes - so the compiled code it leaves in ``torch.compile``'s
+cache is the code the session reuses. Nothing of the call is kept: the weights are
+copies, the outputs are dropped and PyTorch's random number generators are restored
+afterwards.
+A training graph's backward is compiled in the same call
+(``force_non_lazy_backward_lowering``), not at the first backward pass.
+
+Pipelined (staged) programs compile stage by stage at their first run instead.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+from torch._functorch import config as functorch_config
+
+from .compiler import Executable
+from .device_state import DeviceWeights
+from .logging import logger
+
+__all__ = ["warm_up"]
+
+
+def _example_inputs(exe: Executable, slots: int) -> Optional[List[torch.Tensor]]:
+    """Zero user inputs for one call of the compiled graph: one micro-batch, or
+    ``slots`` of them stacked for the vectorized graph (float64 runs as float32);
+    ``None`` when an input's shape is unknown."""
+    g = exe.graph
+    out = []
+    for node in g.placeholders[len(g.placeholders) - g.num_user_inputs:]:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        dtype = torch.float32 if val.dtype == torch.float64 else val.dtype
+        shape = (slots, *val.shape) if slots else tuple(val.shape)
+        out.append(torch.zeros(shape, dtype=dtype, device=exe.options.device))
+    return out
+
+
+def warm_up(exe: Executable) -> None:
+    """Compile the inductor kernels of ``exe`` now by calling its compiled graph once
+    on copies of its weights and zero inputs; a no-op for the ``eager`` backend, with
+    floating-point exception checks (op-by-op interpreter) and for staged programs.
+
+    Raises:
+        Exception: what TorchInductor raises when the graph cannot be compiled (the
+            first run would raise the same).
+    """
+    if exe.options.backend != "inductor" or exe.options.fp_exceptions or exe.staged:
+        return
+    if exe.vectorized is not None:
+        fn, inputs = exe.vectorized, _example_inputs(exe, exe.vectorized_slots)
+    else:
+        fn, inputs = exe.runner, _example_inputs(exe, 0)
+    if inputs is None:
+        return  # compiled at the first run instead
+    state = DeviceWeights(exe, exe.options.device).state(0)
+    device = torch.device(exe.options.device)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    grad = torch.enable_grad() if exe.training else torch.no_grad()
+    lowering = functorch_config.patch(force_non_lazy_backward_lowering=True) \
+        if exe.training else contextlib.nullcontext()
+    logger.debug("Compiling the inductor kernels before the first run")
+    with torch.random.fork_rng(devices=devices, device_type=device.type), grad, lowering:
+        fn(*state, *inputs)
