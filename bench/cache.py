@@ -39,6 +39,9 @@ import subprocess
 import sys
 import tempfile
 
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+
 _MODELS = r'''
 import torch
 
@@ -101,7 +104,7 @@ def child(name: str, mode: str, cache: str, path: str) -> tuple:
     env = {**os.environ, "POPTORCH_LOG_LEVEL": "ERR"}
     env.pop("POPTORCH_CACHE_DIR", None)
     result = subprocess.run([sys.executable, "-c", _CHILD, name, mode, cache, path],
-                            check=True, capture_output=True, text=True, env=env)
+                            cwd=_ROOT, check=True, capture_output=True, text=True, env=env)
     return tuple(json.loads(result.stdout.strip().splitlines()[-1])["seconds"])
 
 
