@@ -38,7 +38,8 @@ _compiles = 0
 
 def compile_count() -> int:
     """Number of graphs Inductor has compiled in this process (forward graphs; the
-    backward graph of a training program is compiled with its forward)."""
+    backward graph of a training program is compiled with its forward); a compilation
+    that raised is not counted."""
     return _compiles
 
 
@@ -47,12 +48,13 @@ def _inductor(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
     """Dynamo backend: count, then compile with Inductor."""
     global _compiles  # pylint: disable=global-statement
     from torch._inductor.compile_fx import compile_fx  # pylint: disable=import-outside-toplevel
-    with _lock:
-        _compiles += 1
     logger.debug("Compiling a graph of %d nodes with TorchInductor",
                  len(gm.graph.nodes))
     patches = {"fallback_random": True} if random else {}
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    with _lock:
+        _compiles += 1  # counted once compiled: a failed compilation is not counted
+    return compiled
 
 
 def compile_graph(gm: fx.GraphModule, *, random: bool = False) -> Callable:
@@ -68,7 +70,10 @@ def compile_graph(gm: fx.GraphModule, *, random: bool = False) -> Callable:
         A callable with ``gm``'s signature. It compiles at the first call, and again
         only for a new input signature (shape, dtype, device, ``requires_grad``).
     """
-    return torch.compile(gm, backend=functools.partial(_inductor, random=random),
+    # ``gm.forward``, not ``gm``: Dynamo would also trace the error handler of the
+    # module's ``__call__`` and replace an error raised by a kernel (a singular matrix,
+    # an index out of range) with "Attempt to trace generator".
+    return torch.compile(gm.forward, backend=functools.partial(_inductor, random=random),
                          dynamic=False, fullgraph=True)
 
 

@@ -22,6 +22,7 @@ from typing import List, Optional
 import torch
 from torch._functorch import config as functorch_config
 
+from . import inductor_backend
 from .compiler import Executable
 from .device_state import DeviceWeights
 from .logging import logger
@@ -52,7 +53,8 @@ def warm_up(exe: Executable) -> None:
 
     Raises:
         Exception: what TorchInductor raises when the graph cannot be compiled (the
-            first run would raise the same).
+            first run would raise the same). An error raised by the compiled kernels
+            on the zero inputs is not raised: the user's inputs may well be valid.
     """
     if exe.options.backend != "inductor" or exe.options.fp_exceptions or exe.staged:
         return
@@ -69,5 +71,14 @@ def warm_up(exe: Executable) -> None:
     lowering = functorch_config.patch(force_non_lazy_backward_lowering=True) \
         if exe.training else contextlib.nullcontext()
     logger.debug("Compiling the inductor kernels before the first run")
+    compiled = inductor_backend.compile_count()
     with torch.random.fork_rng(devices=devices, device_type=device.type), grad, lowering:
-        fn(*state, *inputs)
+        try:
+            fn(*state, *inputs)
+        except Exception as e:  # pylint: disable=broad-except
+            if inductor_backend.compile_count() == compiled:
+                raise  # the compilation failed: the first run would fail the same way
+            # The kernels compiled; running them on the zero stand-ins failed (a
+            # singular matrix, say), which says nothing about the user's inputs.
+            logger.debug("The inductor kernels compiled; their trial run on zero "
+                         "inputs raised %s: %s", type(e).__name__, e)
