@@ -12,7 +12,10 @@ afterwards.
 A training graph's backward is compiled in the same call
 (``force_non_lazy_backward_lowering``), not at the first backward pass.
 
-Pipelined (staged) programs compile stage by stage at their first run instead.
+Pipelined (staged) programs compile stage by stage at their first run instead, and so
+do programs with host ops (``ipu_print_tensor``, ``poptorch.CPU``, custom ops:
+:func:`~popart_compiler.ir.register_per_micro_batch_op`): a trial run would print or
+call the user's host code once more, with made-up values.
 """
 from __future__ import annotations
 
@@ -49,14 +52,16 @@ def _example_inputs(exe: Executable, slots: int) -> Optional[List[torch.Tensor]]
 def warm_up(exe: Executable) -> None:
     """Compile the inductor kernels of ``exe`` now by calling its compiled graph once
     on copies of its weights and zero inputs; a no-op for the ``eager`` backend, with
-    floating-point exception checks (op-by-op interpreter) and for staged programs.
+    floating-point exception checks (op-by-op interpreter), for staged programs and for
+    programs with host side effects (per-micro-batch ops).
 
     Raises:
         Exception: what TorchInductor raises when the graph cannot be compiled (the
             first run would raise the same). An error raised by the compiled kernels
             on the zero inputs is not raised: the user's inputs may well be valid.
     """
-    if exe.options.backend != "inductor" or exe.options.fp_exceptions or exe.staged:
+    if (exe.options.backend != "inductor" or exe.options.fp_exceptions or exe.staged
+            or exe.graph.runs_per_micro_batch()):
         return
     if exe.vectorized is not None:
         fn, inputs = exe.vectorized, _example_inputs(exe, exe.vectorized_slots)
