@@ -26,7 +26,9 @@ class HostSyncMixin:
     """Weight, buffer and RNG transfers of a ``PoplarExecutor``. The executor owns the
     flags used here: ``_host_weights_stale`` (a run moved the device ahead of the
     host), ``_host_weights_version`` (bumped at each device → host copy, S-31),
-    ``_uploaded_version`` (the trainer's version last uploaded), ``_rng_cache`` and
+    ``_uploaded_version`` (which executor's host copy, and which version of it, was
+    last uploaded: a weak reference and a version, so that a new trainer of the same
+    model, whose count starts again, is never taken for the old one), ``_rng_cache`` and
     ``_rng_stale``."""
 
     def _host_tensors(self) -> Dict[str, torch.Tensor]:
@@ -99,8 +101,8 @@ class HostSyncMixin:
         self._session.writeWeights(values)
         self._host_weights_stale = False
         trainer = TRAINING_WRAPPERS.get(id(self._user_model))
-        self._uploaded_version = trainer._host_weights_version if trainer is not None \
-            else self._host_weights_version
+        source = trainer if trainer is not None else self
+        self._uploaded_version = (weakref.ref(source), source._host_weights_version)
 
     @serialised
     def copyNamedBuffersToDevice(self) -> None:
@@ -132,7 +134,9 @@ class HostSyncMixin:
         if trainer is None or trainer is self:
             return
         trainer.copyWeightsToHostIfNeeded()
-        if trainer._host_weights_version != self._uploaded_version:
+        uploaded = self._uploaded_version
+        if uploaded is None or uploaded[0]() is not trainer \
+                or uploaded[1] != trainer._host_weights_version:
             logger.debug("Implicit copyWeightsToDevice()")
             self.copyWeightsToDevice()
 

@@ -112,7 +112,7 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
         self._progress: Optional[ProgressBar] = None
         self._host_weights_stale = False
         self._host_weights_version = 0
-        self._uploaded_version = -1
+        self._uploaded_version: Optional[Tuple[Any, int]] = None  # see HostSyncMixin
         self._rng_cache: Optional[List[int]] = (
             [int(opts.random_seed)] if opts.exists("random_seed") else None)
         self._rng_stale = False

@@ -1,5 +1,8 @@
 """Regressions found by a fresh-user attack on the inductor warm-up (issue 11) and the
 executor / optimizer refactor."""
+import copy
+import gc
+
 import pytest
 import torch
 import torch.nn as nn
@@ -67,3 +70,48 @@ def test_inductor_warm_up_does_not_run_host_ops(capfd):
     assert len(calls) == 2 and capfd.readouterr().err.count("hval:") == 1
     torch.testing.assert_close(calls[1], model.fc(x).detach())
     torch.testing.assert_close(out, model.fc(x).detach() * 2)
+
+
+class _Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, y=None):
+        out = self.fc(x)
+        return out if y is None else (out, nn.functional.cross_entropy(out, y))
+
+
+@pytest.mark.parametrize("drop", ["destroy", "garbage_collect"])
+def test_inference_sees_weights_of_a_second_trainer_of_the_model(drop):
+    """S-31: an inference wrapper uploads the trained weights of whichever trainer wraps
+    its model now. A second ``trainingModel`` of the model (after the first one was
+    destroyed or freed) counts its host copies from 1 again; its first copy must not be
+    taken for the first trainer's copy that the inference wrapper already uploaded."""
+    torch.manual_seed(0)
+    model = _Classifier()
+    ref = copy.deepcopy(model)
+    xs, ys, probe = torch.randn(2, 4, 6), torch.randint(0, 3, (2, 4)), torch.randn(4, 6)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    expected = []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        ref(x, y)[1].backward()
+        opt.step()
+        expected.append(ref(probe).detach())
+
+    def trainer():
+        return poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(),
+                                                                       lr=0.1))
+    inference = poptorch.inferenceModel(model)
+    first = trainer()
+    first(xs[0], ys[0])
+    torch.testing.assert_close(inference(probe), expected[0])
+    if drop == "destroy":
+        first.destroy()
+    else:
+        del first
+        gc.collect()
+    second = trainer()
+    second(xs[1], ys[1])
+    torch.testing.assert_close(inference(probe), expected[1])
