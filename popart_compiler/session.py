@@ -183,6 +183,18 @@ class _Session(abc.ABC):
         return [torch.randn(x.shape, device=self.torch_device).to(x.dtype)
                 if x.is_floating_point() else torch.zeros_like(x) for x in inputs]
 
+    @staticmethod
+    def _fresh(outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
+               ) -> List[torch.Tensor]:
+        """``outs`` as tensors of their own (S-14 "fresh tensors"): an output sharing
+        memory with one of ``sources`` (the device state and the inputs: a returned
+        parameter or buffer, an input returned as is or as a view) is copied, as a
+        device → host transfer would; writing to it must change neither the device
+        weights nor the caller's input."""
+        shared = {t.untyped_storage().data_ptr() for t in sources
+                  if isinstance(t, torch.Tensor)}
+        return [t.clone() if t.untyped_storage().data_ptr() in shared else t for t in outs]
+
     def _finish(self, stacked: List[torch.Tensor]) -> List[torch.Tensor]:
         """Apply output modes and the 32-bit output rule to ``[D, A, R, ...]`` results."""
         o = self.options
@@ -281,8 +293,9 @@ class InferenceSession(_Session):
         since = time.perf_counter()
         if d * r == 1 and self._staged is None:
             x = [t.to(self.torch_device) for t in inputs]
+            state = self.weights.state(0)
             with torch.no_grad():
-                outs = gm(*self.weights.state(0), *x)
+                outs = self._fresh(gm(*state, *x), [*state, *x])
             self.clock.mark(0, 1, since)
             return self._finish([t.detach()[None, None, None] for t in outs])
         split = self._split(inputs)
@@ -296,8 +309,8 @@ class InferenceSession(_Session):
                     since = time.perf_counter()
                     chunks.append(exe.vectorized(*state, *[x[k:k + c] for x in xs]))
                     self.clock.mark(k // r, (k + c - 1) // r - k // r + 1, since)
-            outs = [torch.cat(parts) if len(parts) > 1 else parts[0]
-                    for parts in zip(*chunks)]
+            outs = self._fresh([torch.cat(parts) if len(parts) > 1 else parts[0]
+                                for parts in zip(*chunks)], [*state, *xs])
             return self._finish([t.reshape(d, 1, r, *t.shape[1:]) for t in outs])
         results: List[List[torch.Tensor]] = []
         with torch.no_grad():
@@ -469,7 +482,8 @@ class TrainingSession(_Session):
                     for j, g in zip(trainable, grads):
                         full[j] = g
                     opt.accumulate(rep, step, full)
-                return [t.detach() for t in outs]
+                # the optimizer step writes the weights in place: no output may see it
+                return self._fresh([t.detach() for t in outs], [*state, *xs])
 
             if self._staged is not None:
                 # Micro-batches flow through the stages in schedule order; each one's

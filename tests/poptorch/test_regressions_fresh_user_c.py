@@ -115,3 +115,59 @@ def test_inference_sees_weights_of_a_second_trainer_of_the_model(drop):
     second = trainer()
     second(xs[1], ys[1])
     torch.testing.assert_close(inference(probe), expected[1])
+
+
+class _ReturnsState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y=None):
+        out = self.fc(x)
+        if y is None:
+            return out, self.fc.weight, x
+        return out, nn.functional.mse_loss(out, y), self.fc.weight, x
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_inference_outputs_are_fresh_tensors(iterations):
+    """S-14: outputs are fresh tensors. A returned parameter or input is a copy:
+    writing to it changes neither the device weights (the next call) nor the caller's
+    input (one device iteration runs the graph directly, two run it vectorized)."""
+    torch.manual_seed(0)
+    model = _ReturnsState()
+    weight = model.fc.weight.detach().clone()
+    inference = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(iterations))
+    x = torch.randn(2 * iterations, 4)
+    x_before = x.clone()
+    out, w, same_x = inference(x)
+    w.add_(100.0)
+    same_x.add_(5.0)
+    torch.testing.assert_close(x, x_before, rtol=0, atol=0)
+    out2, w2, _ = inference(x)
+    torch.testing.assert_close(w2[:4], weight, rtol=0, atol=0)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_training_outputs_hold_the_forward_values_of_each_iteration():
+    """A training output that is a parameter holds its value in that iteration's
+    forward pass, not the value after the optimizer step (nor the final one)."""
+    torch.manual_seed(0)
+    model = _ReturnsState()
+    ref = copy.deepcopy(model)
+    opts = poptorch.Options().deviceIterations(2).outputMode(poptorch.OutputMode.All)
+    training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(),
+                                                                   lr=0.1))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    _, _, w, same_x = training(x, y)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    expected = []
+    for i in range(2):
+        expected.append(ref.fc.weight.detach().clone())
+        opt.zero_grad()
+        ref(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])[1].backward()
+        opt.step()
+    torch.testing.assert_close(w, torch.cat(expected))
+    same_x.add_(1.0)
+    training.copyWeightsToHost()
+    torch.testing.assert_close(model.fc.weight, ref.fc.weight)
