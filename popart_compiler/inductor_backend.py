@@ -30,10 +30,11 @@ import torch.fx as fx
 
 from .logging import logger
 
-__all__ = ["compile_graph", "compile_count", "onednn_linear"]
+__all__ = ["compile_graph", "compile_count", "thread_compile_count", "onednn_linear"]
 
 _lock = threading.Lock()
 _compiles = 0
+_per_thread = threading.local()
 
 
 def compile_count() -> int:
@@ -41,6 +42,12 @@ def compile_count() -> int:
     backward graph of a training program is compiled with its forward); a compilation
     that raised is not counted."""
     return _compiles
+
+
+def thread_compile_count() -> int:
+    """:func:`compile_count` for the calling thread only (Dynamo compiles on the thread
+    that makes the first call), unaffected by compilations in other threads."""
+    return getattr(_per_thread, "compiles", 0)
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
@@ -54,6 +61,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
     with _lock:
         _compiles += 1  # counted once compiled: a failed compilation is not counted
+    _per_thread.compiles = thread_compile_count() + 1
     return compiled
 
 

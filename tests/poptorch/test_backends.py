@@ -267,3 +267,30 @@ def test_perf_counters_have_one_measured_timestamp_per_device_iteration(stateful
     assert len(c["output"]) == 2 and len(c["output"][0]) == 1
     assert c["output"][0][0] >= c["input_complete"][0][2]
     assert training.getLatency()[0] > 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_inductor_compilations_are_counted_per_thread():
+    """The warm-up tells a failed compilation from a failed trial run by the compile
+    count of its own thread: a compilation in another thread must not move it."""
+    import threading
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Backend.compiler("inductor")
+    model = poptorch.inferenceModel(Mlp(), opts)
+    x = torch.randn(2 * 3, 8)
+    mine, total = inductor_backend.thread_compile_count(), inductor_backend.compile_count()
+    seen = []
+
+    def compile_there():
+        before = inductor_backend.thread_compile_count()
+        model.compile(x)
+        seen.append(inductor_backend.thread_compile_count() - before)
+    worker = threading.Thread(target=compile_there)
+    worker.start()
+    worker.join(600)
+    assert seen == [1]
+    assert inductor_backend.compile_count() == total + 1
+    assert inductor_backend.thread_compile_count() == mine
+    torch.testing.assert_close(model(x), model.model(x).detach(), rtol=1e-5, atol=1e-5)
+    assert inductor_backend.compile_count() == total + 1
