@@ -22,7 +22,8 @@ first model of that runner in this process; "again": a second fresh model with t
 same architecture, so the Inductor/FX caches and imports are warm).
 
 Ratios are runner / reference of median times (lower is better); the sides are
-interleaved so that background load affects them alike. ``torch.set_num_threads``
+interleaved (a random order per round, each timed call after an untimed one of the
+same runner) so that background load affects them alike. ``torch.set_num_threads``
 defaults to 1 (``--threads``) for the least noise on a shared machine.
 
 Usage::
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -160,14 +162,20 @@ def _onnx(model: nn.Module, x: torch.Tensor, threads: int) -> Optional[Callable]
 
 
 def _interleaved(runners: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
+    """Median seconds per call of each runner over ``repeats`` rounds. Each round runs
+    the runners in a fresh random order (seeded), each with one untimed call before its
+    timed one: the untimed call takes the cache and TLB misses left by the runner
+    before it. Without it, a rotating order kept every runner behind the same
+    predecessor, and whichever followed a memory-heavy eager runner paid for it (CNN
+    inference, ours-inductor: 4.0 ms per call behind ours-eager, 2.7 ms behind
+    itself)."""
     times: Dict[str, List[float]] = {k: [] for k in runners}
-    for fn in runners.values():
-        fn()  # warm-up
     order = list(runners)
-    for r in range(repeats):
-        # rotate the order: a runner that follows a memory-heavy one starts with cold
-        # caches and page faults; every runner takes every position equally often
-        for k in order[r % len(order):] + order[:r % len(order)]:
+    rng = random.Random(0)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for k in order:
+            runners[k]()  # settle: warm caches for this runner
             start = time.perf_counter()
             runners[k]()
             times[k].append(time.perf_counter() - start)

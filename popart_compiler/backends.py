@@ -24,7 +24,17 @@ __all__ = ["vectorize", "simplify"]
 
 
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-    """Remove identities that vmap's decompositions leave behind (``x * 1``)."""
+    """Remove identities that vmap's decompositions leave behind (``x * 1``, identity
+    permutes, a view undone by the next one) and fuse ``mm`` + bias into ``addmm``."""
+    changed = [_drop_mul_one(gm), _fuse_addmm(gm), _collapse_views(gm)]
+    if any(changed):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _drop_mul_one(gm: fx.GraphModule) -> bool:
+    """``x * 1`` → ``x`` (same dtype and shape); whether ``gm`` changed."""
     changed = False
     aten = torch.ops.aten
     for node in list(gm.graph.nodes):
@@ -40,7 +50,14 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
                 node.replace_all_uses_with(src)
                 gm.graph.erase_node(node)
                 changed = True
-    # add(bias, view(mm(a, b))) → view(addmm(bias, a, b)) when bias broadcasts over rows
+    return changed
+
+
+def _fuse_addmm(gm: fx.GraphModule) -> bool:
+    """``add(bias, view(mm(a, b)))`` → ``view(addmm(bias, a, b))`` when ``bias``
+    broadcasts over rows; whether ``gm`` changed."""
+    changed = False
+    aten = torch.ops.aten
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.add.Tensor:
             continue
@@ -73,10 +90,74 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.erase_node(rhs)
         gm.graph.erase_node(mm)
         changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    return changed
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _collapse_views(gm: fx.GraphModule) -> bool:
+    """vmap folds the micro-batch dimension into the batch dimension around every op
+    and unfolds it after: ``view(relu(view(conv(x), [8, 16, ...])), [128, ...])``.
+    Rewrite, until nothing changes: an identity ``permute`` is dropped; a view of a view
+    becomes one view, and none if it restores the original shape; a unary pointwise op
+    on a view (its only user) moves before the view. What is left is the graph over
+    the folded batch, whose layouts a compiler can choose freely (Inductor gave the
+    CNN's pooling output an extra transposing copy before this). Returns whether
+    ``gm`` changed (the caller eliminates dead code and recompiles)."""
+    changed = True
+    rounds = 0
+    while changed:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and len(node.users) > 0:
+                changed = _collapse_view(gm, node) or changed
+        if changed:
+            rounds += 1
+            gm.graph.eliminate_dead_code()
+    return rounds > 0
+
+
+def _collapse_view(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """One rewrite of :func:`_collapse_views` at ``node``; whether one applied."""
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node):
+        return False
+    if node.target is torch.ops.aten.permute.default:
+        if list(node.args[1]) != list(range(len(node.args[1]))):
+            return False
+        node.replace_all_uses_with(src)
+        return True
+    if node.target in _VIEWS:
+        if src.target in _VIEWS:
+            node.args = (src.args[0],) + tuple(node.args[1:])
+            return True
+        val, src_val = node.meta.get("val"), src.meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(src_val, torch.Tensor) \
+                and val.shape == src_val.shape:
+            node.replace_all_uses_with(src)
+            return True
+        return False
+    # u(view(x, s)) → view(u(x), s) for a unary pointwise u
+    if src.target not in _VIEWS or len(src.users) != 1 or node.kwargs \
+            or any(isinstance(a, fx.Node) for a in node.args[1:]) \
+            or not isinstance(node.target, torch._ops.OpOverload) \
+            or torch.Tag.pointwise not in node.target.tags \
+            or node.target._schema.is_mutable:
+        return False
+    x = src.args[0]
+    x_val = x.meta.get("val")
+    if not isinstance(x_val, torch._subclasses.FakeTensor):
+        return False
+    with x_val.fake_mode:
+        val = node.target(x_val, *node.args[1:])
+    with gm.graph.inserting_before(node):
+        moved = gm.graph.call_function(node.target, (x,) + tuple(node.args[1:]))
+        moved.meta["val"] = val
+        view = gm.graph.call_function(src.target, (moved,) + tuple(src.args[1:]))
+        view.meta["val"] = node.meta.get("val")
+    node.replace_all_uses_with(view)
+    return True
 
 
 def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],

@@ -88,3 +88,62 @@ def test_onednn_linear_takes_the_input_before_its_flattening():
                                rtol=1e-5, atol=1e-5)
     out = torch.ops.popart_compiler.onednn_linear(channels_last, args[0], args[1])
     assert out.shape == (5, 10)
+
+
+def _conv_pool_linear(w1, b1, w2, b2, x):
+    """Per micro-batch: conv, relu, pool, flatten, linear, and a GELU on a view."""
+    F = torch.nn.functional
+    h = F.max_pool2d(torch.relu(F.conv2d(x, w1, b1, padding=1)), 2)
+    return F.gelu(F.linear(h.flatten(1), w2, b2)).reshape(-1, 2, 5)
+
+
+def test_vectorized_graph_has_no_view_round_trips():
+    """vmap folds the micro-batch dimension into the batch around each op and unfolds
+    it after; ``simplify`` drops those round trips (identity permutes, a view undone by
+    the next one, a unary op between them), so the vectorized CNN graph is the graph
+    over the combined batch: the first view is of the input, the next view the
+    flatten. Values equal the per-micro-batch loop."""
+    from popart_compiler.backends import vectorize
+
+    gen = torch.Generator().manual_seed(0)
+    state = [torch.randn(4, 3, 3, 3, generator=gen), torch.randn(4, generator=gen),
+             torch.randn(10, 4 * 4 * 4, generator=gen), torch.randn(10, generator=gen)]
+    xs = torch.randn(6, 2, 3, 8, 8, generator=gen)
+    gm = vectorize(_conv_pool_linear, state, [xs[0]], 6)
+    aten = torch.ops.aten
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any(n.target is aten.permute.default for n in nodes)
+    views = [n for n in nodes if n.target in (aten.view.default, aten._unsafe_view.default)]
+    shapes = [tuple(n.meta["val"].shape) for n in views]
+    assert shapes[:2] == [(12, 3, 8, 8), (12, 64)]  # the fold of the input, the flatten
+    # relu and gelu moved onto the folded tensors: no view feeds a pointwise op
+    for n in nodes:
+        if n.target in (aten.relu.default, aten.gelu.default):
+            assert n.args[0].target not in (aten.view.default, aten._unsafe_view.default)
+            assert n.meta["val"].shape[0] == 12
+    out = gm(*state, xs)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    expected = torch.stack([_conv_pool_linear(*state, x) for x in xs])
+    assert out.shape == (6, 2, 2, 5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_view_collapse_keeps_a_view_with_other_users():
+    """A pointwise op on a view that something else also reads stays after the view;
+    a view that does not restore its source's shape stays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from popart_compiler.backends import simplify
+
+    def fn(x):
+        v = x.view(3, 4)
+        return torch.relu(v), v.sum(0), v.view(2, 6)
+    x = torch.randn(12)
+    gm = simplify(make_fx(fn, tracing_mode="fake")(x))
+    aten = torch.ops.aten
+    relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+    assert relu.args[0].target is aten.view.default
+    last = [n for n in gm.graph.nodes if n.target is aten.view.default][-1]
+    assert last.args[0].op == "placeholder" and list(last.args[1]) == [2, 6]
+    for a, b in zip(gm(x), fn(x)):
+        torch.testing.assert_close(a, b)
