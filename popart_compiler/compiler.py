@@ -158,6 +158,15 @@ class Compiler:
     """Compiles graphs for the IPU Model (our PopART ``Session`` preparation)."""
 
     @staticmethod
+    def prepare(options: SessionOptions) -> None:
+        """Start what a compilation with ``options`` can do before its graph is
+        captured: on the CPU, the inductor backend's probe of the CPU
+        (:func:`inductor_backend.start_probing_cpu`, in a background thread)."""
+        if options.backend == "inductor" and options.device == "cpu" \
+                and not options.fp_exceptions:
+            inductor_backend.start_probing_cpu()
+
+    @staticmethod
     def compile(graph: Graph, options: SessionOptions, training: bool,
                 progress: Optional[Callable[[int, int], None]] = None,
                 optimizer=None) -> Executable:

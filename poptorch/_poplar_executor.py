@@ -249,6 +249,7 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
         progress = self._progress
         try:
             progress(0, 10)
+            Compiler.prepare(sess_opts)  # overlaps the capture
             program = program_for(self, bound, tensors, spec, sess_opts)
             captured = program.captured
             progress(4, 10)

@@ -147,3 +147,40 @@ def test_view_collapse_keeps_a_view_with_other_users():
     assert last.args[0].op == "placeholder" and list(last.args[1]) == [2, 6]
     for a, b in zip(gm(x), fn(x)):
         torch.testing.assert_close(a, b)
+
+
+def test_cpu_probe_runs_once_in_the_background_and_compilation_waits(monkeypatch):
+    """Inductor's per-process CPU probe (``pick_vec_isa``, ~0.9 s of child processes)
+    starts in a background thread when a CPU inductor compilation begins, once per
+    process; compiling waits for it, so the probe never runs twice at once."""
+    import threading
+
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    from popart_compiler import inductor_backend
+
+    calls, release, waited = [], threading.Event(), threading.Event()
+
+    def pick_vec_isa():
+        calls.append(threading.current_thread().name)
+        release.wait(30)
+
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", pick_vec_isa)
+    monkeypatch.setattr(inductor_backend, "_probe", None)
+    inductor_backend.start_probing_cpu()
+    inductor_backend.start_probing_cpu()  # a second compile: no second probe
+    probe = inductor_backend._probe
+    assert probe is not None and probe.daemon
+
+    def compile_():
+        inductor_backend._wait_for_probe()
+        waited.set()
+    waiter = threading.Thread(target=compile_)
+    waiter.start()
+    waiter.join(0.2)
+    assert not waited.is_set()  # blocked by the probe
+    release.set()
+    waiter.join(30)
+    probe.join(30)
+    assert waited.is_set()
+    assert calls == ["poptorch-inductor-isa-probe"]
