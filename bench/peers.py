@@ -252,13 +252,18 @@ def training(key: str, repeats: int) -> Dict[str, Dict[str, float]]:
     return {"time": {k: v / d for k, v in times.items()}, "first": first}
 
 
+def _duration(seconds: float) -> str:
+    """Four significant digits: ``24.61 µs``, ``31.45 ms``."""
+    return f"{seconds * 1e6:.4g} µs" if seconds < 1e-3 else f"{seconds * 1e3:.4g} ms"
+
+
 def _row(title: str, res: Dict[str, float], ref: str, cols: List[str]) -> str:
     cells = []
     for c in cols:
         if c not in res:
             cells.append("-")
         else:
-            cells.append(f"{res[c] * 1e3:.3f} ms ({res[c] / res[ref]:.2f})")
+            cells.append(f"{_duration(res[c])} ({res[c] / res[ref]:.2f})")
     return f"| {title} | " + " | ".join(cells) + " |"
 
 

@@ -279,7 +279,7 @@ class Compiler:
             return
         random = exe.graph.random
         runner = exe.module
-        if not exe.training and exe.options.device == "cpu":
+        if exe.options.device == "cpu":
             runner = inductor_backend.onednn_linear(copy.deepcopy(exe.module))
             if exe.vectorized is not None:
                 inductor_backend.onednn_linear(exe.vectorized)

@@ -9,11 +9,14 @@ device weights can be rewritten (``copyWeightsToDevice``, optimizer updates) wit
 recompiling. A program is compiled once per input signature: later runs with the same
 shapes and dtypes reuse the kernels (:func:`compile_count` counts compilations).
 
-Inference graphs on the CPU run their linear layers with oneDNN
-(:func:`onednn_linear`): PyTorch's ``addmm`` goes through the BLAS library it was
-built with, which can be several times slower than oneDNN on some CPUs (measured 9.0 ms
-against 0.9 ms for a 256×784 by 784×512 product, one thread of an AMD EPYC); the
-weights stay plain, unpacked graph inputs.
+Graphs on the CPU run their linear layers with oneDNN (:func:`onednn_linear`), forward
+and, in training, backward: PyTorch's ``addmm`` / ``mm`` go through the BLAS library it
+was built with, which can be several times slower than oneDNN on some CPUs (measured
+1.85 ms against 0.82 ms for a 256×784 by 784×512 product, one thread of an AMD EPYC);
+the weights stay plain, unpacked graph inputs.
+
+Inductor's per-process probe of the CPU's vector instruction sets runs in a background
+thread while the program is captured (:func:`start_probing_cpu`).
 
 Random ops keep the device RNG's semantics: Inductor is told to call PyTorch's random
 kernels (``fallback_random``) so they draw from the generator the session swaps in
@@ -147,37 +150,44 @@ def _(x, weight, bias):
     return x.new_empty((x.numel() // weight.shape[1], weight.shape[0]))
 
 
+def _onednn_linear_setup(ctx, inputs, output):  # pylint: disable=unused-argument
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _onednn_linear_backward(ctx, grad: torch.Tensor):
+    """Gradients by oneDNN too: ``grad_x = grad @ W``, ``grad_W = grad.T @ x`` (both
+    as linears on transposed views), ``grad_b = grad.sum(0)``."""
+    x, weight = ctx.saved_tensors
+    linear = torch.ops.popart_compiler.onednn_linear
+    need_x, need_w, need_b = ctx.needs_input_grad
+    grad_x = linear(grad, weight.t(), None).reshape(x.shape) if need_x else None
+    grad_w = linear(grad.t(), x.reshape(-1, weight.shape[1]).t(), None) if need_w else None
+    return grad_x, grad_w, grad.sum(0) if need_b else None
+
+
+_onednn_linear.register_autograd(_onednn_linear_backward, setup_context=_onednn_linear_setup)
+
+
 _FLATTENS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
              torch.ops.aten.reshape.default)
 
 
 def onednn_linear(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``addmm(b, x, t(w))`` and ``mm(x, t(w))`` on float32 CPU tensors into
-    oneDNN's linear (``popart_compiler::onednn_linear``, an external kernel for
-    Inductor; same result up to float rounding).
-    Inference only: the oneDNN op has no autograd formula. Returns ``gm`` (rewritten in
-    place); unchanged where oneDNN is unavailable."""
+    """Rewrite linear layers on float32 CPU tensors (``aten.linear``, and what it
+    decomposes to: ``addmm(b, x, t(w))``, ``mm(x, t(w))``) into oneDNN's linear
+    (``popart_compiler::onednn_linear``, an external kernel for Inductor; same result
+    up to float rounding). Its gradients are oneDNN linears too, so training graphs use
+    it as well. Returns ``gm`` (rewritten in place); unchanged where oneDNN is
+    unavailable."""
     if not torch.backends.mkldnn.is_available():
         return gm
-    aten = torch.ops.aten
-    linear = torch.ops.popart_compiler.onednn_linear.default
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (aten.addmm.default,
-                                                             aten.mm.default):
+        operands = _linear_operands(node)
+        if operands is None:
             continue
-        if node.kwargs:
-            continue
-        bias, x, wt = (node.args if node.target is aten.addmm.default
-                       else (None,) + tuple(node.args))
-        if not (isinstance(wt, fx.Node) and wt.target in (aten.t.default,
-                                                          aten.permute.default)):
-            continue
-        if wt.target is aten.permute.default and list(wt.args[1]) != [1, 0]:
-            continue
-        w = wt.args[0]
-        while isinstance(x, fx.Node) and x.target in _FLATTENS:
-            x = x.args[0]  # flattened inside the op (see _onednn_linear)
+        x, w, bias = operands
         vals = [getattr(n, "meta", {}).get("val") for n in (x, w, node)]
         if bias is not None:
             vals.append(bias.meta.get("val") if isinstance(bias, fx.Node) else None)
@@ -186,8 +196,14 @@ def onednn_linear(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if bias is not None and vals[-1].dim() != 1:
             continue
+        out = vals[2]
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(linear, (x, w, bias))
+            new = gm.graph.call_function(torch.ops.popart_compiler.onednn_linear.default,
+                                         (x, w, bias))
+            new.meta["val"] = out.reshape(-1, out.shape[-1])
+            if out.dim() != 2:  # aten.linear on a batch of sequences: (..., N)
+                new = gm.graph.call_function(torch.ops.aten.view.default,
+                                             (new, list(out.shape)))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
@@ -196,3 +212,27 @@ def onednn_linear(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def _linear_operands(node: fx.Node) -> Optional[tuple]:
+    """``(x, weight, bias)`` of a linear layer at ``node`` (``bias`` may be ``None``),
+    with ``x`` taken before a flattening view (see :func:`_onednn_linear`); ``None`` if
+    ``node`` is no linear layer."""
+    aten = torch.ops.aten
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target is aten.linear.default:
+        x, w, bias = (tuple(node.args) + (None,))[:3]
+        return (x, w, bias) if isinstance(w, fx.Node) and w.meta.get("val") is not None \
+            and w.meta["val"].dim() == 2 else None
+    if node.target not in (aten.addmm.default, aten.mm.default):
+        return None
+    bias, x, wt = (node.args if node.target is aten.addmm.default
+                   else (None,) + tuple(node.args))
+    if not (isinstance(wt, fx.Node) and wt.target in (aten.t.default, aten.permute.default)):
+        return None
+    if wt.target is aten.permute.default and list(wt.args[1]) != [1, 0]:
+        return None
+    while isinstance(x, fx.Node) and x.target in _FLATTENS:
+        x = x.args[0]  # flattened inside the op (see _onednn_linear)
+    return x, wt.args[0], bias

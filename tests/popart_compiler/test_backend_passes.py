@@ -184,3 +184,40 @@ def test_cpu_probe_runs_once_in_the_background_and_compilation_waits(monkeypatch
     probe.join(30)
     assert waited.is_set()
     assert calls == ["poptorch-inductor-isa-probe"]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("x_requires_grad", [False, True])
+def test_onednn_linear_gradients_equal_autograd_of_linear(x_requires_grad):
+    """Training graphs use the oneDNN linear too (``aten.linear``, here on a 3-D
+    input): its gradients (oneDNN linears on transposed views) equal those of
+    ``F.linear`` for the input, the weight and the bias."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from popart_compiler.inductor_backend import onednn_linear
+
+    def fn(w, b, w2, x):
+        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w, b)),
+                                          w2).sum(-1)
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(16, 8, generator=gen), torch.randn(16, generator=gen),
+            torch.randn(4, 16, generator=gen), torch.randn(3, 5, 8, generator=gen)]
+    gm = make_fx(fn, pre_dispatch=True)(*args)
+    assert any(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes)
+    gm = onednn_linear(gm)
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.popart_compiler.onednn_linear.default) == 2
+    assert torch.ops.aten.linear.default not in ops
+    grads = []
+    for f in (fn, gm):
+        leaves = [a.clone().requires_grad_(i < 3 or x_requires_grad)
+                  for i, a in enumerate(args)]
+        out = f(*leaves)
+        assert out.shape == (3, 5)
+        out.backward(torch.randn(3, 5, generator=torch.Generator().manual_seed(1)))
+        grads.append([leaf.grad for leaf in leaves])
+    for a, b in zip(*grads):
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
