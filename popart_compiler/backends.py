@@ -19,6 +19,7 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .logging import logger
+from .tracing import TRACE_LOCK
 
 __all__ = ["vectorize", "simplify"]
 
@@ -175,6 +176,12 @@ def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torc
         a leading dimension of ``slots``, returning outputs with that leading dimension;
         ``None`` if the graph cannot be vectorized (the caller then loops).
     """
+    with TRACE_LOCK:  # make_fx patches process-wide state, as torch.export does
+        return _vectorize(fn, state, inputs, slots)
+
+
+def _vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+               slots: int) -> Optional[fx.GraphModule]:
     if isinstance(fn, fx.GraphModule) and _has_cond(fn):
         fn = _CondAsSelect(fn).run
     examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)

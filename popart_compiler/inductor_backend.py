@@ -1,7 +1,7 @@
 """The ``inductor`` backend: captured graphs compiled by TorchInductor.
 
-The same ATen graph the ``eager`` backend interprets is handed to ``torch.compile``
-with a backend that calls Inductor's ``compile_fx``: forward graphs become fused
+The same ATen graph the ``eager`` backend interprets is handed to Inductor's
+``compile_fx`` (no Dynamo: the graph is already captured): forward graphs become fused
 kernels and, for training, AOTAutograd compiles the backward graph too (gradients
 still come from ``torch.autograd.grad`` on the compiled forward). Parameters, buffers
 and constants stay graph *inputs* — never constants folded into the kernels — so the
@@ -24,7 +24,6 @@ kernels (``fallback_random``) so they draw from the generator the session swaps 
 """
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Callable, List, Optional
 
@@ -32,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from .logging import logger
+from .tracing import TRACE_LOCK
 
 __all__ = ["compile_graph", "compile_count", "thread_compile_count", "onednn_linear",
            "start_probing_cpu"]
@@ -93,21 +93,31 @@ def compile_count() -> int:
 
 
 def thread_compile_count() -> int:
-    """:func:`compile_count` for the calling thread only (Dynamo compiles on the thread
-    that makes the first call), unaffected by compilations in other threads."""
+    """:func:`compile_count` for the calling thread only (a graph compiles on the
+    thread that makes its first call), unaffected by compilations in other threads."""
     return getattr(_per_thread, "compiles", 0)
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
               random: bool) -> Callable:
-    """Dynamo backend: count, then compile with Inductor."""
+    """Count, then compile with Inductor (AOTAutograd: forward and backward graphs)."""
     global _compiles  # pylint: disable=global-statement
-    from torch._inductor.compile_fx import compile_fx  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     _wait_for_probe()  # one probe at a time: pick_vec_isa's cache has no lock
     logger.debug("Compiling a graph of %d nodes with TorchInductor",
                  len(gm.graph.nodes))
     patches = {"fallback_random": True} if random else {}
-    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    # the context Dynamo would give: a fake mode with a shape environment (Inductor's
+    # FX graph and AOTAutograd caches are bypassed without one), static shapes
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(a, static_shapes=True)
+             if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    with tracing(TracingContext(fake_mode)):
+        compiled = compile_fx(gm, fakes, config_patches=patches)
     with _lock:
         _compiles += 1  # counted once compiled: a failed compilation is not counted
     _per_thread.compiles = thread_compile_count() + 1
@@ -125,13 +135,37 @@ def compile_graph(gm: fx.GraphModule, *, random: bool = False) -> Callable:
 
     Returns:
         A callable with ``gm``'s signature. It compiles at the first call, and again
-        only for a new input signature (shape, dtype, device, ``requires_grad``).
+        only for a new input signature (shapes, strides, dtypes, devices,
+        ``requires_grad``, grad mode).
     """
-    # ``gm.forward``, not ``gm``: Dynamo would also trace the error handler of the
-    # module's ``__call__`` and replace an error raised by a kernel (a singular matrix,
-    # an index out of range) with "Attempt to trace generator".
-    return torch.compile(gm.forward, backend=functools.partial(_inductor, random=random),
-                         dynamic=False, fullgraph=True)
+    return _Compiled(gm, random)
+
+
+class _Compiled:
+    """``gm`` compiled by Inductor's ``compile_fx`` once per input signature (the
+    specializations Inductor's code asserts, and what AOTAutograd decides from). Not
+    through ``torch.compile``: Dynamo's frame evaluation failed ("found no compiled
+    frames") while another thread captured, and its guards cost ~13 µs a call.
+    Compiling holds :data:`tracing.TRACE_LOCK`; running compiled code does not."""
+
+    def __init__(self, gm: fx.GraphModule, random: bool):
+        self._gm = gm
+        self._random = random
+        self._by_signature: dict = {}
+
+    def __call__(self, *args):
+        key = (torch.is_grad_enabled(),) + tuple(
+            (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
+            if isinstance(a, torch.Tensor) else a if isinstance(a, (int, float, bool))
+            else type(a) for a in args)
+        fn = self._by_signature.get(key)
+        if fn is None:
+            with TRACE_LOCK:
+                fn = self._by_signature.get(key)  # compiled by another thread meanwhile
+                if fn is None:
+                    fn = _inductor(self._gm, list(args), random=self._random)
+                    self._by_signature[key] = fn
+        return fn(*args)
 
 
 @torch.library.custom_op("popart_compiler::onednn_linear", mutates_args=())
@@ -142,6 +176,9 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     kernel; taking ``x`` before its flattening lets Inductor keep the producer's
     vectorized layout (the reshape is a view when ``x`` is contiguous)."""
     rows = x.reshape(-1, weight.shape[1])
+    # oneDNN reads any strides of the input and the weight, but only a dense bias (a
+    # strided or expanded one gave wrong sums)
+    bias = bias.contiguous() if bias is not None else None
     return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
 
 
@@ -194,7 +231,8 @@ def onednn_linear(gm: fx.GraphModule) -> fx.GraphModule:
         if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32
                    and v.device.type == "cpu" for v in vals):
             continue
-        if bias is not None and vals[-1].dim() != 1:
+        if bias is not None and tuple(vals[-1].shape) != (vals[1].shape[0],):
+            # a broadcast bias (shape (1,) or a scalar): oneDNN has no broadcasting
             continue
         out = vals[2]
         with gm.graph.inserting_before(node):

@@ -231,7 +231,7 @@ class SessionOptions:
             ``[process_id × R, (process_id + 1) × R)``.
         device: ``"cpu"`` or ``"cuda"``: where the IPU Model's kernels run.
         backend: ``"eager"`` (FX graph run with PyTorch eager kernels) or
-            ``"inductor"`` (TorchInductor through ``torch.compile``, see
+            ``"inductor"`` (TorchInductor's ``compile_fx``, see
             :mod:`popart_compiler.inductor_backend`).
         ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
         use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).

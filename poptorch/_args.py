@@ -183,6 +183,19 @@ class ArgsParser:
         except (TypeError, ValueError):
             self._sig = None
         self._warned_dict = False
+        # the signature's parts, worked out once (``bind`` runs on every call)
+        P = inspect.Parameter
+        params = list(self._sig.parameters.values()) if self._sig is not None else []
+        self._variadic_only = self._sig is None or bool(params) and all(
+            p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD) for p in params)
+        self._positional = [p for p in params
+                            if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        self._var_pos = next((p for p in params if p.kind == P.VAR_POSITIONAL), None)
+        self._kw_only = [p for p in params if p.kind == P.KEYWORD_ONLY]
+        self._var_kw = next((p for p in params if p.kind == P.VAR_KEYWORD), None)
+        self._allowed = [p.name for p in self._positional if p.kind != P.POSITIONAL_ONLY]
+        self._allowed += [p.name for p in self._kw_only]
+        self._known = {p.name for p in self._positional} | {p.name for p in self._kw_only}
 
     def bind(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> BoundArgs:
         """Bind ``args`` / ``kwargs`` (S-20).
@@ -197,27 +210,16 @@ class ArgsParser:
             logger.warning("Dictionary inputs are only partially supported: keys are "
                            "matched by name and their order is ignored.")
             self._warned_dict = True
-        sig = self._sig
-        if sig is None:
+        if self._variadic_only:
             return self._variadic(args, kwargs)
-        params = list(sig.parameters.values())
-        kinds = [p.kind for p in params]
-        if all(k in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-               for k in kinds) and params:
-            return self._variadic(args, kwargs)
-        positional = [p for p in params if p.kind in (
-            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-        var_pos = next((p for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL), None)
-        kw_only = [p for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY]
-        var_kw = next((p for p in params if p.kind == inspect.Parameter.VAR_KEYWORD), None)
+        positional, var_pos, kw_only = self._positional, self._var_pos, self._kw_only
+        allowed = self._allowed
         if len(args) > len(positional) and var_pos is None:
             raise AssertionError(
                 f"Too many arguments provided: forward takes {len(positional)} "
                 f"positional argument(s) but {len(args)} were given.")
-        allowed = [p.name for p in positional if p.kind != inspect.Parameter.POSITIONAL_ONLY]
-        allowed += [p.name for p in kw_only]
         for key in kwargs:
-            if key not in allowed and var_kw is None:
+            if key not in allowed and self._var_kw is None:
                 raise AssertionError(f"{key} is not a valid parameter."
                                      f"Allowed values are {allowed}")
         names: List[str] = []
@@ -248,9 +250,8 @@ class ArgsParser:
         num_positional = len(values)
         for p in kw_only:
             take(p)
-        known = {p.name for p in positional} | {p.name for p in kw_only}
         for key, value in kwargs.items():
-            if key not in known:
+            if key not in self._known:
                 names.append(key)
                 values.append(value)
         return BoundArgs(names, values, num_positional)

@@ -25,7 +25,7 @@ __all__ = ["EXECUTION_DEVICES", "COMPILERS"]
 #: Accepted execution devices.
 EXECUTION_DEVICES = ("cpu", "cuda")
 #: Accepted compilers: ``eager`` runs the captured ATen graph with eager kernels;
-#: ``inductor`` compiles it with TorchInductor (``torch.compile``).
+#: ``inductor`` compiles it with TorchInductor.
 COMPILERS = ("eager", "inductor")
 
 
@@ -68,9 +68,9 @@ class _BackendOptions(OptionsDict):
 
     def compiler(self, compiler: str):
         """Compile the captured graphs with ``"eager"`` (default: PyTorch eager
-        kernels, no compilation) or ``"inductor"`` (TorchInductor through
-        ``torch.compile``: the first run of each program compiles it, later runs with
-        the same input shapes reuse it). Returns self.
+        kernels, no compilation) or ``"inductor"`` (TorchInductor: each program compiles
+        while the model compiles, or at its first run; later runs with the same input
+        shapes reuse it). Returns self.
 
         Raises:
             ValueError: an unknown compiler.

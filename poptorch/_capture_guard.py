@@ -1,7 +1,8 @@
 """What makes a capture safe next to other threads and Ctrl-C.
 
 * ``torch.export`` is not thread-safe (it patches global state of torch while it
-  traces), so captures are serialised by one process-wide lock.
+  traces), so captures are serialised by one process-wide lock, the one Inductor
+  compilations hold too (:data:`popart_compiler.tracing.TRACE_LOCK`).
 * ``SIGINT`` is deferred across the capture and re-raised after it
   (:func:`popart_compiler.rollback.deferred_interrupts`): a ``KeyboardInterrupt``
   raised inside one of torch's C++ dispatch callbacks aborts the process.
@@ -19,12 +20,9 @@ import threading
 from typing import Iterator
 
 from popart_compiler.rollback import deferred_interrupts
+from popart_compiler.tracing import TRACE_LOCK as _CAPTURE_LOCK
 
 __all__ = ["capture_guard", "thread_stderr"]
-
-#: Serialises every capture of the process (re-entrant: a pre-compile hook may
-#: itself compile a model).
-_CAPTURE_LOCK = threading.RLock()
 
 
 class _PerThreadStream:
