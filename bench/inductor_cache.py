@@ -19,7 +19,7 @@ Imports of ``torch`` and ``poptorch`` are not timed. Each figure is the median o
 
 Usage::
 
-    python bench/inductor_cache.py            # about 2 minutes on 2 cores
+    python bench/inductor_cache.py            # about 4 minutes on 2 cores
     python bench/inductor_cache.py --repeat 1
 """
 import argparse

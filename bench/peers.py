@@ -10,7 +10,7 @@ batch (8 micro-batches). Runners: plain eager PyTorch on the combined batch unde
 ``torch.no_grad()`` (the reference), ours with the eager compiler, ours with the
 inductor compiler, ``torch.compile`` of the model, ONNX Runtime (CPU execution
 provider, model exported with ``torch.onnx.export``; skipped if ``onnxruntime`` is
-not installed: ``pip install .[bench]``).
+not installed: ``pip install -e ".[bench]"``).
 
 Training, SGD (lr 0.01), one weight update per micro-batch, 8 per call: time per
 micro-batch. Runners: a plain eager loop (forward, cross-entropy, backward,
