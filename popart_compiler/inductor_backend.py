@@ -18,8 +18,9 @@ the weights stay plain, unpacked graph inputs.
 Inductor's per-process probe of the CPU's vector instruction sets runs in a background
 thread while the program is captured (:func:`start_probing_cpu`).
 
-Half-precision programs keep the eager kernels' roundings (Inductor's
-``emulate_precision_casts``), as the IPU computes them in float16.
+Half-precision programs keep the eager kernels' roundings between fused pointwise ops
+(Inductor's ``emulate_precision_casts``), as the IPU computes them in float16;
+Inductor's own reductions (a float16 ``log_softmax``) can differ by 1–2 ulps.
 
 Random ops keep the device RNG's semantics: Inductor is told to call PyTorch's random
 kernels (``fallback_random``) so they draw from the generator the session swaps in
@@ -57,12 +58,16 @@ def start_probing_cpu() -> None:
     compilation waits for the probe (:func:`_inductor`). Does nothing after the first
     call."""
     global _probe  # pylint: disable=global-statement
-    with _lock:
+    with TRACE_LOCK:
         if _probe is not None:
             return
         # The modules the probe uses are imported here, in the calling thread (the
-        # compilation needs them anyway): two threads importing the same modules can
-        # see them partially initialized.
+        # compilation needs them anyway), under the trace lock (captures import them
+        # too) and from torch._dynamo down (what torch.export and torch.optim import
+        # first): torch._dynamo and torch._inductor import each other, and two threads
+        # importing the cycle from different ends deadlock or see half-initialized
+        # modules.
+        _import_compiler_stack()
         # pylint: disable=import-outside-toplevel,unused-import
         import torch._inductor.codecache
         import torch._inductor.cpp_builder
@@ -72,6 +77,14 @@ def start_probing_cpu() -> None:
         _probe = threading.Thread(target=_probe_cpu, name="poptorch-inductor-isa-probe",
                                   daemon=True)
         _probe.start()
+
+
+def _import_compiler_stack() -> None:
+    """Import ``torch._dynamo`` (the end of the import cycle other threads start from),
+    then Inductor's compiler."""
+    # pylint: disable=import-outside-toplevel,unused-import
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def _probe_cpu() -> None:
@@ -105,6 +118,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
               random: bool) -> Callable:
     """Count, then compile with Inductor (AOTAutograd: forward and backward graphs)."""
     global _compiles  # pylint: disable=global-statement
+    _import_compiler_stack()
     # pylint: disable=import-outside-toplevel
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx

@@ -110,3 +110,61 @@ def test_inductor_keeps_half_precision_roundings():
         outs[compiler] = poptorch.inferenceModel(_HalfRoundTrip(), opts)(x)
     torch.testing.assert_close(outs["eager"], _HalfRoundTrip()(x), rtol=0, atol=0)
     torch.testing.assert_close(outs["inductor"], outs["eager"], rtol=0, atol=1e-6)
+
+
+_COLD_THREADS = r'''
+import sys, threading
+import torch
+import poptorch
+
+errors = []
+
+
+def inductor():
+    try:
+        opts = poptorch.Options()
+        opts.Backend.compiler("inductor")
+        m = torch.nn.Linear(4, 2)
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(poptorch.inferenceModel(m, opts)(x), m(x))
+    except Exception as e:  # noqa: BLE001
+        errors.append(repr(e))
+
+
+def eager_and_optimizer():
+    try:
+        torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)
+        m = torch.nn.Linear(4, 3)
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(poptorch.inferenceModel(m)(x), m(x))
+    except Exception as e:  # noqa: BLE001
+        errors.append(repr(e))
+
+
+threads = [threading.Thread(target=inductor), threading.Thread(target=eager_and_optimizer)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors)
+sys.exit(1 if errors else 0)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_first_compiles_in_two_threads_of_a_fresh_process():
+    """In a fresh process, an inductor compile in one thread and a capture or a
+    ``torch.optim`` optimizer in another imported torch._dynamo and torch._inductor
+    (which import each other) from different ends at once: "deadlock detected by
+    _ModuleLock('torch._dynamo')", "partially initialized module", in 5 of 8 runs, and
+    nothing could compile in that process afterwards. The compiler stack is now
+    imported from torch._dynamo down, under the trace lock."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _COLD_THREADS], env=env, cwd=root,
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
