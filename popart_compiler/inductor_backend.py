@@ -67,8 +67,9 @@ def start_probing_cpu() -> None:
         # first): torch._dynamo and torch._inductor import each other, and two threads
         # importing the cycle from different ends deadlock or see half-initialized
         # modules.
-        _import_compiler_stack()
+        # (Inductor's compile_fx is imported later, while the probe runs.)
         # pylint: disable=import-outside-toplevel,unused-import
+        import torch._dynamo  # noqa: F401
         import torch._inductor.codecache
         import torch._inductor.cpp_builder
         import torch._inductor.cpu_vec_isa
