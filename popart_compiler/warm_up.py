@@ -1,14 +1,14 @@
 """Compiling the ``inductor`` backend's kernels ahead of the first run (issue 11).
 
-The inductor backend compiles a graph at its first call with each input signature. :func:`warm_up` makes
-that call while the executable is being compiled, so the compilation progress bar (and
-``compilationTime()``) covers TorchInductor's work and the first run of the model does
-not pay it. The call uses what the session will pass - the device weights of replica 0
-(as :class:`~popart_compiler.device_state.DeviceWeights` makes them) and zero-filled
-inputs of the per-call shapes - so the compiled code it leaves behind is the code
-the session reuses. Nothing of the call is kept: the weights are
-copies, the outputs are dropped and PyTorch's random number generators are restored
-afterwards.
+The inductor backend compiles a graph at its first call with each input signature.
+:func:`warm_up` makes that call while the executable is being compiled, so the
+compilation progress bar (and ``compilationTime()``) covers TorchInductor's work and
+the first run of the model does not pay it. The call uses what the session will pass -
+the device weights of replica 0 (as :class:`~popart_compiler.device_state.DeviceWeights`
+makes them) and zero-filled inputs of the per-call shapes - so the compiled code it
+leaves behind is the code the session reuses. Nothing of the call is kept: the weights
+are copies, the outputs are dropped and PyTorch's random number generators are
+restored afterwards.
 A training graph's backward is compiled in the same call
 (``force_non_lazy_backward_lowering``), not at the first backward pass.
 
