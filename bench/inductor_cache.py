@@ -8,7 +8,7 @@ training with SGD), each in fresh processes:
   process whose TorchInductor cache directory (``TORCHINDUCTOR_CACHE_DIR``) is empty,
   then in a second process that reuses it. "total" is the whole ``compile()``
   (capture, our passes, Inductor), "inductor" the part spent compiling kernels
-  (``popart_compiler.warm_up``). Ratio: cold / warm (target ≥ 5).
+  (``popart_compiler.runtime.warm_up``). Ratio: cold / warm (target ≥ 5).
 * **eager first result vs torch.export**: seconds from wrapping a fresh model to its
   first result with the eager compiler, against ``torch.export.export`` of the same
   model on one micro-batch, each in its own fresh process (both pay the first import

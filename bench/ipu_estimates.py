@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from popart_compiler import cost_model  # noqa: E402
-from popart_compiler.ipu_model import target_for  # noqa: E402
-from popart_compiler.optimizer_description import OptimizerDescription  # noqa: E402
+from popart_compiler.cost import cost_model  # noqa: E402
+from popart_compiler.cost.ipu_model import target_for  # noqa: E402
+from popart_compiler.optim.description import OptimizerDescription  # noqa: E402
 from popart_compiler.session_options import SessionOptions  # noqa: E402
 
 import reference_models as models  # noqa: E402
@@ -85,7 +85,7 @@ def bert(report_dir=None) -> None:
     one = estimate_for(2048, layers=(24,))
     print(f"  all 24 layers on one IPU: {_memory_line(one)}")
     if report_dir:
-        from popart_compiler.profile_report import write_report
+        from popart_compiler.cost.profile_report import write_report
         path = write_report(report_dir, estimate_for(16), "bert-large", True)
         print(f"  profile report (gradientAccumulation 16): {path}")
 

@@ -2,4 +2,4 @@
 
 It never imports ``poptorch``. Graph in (a ``torch.export`` program), outputs out.
 """
-from .errors import Error, RecoverableError, UnrecoverableError  # noqa: F401
+from popart_compiler.errors import Error, RecoverableError, UnrecoverableError  # noqa: F401

@@ -18,15 +18,19 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from . import backends, cost_model, inductor_backend, placement, steering
-from .errors import backend_error
-from .dropout import remove_dropout
-from .ipu_model import target_for
-from .ir import Graph, uses_random_numbers
-from .logging import logger
-from .placement import PlacementPlan, StrategySettings
-from .profile_report import write_report
-from .session_options import OUTPUT_MODES, Anchor, SessionOptions
+from popart_compiler.passes import vectorize as backends
+from popart_compiler.cost import cost_model
+from popart_compiler.backends import inductor as inductor_backend
+from popart_compiler.passes import placement
+from popart_compiler.passes import compiler_hints as steering
+from popart_compiler.errors import backend_error
+from popart_compiler.passes.dropout import remove_dropout
+from popart_compiler.cost.ipu_model import target_for
+from popart_compiler.ir import Graph, uses_random_numbers
+from popart_compiler.logging import logger
+from popart_compiler.passes.placement import PlacementPlan, StrategySettings
+from popart_compiler.cost.profile_report import write_report
+from popart_compiler.session_options import OUTPUT_MODES, Anchor, SessionOptions
 
 __all__ = ["Compiler", "Executable", "UNSUPPORTED_DTYPES"]
 

@@ -13,8 +13,8 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .errors import backend_error
-from .logging import logger
+from popart_compiler.errors import backend_error
+from popart_compiler.logging import logger
 
 __all__ = ["SessionOptions", "Anchor", "OUTPUT_MODES", "ReplicaGrouping", "engine_options"]
 
@@ -232,7 +232,7 @@ class SessionOptions:
         device: ``"cpu"`` or ``"cuda"``: where the IPU Model's kernels run.
         backend: ``"eager"`` (FX graph run with PyTorch eager kernels) or
             ``"inductor"`` (TorchInductor's ``compile_fx``, see
-            :mod:`popart_compiler.inductor_backend`).
+            :mod:`popart_compiler.backends.inductor`).
         ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
         use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).
         small_ipu_model: the 4-tile IPU Model of ``POPTORCH_SMALL_IPU_MODEL``.

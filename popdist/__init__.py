@@ -107,5 +107,5 @@ def init() -> None:
         poptorch.Error: the rendezvous failed or timed out (``POPTORCH_DISTRIBUTED_TIMEOUT``).
     """
     if getNumInstances() > 1:
-        from popart_compiler import collectives
+        from popart_compiler.runtime import collectives
         collectives.process_group(getInstanceIndex(), getNumInstances(), "cpu")

@@ -174,7 +174,7 @@ def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
     """
     if not _model_as_hardware():
         return False
-    from popart_compiler.ipu_model import MAX_IPUS
+    from popart_compiler.cost.ipu_model import MAX_IPUS
     return 1 <= num_ipus <= MAX_IPUS
 
 

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
-from popart_compiler.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
+from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 
 from . import _blocks
 

@@ -2,9 +2,9 @@
 
 * ``torch.export`` is not thread-safe (it patches global state of torch while it
   traces), so captures are serialised by one process-wide lock, the one Inductor
-  compilations hold too (:data:`popart_compiler.tracing.TRACE_LOCK`).
+  compilations hold too (:data:`popart_compiler.backends.tracing.TRACE_LOCK`).
 * ``SIGINT`` is deferred across the capture and re-raised after it
-  (:func:`popart_compiler.rollback.deferred_interrupts`): a ``KeyboardInterrupt``
+  (:func:`popart_compiler.runtime.rollback.deferred_interrupts`): a ``KeyboardInterrupt``
   raised inside one of torch's C++ dispatch callbacks aborts the process.
 * What ``torch.export`` prints to ``sys.stderr`` (the partial graph of a failed trace)
   is held back per thread (:func:`thread_stderr`): other threads keep writing to the
@@ -19,8 +19,8 @@ import sys
 import threading
 from typing import Iterator
 
-from popart_compiler.rollback import deferred_interrupts
-from popart_compiler.tracing import TRACE_LOCK as _CAPTURE_LOCK
+from popart_compiler.runtime.rollback import deferred_interrupts
+from popart_compiler.backends.tracing import TRACE_LOCK as _CAPTURE_LOCK
 
 __all__ = ["capture_guard", "thread_stderr"]
 

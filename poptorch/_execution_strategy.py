@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from popart_compiler.errors import py_error
-from popart_compiler.placement import Placement
+from popart_compiler.passes.placement import Placement
 
 from . import enums
 from ._blocks import (NO_ACTIVE_BLOCK, BeginBlock, Block, BlockFunction,  # noqa: F401

@@ -25,7 +25,7 @@ class InspectionMixin:
 
         PopTorch counts them on IPU hardware only and fails to compile on the Poplar
         IPU Model. This IPU Model goes further: it returns its estimate of the run
-        (:mod:`popart_compiler.cycle_model`: per-op cost, pipeline schedule, weight
+        (:mod:`popart_compiler.cost.cycle_model`: per-op cost, pipeline schedule, weight
         update), which is deterministic and does not depend on the host.
 
         Raises:

@@ -18,9 +18,9 @@ import torch
 
 from popart_compiler.compiler import Compiler, Executable
 from popart_compiler.errors import py_error
-from popart_compiler.ipu_model import acquire_device
-from popart_compiler.session import InferenceSession, TrainingSession
-from popart_compiler.warm_up import warm_up
+from popart_compiler.cost.ipu_model import acquire_device
+from popart_compiler.runtime.session import InferenceSession, TrainingSession
+from popart_compiler.runtime.warm_up import warm_up
 from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
                                              ipu_model_env)
 

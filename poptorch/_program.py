@@ -27,7 +27,7 @@ from torch.export.graph_signature import InputKind
 
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
-from popart_compiler.placement import Placement
+from popart_compiler.passes.placement import Placement
 
 from . import _instrument
 from ._args import Spec

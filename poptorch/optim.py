@@ -2,7 +2,7 @@
 
 Each class subclasses both the PopTorch :class:`Optimizer` mixin and the corresponding
 ``torch.optim`` class (``LAMB`` subclasses ``torch.optim.Optimizer``). The device runs
-the update itself (``popart_compiler.optimizers``); the Python ``step()`` is never
+the update itself (``popart_compiler.optim.device_optimizer``); the Python ``step()`` is never
 called by PopTorch.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from popart_compiler.errors import py_error
-from popart_compiler.optimizer_description import HYPER_PARAMETERS, OptimizerDescription
+from popart_compiler.optim.description import HYPER_PARAMETERS, OptimizerDescription
 
 from ._logging import logger
 

@@ -4,8 +4,8 @@ every optimizer kind using PyTorch's functional optimizers; the oneDNN linear re
 import pytest
 import torch
 
-from popart_compiler.optimizer_description import OptimizerDescription
-from popart_compiler.optimizers import DeviceOptimizer, StepSettings
+from popart_compiler.optim.description import OptimizerDescription
+from popart_compiler.optim.device_optimizer import DeviceOptimizer, StepSettings
 
 
 @pytest.mark.parametrize("kind,hyper", [
@@ -45,7 +45,7 @@ def test_onednn_linear_pass_keeps_values():
     weight become oneDNN linears with the same values; weights stay graph inputs."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from popart_compiler.inductor_backend import onednn_linear
+    from popart_compiler.backends.inductor import onednn_linear
 
     def fn(w1, b1, w2, x):
         return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)),
@@ -71,7 +71,7 @@ def test_onednn_linear_takes_the_input_before_its_flattening():
     layout is not contiguous."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from popart_compiler.inductor_backend import onednn_linear
+    from popart_compiler.backends.inductor import onednn_linear
 
     def fn(w, b, x):
         return torch.nn.functional.linear(torch.relu(x).flatten(1), w, b)
@@ -103,7 +103,7 @@ def test_vectorized_graph_has_no_view_round_trips():
     the next one, a unary op between them), so the vectorized CNN graph is the graph
     over the combined batch: the first view is of the input, the next view the
     flatten. Values equal the per-micro-batch loop."""
-    from popart_compiler.backends import vectorize
+    from popart_compiler.passes.vectorize import vectorize
 
     gen = torch.Generator().manual_seed(0)
     state = [torch.randn(4, 3, 3, 3, generator=gen), torch.randn(4, generator=gen),
@@ -133,7 +133,7 @@ def test_view_collapse_keeps_a_view_with_other_users():
     a view that does not restore its source's shape stays."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from popart_compiler.backends import simplify
+    from popart_compiler.passes.vectorize import simplify
 
     def fn(x):
         v = x.view(3, 4)
@@ -155,7 +155,7 @@ def test_cpu_probe_runs_once_in_the_background_and_compilation_waits(monkeypatch
     process; compiling waits for it, so the probe never runs twice at once."""
     import threading
 
-    from popart_compiler import inductor_backend
+    from popart_compiler.backends import inductor as inductor_backend
 
     calls, release, waited = [], threading.Event(), threading.Event()
 
@@ -193,7 +193,7 @@ def test_onednn_linear_gradients_equal_autograd_of_linear(x_requires_grad):
     ``F.linear`` for the input, the weight and the bias."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from popart_compiler.inductor_backend import onednn_linear
+    from popart_compiler.backends.inductor import onednn_linear
 
     def fn(w, b, w2, x):
         return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w, b)),

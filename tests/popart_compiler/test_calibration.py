@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from popart_compiler import cost_model
-from popart_compiler.ipu_model import target_for
-from popart_compiler.optimizer_description import OptimizerDescription
+from popart_compiler.cost import cost_model
+from popart_compiler.cost.ipu_model import target_for
+from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.session_options import SessionOptions
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))

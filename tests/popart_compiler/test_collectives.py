@@ -6,9 +6,9 @@ import threading
 
 import torch
 
-from popart_compiler.optimizer_description import OptimizerDescription
-from popart_compiler.optimizers import FLOAT16_MAX, DeviceOptimizer, StepSettings
-from popart_compiler.device_state import DeviceRng
+from popart_compiler.optim.description import OptimizerDescription
+from popart_compiler.optim.device_optimizer import FLOAT16_MAX, DeviceOptimizer, StepSettings
+from popart_compiler.runtime.device_state import DeviceRng
 
 
 class _ThreadAllReduce:

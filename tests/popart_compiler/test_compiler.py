@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from popart_compiler.compiler import Compiler
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError
-from popart_compiler.ipu_model import TARGETS, acquire_device
+from popart_compiler.cost.ipu_model import TARGETS, acquire_device
 from popart_compiler.ir import Graph
-from popart_compiler.optimizer_description import OptimizerDescription
-from popart_compiler.optimizers import DeviceOptimizer
-from popart_compiler.session import InferenceSession, TrainingSession, reduce_output
+from popart_compiler.optim.description import OptimizerDescription
+from popart_compiler.optim.device_optimizer import DeviceOptimizer
+from popart_compiler.runtime.session import InferenceSession, TrainingSession, reduce_output
 from popart_compiler.session_options import Anchor, SessionOptions
 
 
@@ -48,7 +48,7 @@ def sgd(lr=0.1, **group):
 
 
 def test_package_does_not_import_poptorch():
-    code = ("import sys, popart_compiler, popart_compiler.session, popart_compiler.compiler;"
+    code = ("import sys, popart_compiler, popart_compiler.runtime.session, popart_compiler.compiler;"
             "assert 'poptorch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from popart_compiler import cost_model, cycle_model, memory_model, op_costs
+from popart_compiler.cost import cost_model, cycle_model, memory_model, op_costs
 from popart_compiler.errors import Error
-from popart_compiler.ipu_model import TARGETS, target_for
+from popart_compiler.cost.ipu_model import TARGETS, target_for
 from popart_compiler.ir import Graph
-from popart_compiler.optimizer_description import OptimizerDescription
+from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.session_options import SessionOptions
 
 

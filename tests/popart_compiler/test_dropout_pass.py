@@ -1,10 +1,10 @@
-"""``popart_compiler.dropout.remove_dropout``: graph in, graph out (spec S-34)."""
+"""``popart_compiler.passes.dropout.remove_dropout``: graph in, graph out (spec S-34)."""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from popart_compiler.dropout import remove_dropout
+from popart_compiler.passes.dropout import remove_dropout
 
 
 class Everything(nn.Module):

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from popart_compiler.compiler import Compiler
 from popart_compiler.errors import Error
 from popart_compiler.ir import Graph
-from popart_compiler.optimizer_description import OptimizerDescription
-from popart_compiler.optimizers import DeviceOptimizer, StepSettings
-from popart_compiler.session import InferenceSession, TrainingSession
+from popart_compiler.optim.description import OptimizerDescription
+from popart_compiler.optim.device_optimizer import DeviceOptimizer, StepSettings
+from popart_compiler.runtime.session import InferenceSession, TrainingSession
 from popart_compiler.session_options import ReplicaGrouping, SessionOptions
 
 

@@ -9,10 +9,10 @@ import torch.nn as nn
 
 from popart_compiler.errors import Error
 from popart_compiler.ir import Graph
-from popart_compiler.placement import (BLOCK_KEY, NO_ACTIVE_BLOCK_KEY, ExecutionMode,
+from popart_compiler.passes.placement import (BLOCK_KEY, NO_ACTIVE_BLOCK_KEY, ExecutionMode,
                                        Placement, StrategySettings, place_nodes,
                                        placement_of, plan_placement)
-from popart_compiler.schedule import StagedProgram
+from popart_compiler.runtime.schedule import StagedProgram
 
 
 class Tagged(nn.Module):

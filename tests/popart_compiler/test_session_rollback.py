@@ -10,10 +10,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from popart_compiler.compiler import Compiler
-from popart_compiler.rollback import deferred_interrupts
+from popart_compiler.runtime.rollback import deferred_interrupts
 from popart_compiler.ir import Graph
-from popart_compiler.optimizer_description import OptimizerDescription
-from popart_compiler.session import TrainingSession
+from popart_compiler.optim.description import OptimizerDescription
+from popart_compiler.runtime.session import TrainingSession
 from popart_compiler.session_options import SessionOptions
 
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-from popart_compiler import inductor_backend
+from popart_compiler.backends import inductor as inductor_backend
 from popart_compiler.session_options import SessionOptions
 
 HERE = pathlib.Path(__file__).parent

@@ -19,7 +19,7 @@ import torch
 import popdist
 import popdist.poptorch
 import poptorch
-from popart_compiler import collectives
+from popart_compiler.runtime import collectives
 from popart_compiler.errors import Error
 from popdist.poprun import build_command
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-from popart_compiler.placement import Placement
+from popart_compiler.passes.placement import Placement
 
 
 class Chain(nn.Module):

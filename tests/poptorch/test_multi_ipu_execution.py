@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-from popart_compiler import schedule
+from popart_compiler.runtime import schedule
 
 
 class TinyBert(nn.Module):

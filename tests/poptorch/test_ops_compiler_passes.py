@@ -1,4 +1,4 @@
-"""Compiler passes over the steering ops (popart_compiler.steering) and the
+"""Compiler passes over the steering ops (popart_compiler.passes.compiler_hints) and the
 per-micro-batch op registry (popart_compiler.ir), graph in / graph out. Here rather than
 in tests/popart_compiler/ because the graphs hold the poptorch:: ops."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import poptorch._ops_library as ops_library  # registers the poptorch:: ops
-from popart_compiler import steering
+from popart_compiler.passes import compiler_hints as steering
 from popart_compiler.compiler import Compiler
 from popart_compiler.errors import Error
 from popart_compiler.ir import Graph, register_per_micro_batch_op

@@ -57,7 +57,7 @@ def test_process_count_differing_from_torchrun_fails_at_once(monkeypatch):
     """configureProcessId(i, 3) under `torchrun --nproc-per-node 2` waited for a third
     process until the rendezvous timeout, then blamed MASTER_ADDR / MASTER_PORT."""
     import torch.distributed as dist
-    from popart_compiler.collectives import ProcessGroup
+    from popart_compiler.runtime.collectives import ProcessGroup
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group already exists in this test process")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fresh-user-b")

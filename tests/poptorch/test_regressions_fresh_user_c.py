@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import poptorch
-from popart_compiler import inductor_backend
+from popart_compiler.backends import inductor as inductor_backend
 
 
 class _Inverse(nn.Module):

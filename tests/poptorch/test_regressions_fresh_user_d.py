@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from popart_compiler import inductor_backend
-from popart_compiler.tracing import TRACE_LOCK
+from popart_compiler.backends import inductor as inductor_backend
+from popart_compiler.backends.tracing import TRACE_LOCK
 
 
 def _linears(w, b_wide, shift, x):

@@ -4,7 +4,7 @@ The inductor backend compiles a graph at its first call with each input signatur
 :func:`warm_up` makes that call while the executable is being compiled, so the
 compilation progress bar (and ``compilationTime()``) covers TorchInductor's work and
 the first run of the model does not pay it. The call uses what the session will pass -
-the device weights of replica 0 (as :class:`~popart_compiler.device_state.DeviceWeights`
+the device weights of replica 0 (as :class:`~popart_compiler.runtime.device_state.DeviceWeights`
 makes them) and zero-filled inputs of the per-call shapes - so the compiled code it
 leaves behind is the code the session reuses. Nothing of the call is kept: the weights
 are copies, the outputs are dropped and PyTorch's random number generators are
@@ -25,10 +25,10 @@ from typing import List, Optional
 import torch
 from torch._functorch import config as functorch_config
 
-from . import inductor_backend
-from .compiler import Executable
-from .device_state import DeviceWeights
-from .logging import logger
+from popart_compiler.backends import inductor as inductor_backend
+from popart_compiler.compiler import Executable
+from popart_compiler.runtime.device_state import DeviceWeights
+from popart_compiler.logging import logger
 
 __all__ = ["warm_up"]
 

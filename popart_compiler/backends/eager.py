@@ -8,7 +8,7 @@ from typing import List
 import torch
 import torch.fx as fx
 
-from .errors import backend_error
+from popart_compiler.errors import backend_error
 
 __all__ = ["FloatingPointChecker"]
 

@@ -12,9 +12,9 @@ from typing import List
 
 import torch.fx as fx
 
-from .errors import backend_error
-from .ir import Graph
-from .session_options import SessionOptions
+from popart_compiler.errors import backend_error
+from popart_compiler.ir import Graph
+from popart_compiler.session_options import SessionOptions
 
 __all__ = ["check_overlapped_io", "record_available_memory", "OVERLAP_INPUT_OP",
            "OVERLAP_OUTPUT_OP", "AVAILABLE_MEMORY_OP"]

@@ -1,7 +1,7 @@
 """The IPU Model: the simulated target and its device.
 
 The figures come from ``shared/spec/ipu-hardware.md``. The model executes programs with
-PyTorch kernels (see :mod:`popart_compiler.session`); this module describes the target,
+PyTorch kernels (see :mod:`popart_compiler.runtime.session`); this module describes the target,
 selects it the way PopTorch selects a device (spec S-64, S-81, S-82) and acquires it.
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .errors import backend_error
-from .logging import logger
+from popart_compiler.errors import backend_error
+from popart_compiler.logging import logger
 
 __all__ = ["IpuTarget", "TARGETS", "IpuModel", "MAX_IPUS", "SMALL_IPU_TILES",
            "acquire_device", "target_for"]

@@ -18,18 +18,18 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import collectives
-from .compiler import Executable
-from .device_state import DEVICE_DTYPES, DeviceRng, DeviceWeights
-from .errors import backend_error
-from .fp_exceptions import FloatingPointChecker
-from .rollback import SavedTensors, deferred_interrupts
-from .ipu_model import IpuModel
-from .logging import logger
-from .optimizer_description import OptimizerDescription
-from .optimizers import DeviceOptimizer, StepSettings
-from .perf_counters import IterationClock, returned_iterations
-from .schedule import StagedProgram
+from popart_compiler.runtime import collectives
+from popart_compiler.compiler import Executable
+from popart_compiler.runtime.device_state import DEVICE_DTYPES, DeviceRng, DeviceWeights
+from popart_compiler.errors import backend_error
+from popart_compiler.backends.eager import FloatingPointChecker
+from popart_compiler.runtime.rollback import SavedTensors, deferred_interrupts
+from popart_compiler.cost.ipu_model import IpuModel
+from popart_compiler.logging import logger
+from popart_compiler.optim.description import OptimizerDescription
+from popart_compiler.optim.device_optimizer import DeviceOptimizer, StepSettings
+from popart_compiler.runtime.perf_counters import IterationClock, returned_iterations
+from popart_compiler.runtime.schedule import StagedProgram
 
 __all__ = ["InferenceSession", "TrainingSession", "reduce_output"]
 

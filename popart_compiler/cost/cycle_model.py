@@ -31,10 +31,10 @@ import dataclasses
 import math
 from typing import Dict, List, Sequence, Tuple
 
-from .ipu_model import IpuTarget
-from .memory_model import (MemorySettings, TILE_GRAIN_BYTES, kept_for_backward,
+from popart_compiler.cost.ipu_model import IpuTarget
+from popart_compiler.cost.memory_model import (MemorySettings, TILE_GRAIN_BYTES, kept_for_backward,
                            matmul_temporary, recomputation_active)
-from .op_costs import OpCost, ProgramCosts
+from popart_compiler.cost.op_costs import OpCost, ProgramCosts
 
 __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate_cycles",
            "pipeline_schedule"]

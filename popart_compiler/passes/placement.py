@@ -33,9 +33,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from .errors import backend_error
-from .ipu_model import MAX_IPUS
-from .logging import logger
+from popart_compiler.errors import backend_error
+from popart_compiler.cost.ipu_model import MAX_IPUS
+from popart_compiler.logging import logger
 
 __all__ = ["Placement", "ExecutionMode", "StrategySettings", "PlacementPlan", "BLOCK_KEY",
            "NO_ACTIVE_BLOCK_KEY", "place_nodes", "plan_placement", "place_joint_graph",

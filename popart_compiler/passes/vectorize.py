@@ -18,8 +18,8 @@ import torch.fx as fx
 from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .logging import logger
-from .tracing import TRACE_LOCK
+from popart_compiler.logging import logger
+from popart_compiler.backends.tracing import TRACE_LOCK
 
 __all__ = ["vectorize", "simplify"]
 

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from .placement import placement_of
+from popart_compiler.passes.placement import placement_of
 
 __all__ = ["split_stages", "stage_order", "StagedProgram"]
 

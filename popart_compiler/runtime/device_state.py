@@ -13,8 +13,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from .compiler import Executable
-from .errors import backend_error
+from popart_compiler.compiler import Executable
+from popart_compiler.errors import backend_error
 
 __all__ = ["DeviceWeights", "DeviceRng", "device_dtype", "DEVICE_DTYPES"]
 

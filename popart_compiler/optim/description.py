@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Set, Tuple
 
 import torch
 
-from .errors import backend_error
+from popart_compiler.errors import backend_error
 
 __all__ = ["OptimizerDescription", "HYPER_PARAMETERS", "ACCUMULATION_TYPES",
            "describe_change"]

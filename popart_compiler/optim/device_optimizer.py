@@ -42,10 +42,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .errors import backend_error
-from .logging import logger
-from .optimizer_description import OptimizerDescription, describe_change
-from .optimizer_updates import UpdateRules, float32_work
+from popart_compiler.errors import backend_error
+from popart_compiler.logging import logger
+from popart_compiler.optim.description import OptimizerDescription, describe_change
+from popart_compiler.optim.updates import UpdateRules, float32_work
 
 __all__ = ["DeviceOptimizer", "StepSettings", "FLOAT16_MAX"]
 

@@ -15,14 +15,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .cycle_model import CycleEstimate, CycleSettings, estimate_cycles
-from .ipu_model import IpuTarget
-from .ir import Graph
-from .logging import logger
-from .memory_model import (IpuMemory, Location, MemorySettings, check_fits,
+from popart_compiler.cost.cycle_model import CycleEstimate, CycleSettings, estimate_cycles
+from popart_compiler.cost.ipu_model import IpuTarget
+from popart_compiler.ir import Graph
+from popart_compiler.logging import logger
+from popart_compiler.cost.memory_model import (IpuMemory, Location, MemorySettings, check_fits,
                            estimate_memory)
-from .op_costs import ProgramCosts, collect
-from .session_options import SessionOptions
+from popart_compiler.cost.op_costs import ProgramCosts, collect
+from popart_compiler.session_options import SessionOptions
 
 __all__ = ["IpuEstimate", "estimate", "memory_settings", "check"]
 
@@ -150,7 +150,7 @@ def estimate(graph: Graph, options: SessionOptions, training: bool, target: IpuT
         options: batching, replication, recomputation, tensor locations, available
             memory proportions.
         training: forward, backward and weight update.
-        target: the IPU (see :func:`~popart_compiler.ipu_model.target_for`).
+        target: the IPU (see :func:`~popart_compiler.cost.ipu_model.target_for`).
         optimizer: the ``OptimizerDescription`` (training); ``None``: no state.
         layers_per_ipu: layers-per-IPU list used when the graph has no placement.
         head_ipu: with ``layers_per_ipu``, the IPU of the ops after the last layer.
@@ -192,7 +192,7 @@ def check(result: IpuEstimate, allow_out_of_memory: bool = False) -> None:
 
     Raises:
         Error: ``type == "poplar_out_of_memory"`` (see
-            :func:`~popart_compiler.memory_model.check_fits`).
+            :func:`~popart_compiler.cost.memory_model.check_fits`).
     """
     if allow_out_of_memory and not result.fits:
         logger.warning("The program does not fit in the IPU's memory "

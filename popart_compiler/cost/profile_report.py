@@ -3,7 +3,7 @@
 Written at compile time into ``<autoReport.directory>/<model name>/`` when the Poplar
 engine option ``autoReport.all`` is ``"true"`` (``Options.enableProfiling(dir)`` or
 ``POPLAR_ENGINE_OPTIONS``). ``profile.json`` holds the figures of
-:meth:`~popart_compiler.cost_model.IpuEstimate.summary`; ``profile.html`` is a
+:meth:`~popart_compiler.cost.cost_model.IpuEstimate.summary`; ``profile.html`` is a
 self-contained page (inline CSS and SVG, no script, no network) showing the memory of
 each IPU by category, the pipeline timeline and the largest tensors, with the same
 figures as text; ``profile.pop`` (the file Poplar tools look for) holds the same JSON.
@@ -15,10 +15,10 @@ import json
 import os
 from typing import Any, Dict, List
 
-from .cost_model import IpuEstimate
-from .errors import backend_error
-from .logging import logger
-from .memory_model import CATEGORIES
+from popart_compiler.cost.cost_model import IpuEstimate
+from popart_compiler.errors import backend_error
+from popart_compiler.logging import logger
+from popart_compiler.cost.memory_model import CATEGORIES
 
 __all__ = ["write_report", "render_html", "FORMAT"]
 

@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import backend_error
-from .logging import logger
+from popart_compiler.errors import backend_error
+from popart_compiler.logging import logger
 
 if TYPE_CHECKING:
-    from .compiler import Executable
-    from .optimizer_description import OptimizerDescription
+    from popart_compiler.compiler import Executable
+    from popart_compiler.optim.description import OptimizerDescription
 
 __all__ = ["ProcessGroup", "process_group", "program_signature", "collective_timeout",
            "backend_for", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]

@@ -20,8 +20,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import backend_error
-from .ir import Graph, _op_name
+from popart_compiler.errors import backend_error
+from popart_compiler.ir import Graph, _op_name
 
 __all__ = ["OpCost", "WeightCost", "ProgramCosts", "collect", "steering_op",
            "layer_placement"]

@@ -4,7 +4,7 @@ run ``torch.optim``'s functional implementations (so the updates equal
 variant follow the formulas of S-54. The arithmetic runs on float32 working copies
 that are rounded to nearest into the parameters' and states' storage dtypes.
 
-The rules are a mixin of :class:`~popart_compiler.optimizers.DeviceOptimizer`, which
+The rules are a mixin of :class:`~popart_compiler.optim.device_optimizer.DeviceOptimizer`, which
 owns the state they update (reduction, loss scaling and clipping happen there).
 """
 from __future__ import annotations
