@@ -170,6 +170,10 @@ class Graph:
     Args:
         program: a ``torch.export.ExportedProgram`` (training IR, the default of
             ``torch.export.export``) whose user inputs and user outputs are flat tensors.
+        blocks: block id → ``Placement`` of the blocks the capture recorded (api §9),
+            in order of first use; empty without annotations.
+        host_functions: Python callables the graph's host ops call (kept alive with
+            the graph).
 
     Attributes:
         program: the exported program.
@@ -184,9 +188,15 @@ class Graph:
         mutated_inputs: indices of user inputs written in place.
         random: whether the graph draws random numbers.
         loss_nodes: the loss-marker nodes (S-40).
+
+    The analyses of the module (mutations, random ops, loss markers, user output nodes)
+    are computed again by :meth:`refresh`, which the compiler calls after every pass
+    that changed the graph. Outputs appended after the user outputs (anchors) never
+    count as user outputs.
     """
 
-    def __init__(self, program: ExportedProgram):
+    def __init__(self, program: ExportedProgram, blocks: Optional[Dict[str, object]] = None,
+                 host_functions: Optional[Sequence[object]] = None):
         self.program = program
         self.module: fx.GraphModule = program.graph_module
         sig = program.graph_signature
@@ -226,26 +236,38 @@ class Graph:
         self.trainable = [bool(state[p].requires_grad) for p in self.parameters]
         self.user_inputs = [self._info(n) for n in user_nodes]
         self._user_nodes = user_nodes
-        output_node = next(n for n in reversed(self.module.graph.nodes) if n.op == "output")
-        self.output_nodes: List[Optional[fx.Node]] = list(output_node.args[0])
+        self._num_user_outputs = len(self.output_node.args[0])
+        self._name_of = {node: spec.target
+                         for spec, node in zip(sig.input_specs, placeholders)}
+        self.blocks: Dict[str, object] = dict(blocks or {})
+        self.host_functions = list(host_functions or [])
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute what is derived from the module's ops: the user output nodes and
+        their shapes, the buffers / constants / inputs written in place, whether random
+        numbers are drawn and the loss markers."""
+        self.output_nodes: List[Optional[fx.Node]] = \
+            list(self.output_node.args[0])[:self._num_user_outputs]
         self.user_outputs = [self._info(n) if isinstance(n, fx.Node) else None
                              for n in self.output_nodes]
-
         written = set()
         for gm in self.module.modules():
             if isinstance(gm, fx.GraphModule):
                 written.update(_written_nodes(gm.graph))
-        name_of = {node: spec.target for spec, node in zip(sig.input_specs, placeholders)}
+        name_of = self._name_of
         self.mutated_buffers = {name_of[n] for n in written
                                 if n in name_of and name_of[n] in self.buffers}
         self.mutated_constants = {name_of[n] for n in written
                                   if n in name_of and name_of[n] in self.constants}
-        self.mutated_inputs = {i for i, n in enumerate(user_nodes) if n in written}
+        self.mutated_inputs = {i for i, n in enumerate(self._user_nodes) if n in written}
         self.random = uses_random_numbers(self.module)
         self.loss_nodes = [n for n in self.module.graph.nodes if _is_loss_node(n)]
-        #: block id → ``placement.Placement`` of the blocks the capture recorded
-        #: (api §9), in order of first use; empty without annotations.
-        self.blocks: Dict[str, object] = {}
+
+    @property
+    def output_node(self) -> fx.Node:
+        """The module's ``output`` node (user outputs, then anchors)."""
+        return next(n for n in reversed(self.module.graph.nodes) if n.op == "output")
 
     @staticmethod
     def _info(node: fx.Node) -> Optional[TensorInfo]:
@@ -262,7 +284,26 @@ class Graph:
 
     @property
     def num_user_outputs(self) -> int:
-        return len(self.user_outputs)
+        return self._num_user_outputs
+
+    @property
+    def user_input_nodes(self) -> List[fx.Node]:
+        """The placeholders of the user inputs, in order."""
+        return list(self._user_nodes)
+
+    def as_text(self) -> str:
+        """The program as text: its inputs, then one line per op with its scoped name
+        (S-16), placement and the compiler annotations (api §8), then its outputs."""
+        names = {node: name for name, node in self.activation_names().items()}
+        lines = [f"graph({len(self.parameters)} parameters, {len(self.buffers)} buffers, "
+                 f"{len(self.constants)} constants, {self.num_user_inputs} inputs):"]
+        for node in self.module.graph.nodes:
+            where = node.meta.get("placement")
+            at = f"  @ ipu {where.ipu} stage {where.stage} phase {where.phase}" \
+                if where is not None and node.op == "call_function" else ""
+            label = f"{names[node]}: " if node in names else ""
+            lines.append(f"  {label}{node.format_node()}{at}{annotation_text(node)}")
+        return "\n".join(lines)
 
     def state_values(self) -> Dict[str, torch.Tensor]:
         """Capture-time values of parameters, buffers and constants, by name."""

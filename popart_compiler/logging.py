@@ -8,9 +8,10 @@ with the Python logger.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
+
+from popart_compiler import config
 
 __all__ = ["logger", "LEVELS", "level_from_name", "set_level"]
 
@@ -86,7 +87,7 @@ def level_from_name(name: str) -> int:
 
 
 logger = make_logger("poptorch:cpp", lowercase=True,
-                     dest=os.environ.get("POPTORCH_LOG_DEST", "stderr") or "stderr")
+                     dest=config.log_dest())
 
 
 def set_level(name: str) -> None:
@@ -94,4 +95,4 @@ def set_level(name: str) -> None:
     logger.setLevel(level_from_name(name))
 
 
-set_level(os.environ.get("POPTORCH_LOG_LEVEL", "WARN") or "WARN")
+set_level(config.log_level())

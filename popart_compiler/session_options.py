@@ -11,15 +11,28 @@ import dataclasses
 import enum
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, TypeVar
 
+from popart_compiler import config
+from popart_compiler.enums import (CommGroupType, ConnectionType, ExecutionMode, Liveness,
+                                   MeanReductionStrategy, OutputMode, ReductionType,
+                                   VariableRetrievalMode)
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 
-__all__ = ["SessionOptions", "Anchor", "OUTPUT_MODES", "ReplicaGrouping", "engine_options"]
+__all__ = ["SessionOptions", "Anchor", "ReplicaGrouping", "StrategySettings",
+           "engine_options", "ipu_model_env"]
 
-#: Output modes, by the integer values of ``poptorch.OutputMode``.
-OUTPUT_MODES = {0: "Final", 1: "EveryN", 2: "All", 3: "Sum"}
+_E = TypeVar("_E", bound=enum.IntEnum)
+
+
+def _member(cls: Type[_E], value: Any, what: str) -> _E:
+    """``cls(value)`` or the backend's error naming ``what``."""
+    try:
+        return cls(int(value))
+    except (TypeError, ValueError):
+        raise backend_error(f"Invalid {what} {value!r}: pick one of "
+                            f"{', '.join(m.name for m in cls)}.") from None
 
 _BOOL_KEYS = frozenset("""
 enableExplicitIR enableInplaceAmbiguityChecking enableLoadAndOffloadRNGState
@@ -136,16 +149,17 @@ class Anchor:
 
     Attributes:
         name: the graph tensor name (S-16), e.g. ``"Gradient___fc.bias"``.
-        output_mode: integer value of ``poptorch.OutputMode`` (not ``Default``).
+        output_mode: its :class:`~popart_compiler.enums.OutputMode`.
         return_period: the ``EveryN`` period (1 otherwise).
         key: the user's short name (defaults to ``name``).
     """
     name: str
-    output_mode: int
+    output_mode: OutputMode
     return_period: int = 1
     key: str = ""
 
     def __post_init__(self):
+        self.output_mode = _member(OutputMode, self.output_mode, "output mode")
         if not self.key:
             self.key = self.name
 
@@ -155,26 +169,33 @@ class ReplicaGrouping:
     """A weight that holds different values on different replica groups (S-27).
 
     Attributes:
-        comm_group_type: integer ``CommGroupType``: 0 All (one group), 1 Consecutive
-            (replica ``r`` in group ``r // shards``), 2 Orthogonal (group
-            ``r % (R / shards)``), 3 NoGrouping (every replica its own group).
+        comm_group_type: ``All`` (one group), ``Consecutive`` (replica ``r`` in group
+            ``r // shards``), ``Orthogonal`` (group ``r % (R / shards)``),
+            ``NoGrouping`` (every replica its own group); an integer is converted.
         shards: replicas per group (ignored by All and NoGrouping).
-        retrieval_mode: integer ``VariableRetrievalMode``: 0 OnePerGroup (the host
-            holds one value per group), 2 AllReplicas (one value per replica).
+        retrieval_mode: ``OnePerGroup`` (the host holds one value per group) or
+            ``AllReplicas`` (one value per replica).
     """
-    comm_group_type: int
+    comm_group_type: CommGroupType
     shards: int
-    retrieval_mode: int = 0
+    retrieval_mode: VariableRetrievalMode = VariableRetrievalMode.OnePerGroup
+
+    def __post_init__(self):
+        # Out-of-range values are kept as given: validate() names them.
+        if self.comm_group_type in set(CommGroupType):
+            self.comm_group_type = CommGroupType(self.comm_group_type)
+        if self.retrieval_mode in set(VariableRetrievalMode):
+            self.retrieval_mode = VariableRetrievalMode(self.retrieval_mode)
 
     def validate(self, name: str, replicas: int) -> None:
         """Raise an ``Error`` if the grouping does not fit ``replicas`` replicas."""
-        if self.comm_group_type not in (0, 1, 2, 3):
+        if not isinstance(self.comm_group_type, CommGroupType):
             raise backend_error(f"Invalid CommGroupType {self.comm_group_type} for "
                                 f"per-replica weight {name}")
-        if self.retrieval_mode not in (0, 2):
+        if not isinstance(self.retrieval_mode, VariableRetrievalMode):
             raise backend_error(f"Invalid VariableRetrievalMode {self.retrieval_mode} "
                                 f"for per-replica weight {name}")
-        if self.comm_group_type in (1, 2):
+        if self.comm_group_type in (CommGroupType.Consecutive, CommGroupType.Orthogonal):
             if self.shards < 1 or replicas % self.shards:
                 raise backend_error(
                     f"Per-replica weight {name}: the replication factor ({replicas}) must "
@@ -182,22 +203,58 @@ class ReplicaGrouping:
 
     def num_groups(self, replicas: int) -> int:
         """Number of distinct values (groups) for ``replicas`` replicas."""
-        if self.comm_group_type == 0:
+        if self.comm_group_type is CommGroupType.All:
             return 1
-        if self.comm_group_type == 3:
+        if self.comm_group_type is CommGroupType.NoGrouping:
             return replicas
         return replicas // self.shards
 
     def groups(self, replicas: int) -> List[int]:
         """Group index of each replica."""
         n = self.num_groups(replicas)
-        if self.comm_group_type == 0:
+        if self.comm_group_type is CommGroupType.All:
             return [0] * replicas
-        if self.comm_group_type == 3:
+        if self.comm_group_type is CommGroupType.NoGrouping:
             return list(range(replicas))
-        if self.comm_group_type == 1:
+        if self.comm_group_type is CommGroupType.Consecutive:
             return [r // self.shards for r in range(replicas)]
         return [r % n for r in range(replicas)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategySettings:
+    """The execution strategy as the compiler sees it (api §9.7, S-63…S-65).
+
+    Attributes:
+        mode: pipelined, sharded or phased.
+        serial_phases: phased execution runs phases one after another
+            (``SerialPhasedExecution``) rather than in parallel.
+        liveness: where tensors live between phases.
+        separate_backward_phase: the backward pass starts in a fresh phase.
+    """
+    mode: ExecutionMode = ExecutionMode.Pipelined
+    serial_phases: bool = True
+    liveness: Liveness = Liveness.AlwaysLive
+    separate_backward_phase: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", _member(ExecutionMode, self.mode, "execution mode"))
+        object.__setattr__(self, "liveness", _member(Liveness, self.liveness, "liveness"))
+
+    @classmethod
+    def from_raw(cls, raw: Dict) -> "StrategySettings":
+        """Read the strategy from ``poptorch.Options().toDict()`` values."""
+        return cls(_member(ExecutionMode, raw.get("execution_mode", 0), "execution mode"),
+                   bool(raw.get("serial_phases_execution", True)),
+                   _member(Liveness, raw.get("tensors_liveness", 0), "liveness"),
+                   bool(raw.get("separate_backward_phase", False)))
+
+
+#: The enum-valued fields of :class:`SessionOptions`.
+_ENUM_FIELDS = {"input_group_type": CommGroupType, "output_mode": OutputMode,
+                "reduction_type": ReductionType,
+                "mean_reduction_strategy": MeanReductionStrategy,
+                "connection_type": ConnectionType}
 
 
 @dataclasses.dataclass
@@ -208,13 +265,13 @@ class SessionOptions:
         device_iterations: ``D``, device iterations per run (S-10).
         replication_factor: ``R``, local replicas.
         input_group_size: ``g``, replicas sharing one input stream (S-26).
-        input_group_type: integer ``CommGroupType`` of the input grouping
-            (1 Consecutive, 2 Orthogonal).
+        input_group_type: ``CommGroupType`` of the input grouping (``Consecutive`` or
+            ``Orthogonal``).
         gradient_accumulation: ``A``, micro-batches per weight update (1 for inference).
-        output_mode: integer ``OutputMode`` (0 Final, 1 EveryN, 2 All, 3 Sum).
+        output_mode: ``OutputMode`` of the user outputs.
         output_return_period: the ``EveryN`` period.
-        reduction_type: 0 Sum, 1 Mean (S-41).
-        mean_reduction_strategy: 0 Running, 1 Post, 2 PostAndLoss.
+        reduction_type: ``Sum`` or ``Mean`` (S-41).
+        mean_reduction_strategy: ``Running``, ``Post`` or ``PostAndLoss``.
         broadcast_buffers: S-36.
         random_seed: seed of the device RNG, or ``None`` for an arbitrary one.
         synthetic_data: feed random inputs, return zero outputs (S-84).
@@ -236,18 +293,19 @@ class SessionOptions:
         ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
         use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).
         small_ipu_model: the 4-tile IPU Model of ``POPTORCH_SMALL_IPU_MODEL``.
-        connection_type: 0 Always, 1 OnDemand, 2 Never.
+        connection_type: ``Always``, ``OnDemand`` or ``Never``.
+        strategy: the execution strategy (pipelined, sharded, phased).
         raw: the validated option dictionary.
     """
     device_iterations: int = 1
     replication_factor: int = 1
     input_group_size: int = 1
-    input_group_type: int = 1
+    input_group_type: CommGroupType = CommGroupType.Consecutive
     gradient_accumulation: int = 1
-    output_mode: int = 2
+    output_mode: OutputMode = OutputMode.All
     output_return_period: int = 1
-    reduction_type: int = 1
-    mean_reduction_strategy: int = 1
+    reduction_type: ReductionType = ReductionType.Mean
+    mean_reduction_strategy: MeanReductionStrategy = MeanReductionStrategy.Post
     broadcast_buffers: bool = True
     random_seed: Optional[int] = None
     synthetic_data: bool = False
@@ -265,9 +323,16 @@ class SessionOptions:
     ipu_model_version: str = "ipu2"
     use_ipu_model: bool = True
     small_ipu_model: bool = False
-    connection_type: int = 0
+    connection_type: ConnectionType = ConnectionType.Always
+    strategy: StrategySettings = dataclasses.field(default_factory=StrategySettings)
     progress_callback: Optional[Callable[[int, int], None]] = None
     raw: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        """Integer values of the enum fields (as ``poptorch`` passes them) become the
+        compiler's enums."""
+        for name, cls in _ENUM_FIELDS.items():
+            setattr(self, name, _member(cls, getattr(self, name), name.replace("_", " ")))
 
     @property
     def backend_key(self) -> str:
@@ -338,10 +403,11 @@ class SessionOptions:
                 continue
             logger.debug("poptorch.Options set %s to value %s", key, _render(value))
         get = values.get
-        version = os.environ.get("POPTORCH_IPU_MODEL_VERSION", "ipu2") or "ipu2"
+        version = config.ipu_model_version()
         if version not in ("ipu1", "ipu2", "ipu21"):
             raise backend_error("Invalid IPU model version. Valid versions: ipu1, ipu2, ipu21.")
-        if int(get("connection_type", 0)) == 2 and get("ipu_version") is not None:
+        if int(get("connection_type", 0)) == ConnectionType.Never \
+                and get("ipu_version") is not None:
             # useOfflineIpuTarget(ipu_version): 1 Mk1, 2 Mk2, 21 Bow (options.md §3)
             version = {1: "ipu1", 2: "ipu2", 21: "ipu21"}.get(int(get("ipu_version")),
                                                              version)
@@ -349,13 +415,15 @@ class SessionOptions:
             device_iterations=int(get("device_iterations", 1)),
             replication_factor=int(get("replication_factor", 1)),
             input_group_size=int(get("input_group_size", 1)),
-            input_group_type=int(get("input_cgt", 1)),
+            input_group_type=_member(CommGroupType, get("input_cgt", 1), "input group type"),
             gradient_accumulation=int(get("gradient_accumulation", 1)),
-            output_mode=int(get("output_mode", 2)),
+            output_mode=_member(OutputMode, get("output_mode", 2), "output mode"),
             output_return_period=int(get("output_return_period", 1)),
-            reduction_type=int(get("accumulation_and_replication_reduction_type", 1)),
-            mean_reduction_strategy=int(
-                get("meanAccumulationAndReplicationReductionStrategy", 1)),
+            reduction_type=_member(ReductionType, get(
+                "accumulation_and_replication_reduction_type", 1), "reduction type"),
+            mean_reduction_strategy=_member(MeanReductionStrategy, get(
+                "meanAccumulationAndReplicationReductionStrategy", 1),
+                "mean reduction strategy"),
             broadcast_buffers=bool(get("broadcast_buffers", True)),
             random_seed=get("random_seed"),
             synthetic_data=int(get("syntheticDataMode", 0)) != 0,
@@ -369,7 +437,9 @@ class SessionOptions:
             num_processes=int(get("num_distributed_processes", 1)),
             process_id=int(get("distributed_process_id", 0)),
             ipu_model_version=version,
-            connection_type=int(get("connection_type", 0)),
+            connection_type=_member(ConnectionType, get("connection_type", 0),
+                                    "connection type"),
+            strategy=StrategySettings.from_raw(values),
             device=str(get("execution_device", "cpu")),
             backend=str(get("compiler_backend", "eager")),
             progress_callback=get("compilation_progress_bar_fn"),
@@ -399,7 +469,7 @@ def engine_options(configured: Optional[Dict[str, Any]] = None) -> Dict[str, str
         Error: ``POPLAR_ENGINE_OPTIONS`` is not a JSON object.
     """
     merged = {str(k): str(v) for k, v in (configured or {}).items()}
-    text = os.environ.get("POPLAR_ENGINE_OPTIONS", "").strip()
+    text = config.engine_options_text()
     if text:
         try:
             values = json.loads(text)
@@ -415,9 +485,4 @@ def engine_options(configured: Optional[Dict[str, Any]] = None) -> Dict[str, str
 
 def ipu_model_env() -> Tuple[bool, bool]:
     """``(POPTORCH_IPU_MODEL != 0, POPTORCH_SMALL_IPU_MODEL != 0)`` with integer parsing."""
-    def flag(name: str) -> bool:
-        try:
-            return int(os.environ.get(name, "0") or "0") != 0
-        except ValueError:
-            return False
-    return flag("POPTORCH_IPU_MODEL"), flag("POPTORCH_SMALL_IPU_MODEL")
+    return config.ipu_model_flags()

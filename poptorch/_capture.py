@@ -535,9 +535,8 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         for hook in list(_POST_HOOKS.values()):
             hook()
     _bake_constants(program, constants_before)
-    graph = Graph(program)
-    graph.blocks = blocks
-    graph.host_functions = _host_ops.take_captured()  # keeps inline poptorch.CPU ops alive
+    # host_functions keep inline poptorch.CPU ops alive
+    graph = Graph(program, blocks=blocks, host_functions=_host_ops.take_captured())
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
 

@@ -16,10 +16,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from popart_compiler.compiler import Compiler, Executable
+from popart_compiler import compiler
+from popart_compiler.stages import Executable
 from popart_compiler.errors import py_error
 from popart_compiler.cost.ipu_model import acquire_device
-from popart_compiler.runtime.session import InferenceSession, TrainingSession
+from popart_compiler.runtime.session import InferenceSession
+from popart_compiler.runtime.training import TrainingSession
 from popart_compiler.runtime.warm_up import warm_up
 from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
                                              ipu_model_env)
@@ -249,11 +251,11 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
         progress = self._progress
         try:
             progress(0, 10)
-            Compiler.prepare(sess_opts)  # overlaps the capture
+            compiler.prepare(sess_opts)  # overlaps the capture
             program = program_for(self, bound, tensors, spec, sess_opts)
             captured = program.captured
             progress(4, 10)
-            exe = Compiler.compile(captured.graph, sess_opts, self._training,
+            exe = compiler.compile(captured.graph, sess_opts, self._training,
                                    progress=lambda p, t: progress(4 + (5 * p) // t, 10),
                                    optimizer=self._optimizer_binding.description
                                    if self._training else None)

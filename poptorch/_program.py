@@ -308,8 +308,8 @@ def from_blobs(blobs: Dict[str, bytes],
         raise backend_error(f"The stored program cannot be read by torch "
                             f"{torch.__version__}: {type(exc).__name__}: {exc}") from exc
     host = tensors_from_bytes(blobs["host_outputs.safetensors"])
-    graph = Graph(exported)
-    graph.blocks = {name: Placement(**where) for name, where in structure["blocks"]}
+    graph = Graph(exported, blocks={name: Placement(**where)
+                                    for name, where in structure["blocks"]})
     captured = Captured(graph, decode_spec(structure["outputs"]),
                         list(structure["output_leaves"]),
                         [host[str(i)] for i in range(len(host))])

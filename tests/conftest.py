@@ -4,6 +4,9 @@ The suite runs PyTorch on one intra-op thread: its models are tiny, a second thr
 brings nothing, and on a busy machine OpenMP's synchronisation between contended
 threads makes each small kernel many times slower. ``POPTORCH_TEST_THREADS=N``
 overrides it.
+
+Every compiler pass is followed by the graph verifier (``POPTORCH_VERIFY=1``, see
+``popart_compiler/verify.py``) unless the variable is set otherwise.
 """
 import os
 
@@ -11,6 +14,7 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("POPTORCH_TEST_THREADS", "1") or "1"))
+os.environ.setdefault("POPTORCH_VERIFY", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -12,9 +12,10 @@ from typing import List
 
 import torch.fx as fx
 
+from popart_compiler.enums import ExecutionMode, OutputMode
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
-from popart_compiler.session_options import SessionOptions
+from popart_compiler.passes.base import Compilation, PassResult, unchanged
 
 __all__ = ["check_overlapped_io", "record_available_memory", "OVERLAP_INPUT_OP",
            "OVERLAP_OUTPUT_OP", "AVAILABLE_MEMORY_OP"]
@@ -23,8 +24,8 @@ OVERLAP_INPUT_OP = "poptorch::set_overlap_for_input"
 OVERLAP_OUTPUT_OP = "poptorch::set_overlap_for_output"
 AVAILABLE_MEMORY_OP = "poptorch::set_available_memory"
 
-#: ``poptorch.OutputMode`` values that overlapped IO supports: All, Sum.
-_OVERLAP_OUTPUT_MODES = (2, 3)
+#: Output modes that overlapped IO supports.
+_OVERLAP_OUTPUT_MODES = (OutputMode.All, OutputMode.Sum)
 
 
 def _nodes(graph: Graph, qualname: str) -> List[fx.Node]:
@@ -32,7 +33,7 @@ def _nodes(graph: Graph, qualname: str) -> List[fx.Node]:
             and getattr(getattr(n.target, "_schema", None), "name", "") == qualname]
 
 
-def check_overlapped_io(graph: Graph, options: SessionOptions) -> None:
+def check_overlapped_io(graph: Graph, c: Compilation) -> PassResult:
     """Apply S-66 to the overlap markers of ``graph``.
 
     Raises:
@@ -44,8 +45,9 @@ def check_overlapped_io(graph: Graph, options: SessionOptions) -> None:
     inputs = [_nodes(graph, OVERLAP_INPUT_OP), _nodes(graph, OVERLAP_OUTPUT_OP)]
     markers = [n for group in inputs for n in group if n.args[1] != "NoOverlap"]
     if not markers:
-        return
-    if int(options.raw.get("execution_mode", 0)) == 0:
+        return unchanged(graph)
+    options = c.options
+    if options.strategy.mode is ExecutionMode.Pipelined:
         raise backend_error(
             "Overlapped IO is not supported with poptorch.PipelinedExecution. If your "
             "model uses a single IPU, use poptorch.ShardedExecution instead: "
@@ -84,13 +86,14 @@ def check_overlapped_io(graph: Graph, options: SessionOptions) -> None:
                 raise backend_error(
                     "A tensor marked with poptorch.set_overlap_for_output is returned "
                     "twice: return each overlapped output once.")
+    return unchanged(graph)
 
 
 def _is_input_marker(node: fx.Node) -> bool:
     return node.target._schema.name == OVERLAP_INPUT_OP
 
 
-def record_available_memory(graph: Graph) -> None:
+def record_available_memory(graph: Graph, c: Compilation) -> PassResult:
     """``node.meta["available_memory_proportion"]`` on every op whose output went
     through ``set_available_memory`` (the marker node keeps it too)."""
     for node in _nodes(graph, AVAILABLE_MEMORY_OP):
@@ -99,3 +102,4 @@ def record_available_memory(graph: Graph) -> None:
         source = node.args[0]
         if isinstance(source, fx.Node) and source.op == "call_function":
             source.meta["available_memory_proportion"] = proportion
+    return unchanged(graph)

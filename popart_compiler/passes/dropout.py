@@ -18,7 +18,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["remove_dropout"]
+from popart_compiler.ir import Graph
+from popart_compiler.passes.base import Compilation, PassResult
+
+__all__ = ["remove_dropout", "remove_inference_dropout"]
 
 #: Schema argument names that hold a dropout probability.
 _PROBABILITY_ARGS = ("dropout", "dropout_p")
@@ -85,3 +88,8 @@ def remove_dropout(gm: fx.GraphModule) -> bool:
             sub.recompile()
             changed = True
     return changed
+
+
+def remove_inference_dropout(graph: Graph, c: Compilation) -> PassResult:
+    """Inference sessions: :func:`remove_dropout` (PopART's rule, S-34)."""
+    return PassResult(graph, not c.training and remove_dropout(graph.module))

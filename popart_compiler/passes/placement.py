@@ -27,19 +27,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
+import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
+from popart_compiler.enums import ExecutionMode, Liveness
 from popart_compiler.errors import backend_error
 from popart_compiler.cost.ipu_model import MAX_IPUS
+from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
+from popart_compiler.passes.base import Compilation, PassResult
+from popart_compiler.session_options import StrategySettings
 
-__all__ = ["Placement", "ExecutionMode", "StrategySettings", "PlacementPlan", "BLOCK_KEY",
+__all__ = ["Placement", "PlacementPlan", "BLOCK_KEY",
            "NO_ACTIVE_BLOCK_KEY", "place_nodes", "plan_placement", "place_joint_graph",
-           "placement_of", "joint_graph", "placement_table", "log_placement"]
+           "placement_of", "joint_graph", "placement_table", "log_placement", "place"]
 
 #: ``node.meta["custom"]`` key holding the id of the block active when the op was
 #: created (``None``: before the first block).
@@ -65,40 +69,8 @@ def placement_of(node: fx.Node) -> Placement:
     return node.meta.get("placement", _ORIGIN)
 
 
-class ExecutionMode(enum.IntEnum):
-    """PopART's execution mode (the ``execution_mode`` option, options §5)."""
-    Pipelined = 0
-    Sharded = 1
-    Phased = 2
-
-
-#: ``Liveness`` values only serial phased execution supports (S-65), by name.
-_SERIAL_ONLY_LIVENESS = {2: "OffChipAfterFwdNoOverlap", 3: "OffChipAfterEachPhase"}
-
-
-@dataclasses.dataclass(frozen=True)
-class StrategySettings:
-    """The execution strategy as the compiler sees it.
-
-    Attributes:
-        mode: pipelined, sharded or phased.
-        serial_phases: phased execution runs phases one after another
-            (``SerialPhasedExecution``) rather than in parallel.
-        liveness: integer ``Liveness`` of tensors between phases.
-        separate_backward_phase: the backward pass starts in a fresh phase.
-    """
-    mode: ExecutionMode = ExecutionMode.Pipelined
-    serial_phases: bool = True
-    liveness: int = 0
-    separate_backward_phase: bool = False
-
-    @classmethod
-    def from_raw(cls, raw: Dict) -> "StrategySettings":
-        """Read the strategy from ``poptorch.Options().toDict()`` values."""
-        return cls(ExecutionMode(int(raw.get("execution_mode", 0))),
-                   bool(raw.get("serial_phases_execution", True)),
-                   int(raw.get("tensors_liveness", 0)),
-                   bool(raw.get("separate_backward_phase", False)))
+#: ``Liveness`` modes only serial phased execution supports (S-65).
+_SERIAL_ONLY_LIVENESS = (Liveness.OffChipAfterFwdNoOverlap, Liveness.OffChipAfterEachPhase)
 
 
 # -- the pass ---------------------------------------------------------------------------
@@ -188,7 +160,7 @@ class PlacementPlan:
     @property
     def pipelined(self) -> bool:
         """Several stages run as a pipeline (``PipelinedExecution`` over > 1 IPU)."""
-        return self.strategy.mode == ExecutionMode.Pipelined and self.forward_stages > 1
+        return self.strategy.mode is ExecutionMode.Pipelined and self.forward_stages > 1
 
     @property
     def pipeline_stages(self) -> int:
@@ -203,7 +175,7 @@ class PlacementPlan:
         if self.pipelined:
             rank = self.stages.index(stage) if stage in self.stages else 0
             stage = self.stages[-1] + (len(self.stages) - 1 - rank)
-        if self.strategy.mode == ExecutionMode.Phased:
+        if self.strategy.mode is ExecutionMode.Phased:
             p = self.num_phases
             phase = 2 * p - phase if self.strategy.separate_backward_phase \
                 else 2 * (p - 1) - phase
@@ -271,7 +243,7 @@ def _check_phases(plan: PlacementPlan) -> None:
         return
     if s.liveness in _SERIAL_ONLY_LIVENESS:
         raise backend_error(
-            f"Liveness.{_SERIAL_ONLY_LIVENESS[s.liveness]}: This is only supported for serial "
+            f"Liveness.{s.liveness.name}: This is only supported for serial "
             "phase execution. Use poptorch.SerialPhasedExecution for this liveness.")
     for block, p in plan.blocks.items():
         if p.phase % 2 != p.ipu % 2:
@@ -329,7 +301,7 @@ def plan_placement(gm: fx.GraphModule, blocks: Dict[str, Placement],
     phases = {p.phase for p in used}
     multi_ipu = len(ipus) > 1
     forward_stages = _forward_stage_count(gm) if multi_ipu and \
-        strategy.mode == ExecutionMode.Pipelined else 1
+        strategy.mode is ExecutionMode.Pipelined else 1
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = {name: placement_of(node) for name, node in zip(parameters, placeholders)}
     plan = PlacementPlan(strategy, training, dict(blocks), stages, forward_stages,
@@ -339,7 +311,7 @@ def plan_placement(gm: fx.GraphModule, blocks: Dict[str, Placement],
         block_of = {n: str((n.meta.get("custom") or {}).get(BLOCK_KEY)) for n in _ops(gm.graph)}
         _check_stage_order(gm, block_of)
         _check_pipeline_batches(plan, device_iterations, gradient_accumulation)
-    if strategy.mode == ExecutionMode.Phased:
+    if strategy.mode is ExecutionMode.Phased:
         _check_phases(plan)
     return plan
 
@@ -443,3 +415,16 @@ def log_placement(text: str) -> None:
     """Log the placement table at DEBUG."""
     for line in text.splitlines():
         logger.debug("%s", line)
+
+
+def place(graph: Graph, c: Compilation) -> PassResult:
+    """Place every node (:func:`plan_placement`) and record the plan as
+    ``c.placement``; the placement table is logged at DEBUG."""
+    o = c.options
+    c.placement = plan_placement(graph.module, graph.blocks, graph.parameters, o.strategy,
+                                 c.training, device_iterations=o.device_iterations,
+                                 gradient_accumulation=o.gradient_accumulation,
+                                 replicas=o.replication_factor)
+    if logger.isEnabledFor(logging.DEBUG):
+        log_placement(placement_table(graph.module, c.placement, graph.parameters, None))
+    return PassResult(graph, True)

@@ -1,167 +1,89 @@
-"""How a compiled graph executes on the IPU Model.
+"""Vectorizing stateless inference over the micro-batches of a run.
 
-The ``eager`` backend runs the captured ATen graph (an ``fx.GraphModule``) with PyTorch
-eager kernels. For inference graphs without state, :func:`vectorize` turns the
-per-micro-batch graph into one graph over all the micro-batches of a run with
-``torch.func.vmap`` traced by ``make_fx``: the same arithmetic per micro-batch, batched
-kernels instead of a Python loop. Ops without a batching rule are decomposed into ops
-that have one; vmap's slow per-slice fallback is never used.
+For inference graphs without state, :func:`vectorize` turns the per-micro-batch graph
+into one graph over several micro-batches of a run with ``torch.func.vmap`` traced by
+``make_fx``: the same arithmetic per micro-batch, batched kernels instead of a Python
+loop. Ops without a batching rule are decomposed into ops that have one; vmap's slow
+per-slice fallback is never used. What the tracing leaves behind is simplified
+(:mod:`popart_compiler.passes.simplify`).
 """
 from __future__ import annotations
 
 import contextlib
 import io
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from popart_compiler.logging import logger
 from popart_compiler.backends.tracing import TRACE_LOCK
+from popart_compiler.ir import Graph
+from popart_compiler.logging import logger
+from popart_compiler.passes.base import Compilation, PassResult, unchanged
+from popart_compiler.passes.simplify import simplify
 
-__all__ = ["vectorize", "simplify"]
+__all__ = ["vectorize", "vectorize_graph", "chunk_size", "VECTORIZE_BUDGET"]
 
-
-def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-    """Remove identities that vmap's decompositions leave behind (``x * 1``, identity
-    permutes, a view undone by the next one) and fuse ``mm`` + bias into ``addmm``."""
-    changed = [_drop_mul_one(gm), _fuse_addmm(gm), _collapse_views(gm)]
-    if any(changed):
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
-
-
-def _drop_mul_one(gm: fx.GraphModule) -> bool:
-    """``x * 1`` → ``x`` (same dtype and shape); whether ``gm`` changed."""
-    changed = False
-    aten = torch.ops.aten
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target in (aten.mul.Scalar, aten.mul.Tensor) and len(node.args) == 2 \
-                and not isinstance(node.args[1], fx.Node) and node.args[1] == 1 \
-                and isinstance(node.args[0], fx.Node):
-            src = node.args[0]
-            src_val, val = src.meta.get("val"), node.meta.get("val")
-            if isinstance(src_val, torch.Tensor) and isinstance(val, torch.Tensor) \
-                    and src_val.dtype == val.dtype and src_val.shape == val.shape:
-                node.replace_all_uses_with(src)
-                gm.graph.erase_node(node)
-                changed = True
-    return changed
+#: Bytes the largest intermediate tensor of a vectorized inference call may take: about
+#: a core's L2 cache. Batched kernels whose working set spills out of it get slower per
+#: sample than a loop over micro-batches (measured on convolutions).
+VECTORIZE_BUDGET = 2 * 1024 * 1024
 
 
-def _fuse_addmm(gm: fx.GraphModule) -> bool:
-    """``add(bias, view(mm(a, b)))`` → ``view(addmm(bias, a, b))`` when ``bias``
-    broadcasts over rows; whether ``gm`` changed."""
-    changed = False
-    aten = torch.ops.aten
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.add.Tensor:
-            continue
-        lhs, rhs = node.args[0], node.args[1]
-        if not (isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node)):
-            continue
-        if rhs.target is not aten._unsafe_view.default:
-            lhs, rhs = rhs, lhs
-        if rhs.target is not aten._unsafe_view.default or len(rhs.users) != 1:
-            continue
-        mm = rhs.args[0]
-        if not isinstance(mm, fx.Node) or mm.target is not aten.mm.default or len(mm.users) != 1:
-            continue
-        bias_val = lhs.meta.get("val")
-        mm_val = mm.meta.get("val")
-        out_val = node.meta.get("val")
-        if not (isinstance(bias_val, torch.Tensor) and isinstance(mm_val, torch.Tensor)
-                and isinstance(out_val, torch.Tensor)):
-            continue
-        if bias_val.dim() != 1 or bias_val.shape[0] != mm_val.shape[1] \
-                or bias_val.dtype != mm_val.dtype or out_val.shape != rhs.meta["val"].shape:
-            continue
-        with gm.graph.inserting_before(node):
-            addmm = gm.graph.call_function(aten.addmm.default, (lhs, mm.args[0], mm.args[1]))
-            addmm.meta["val"] = mm_val
-            view = gm.graph.call_function(aten._unsafe_view.default, (addmm, rhs.args[1]))
-            view.meta["val"] = out_val
-        node.replace_all_uses_with(view)
-        gm.graph.erase_node(node)
-        gm.graph.erase_node(rhs)
-        gm.graph.erase_node(mm)
-        changed = True
-    return changed
+def vectorize(graph: Graph, c: Compilation) -> PassResult:
+    """Stateless inference running several micro-batches per call: ``c.vectorized``,
+    the graph over ``c.vectorized_slots`` micro-batches (all of them on the inductor
+    backend, whose fused kernels have no cache-size sweet spot; else
+    :func:`chunk_size`). The per-micro-batch graph is unchanged; nothing is vectorized
+    for training, several stages, state written in place, synthetic data, checked
+    floating-point exceptions, replica-grouped weights, host side effects, or when
+    tracing fails (the session then loops)."""
+    o = c.options
+    slots = o.device_iterations * o.replication_factor
+    if (c.training or slots <= 1 or c.stages is not None or graph.mutated_buffers
+            or graph.mutated_inputs or graph.mutated_constants or o.synthetic_data
+            or o.fp_exceptions or o.replica_groupings or not graph.has_device_work()
+            or graph.runs_per_micro_batch()):
+        return unchanged(graph)
+    chunk = slots if o.backend == "inductor" else chunk_size(graph, slots)
+    if chunk <= 1:
+        return unchanged(graph)
+    values = graph.state_values()
+    names = graph.parameters + graph.buffers + graph.constants
+    state = [values[n].detach().to(o.device) for n in names]
+    state = [s.float() if s.dtype == torch.float64 else s for s in state]
+    examples = []
+    for info in graph.user_inputs:
+        if info is None:
+            return unchanged(graph)
+        examples.append(torch.empty(info.shape, dtype=info.dtype, device=o.device))
+    c.vectorized = vectorize_graph(graph.module, state, examples, chunk)
+    c.vectorized_slots = chunk if c.vectorized is not None else 1
+    return unchanged(graph)
 
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+def chunk_size(graph: Graph, slots: int) -> int:
+    """Micro-batches to run per vectorized call: the largest divisor of ``slots``
+    keeping the largest intermediate tensor within :data:`VECTORIZE_BUDGET` bytes
+    (batched kernels beyond the CPU caches get slower per sample than a loop)."""
+    user_inputs = set(graph.user_input_nodes)
+    largest = 1
+    for node in graph.module.graph.nodes:
+        if node.op not in ("call_function", "placeholder") or \
+                (node.op == "placeholder" and node not in user_inputs):
+            continue  # weights are shared by the micro-batches of a call
+        val = node.meta.get("val")
+        values = val if isinstance(val, (list, tuple)) else [val]
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                largest = max(largest, v.numel() * v.element_size())
+    fit = max(1, VECTORIZE_BUDGET // largest)
+    return max(k for k in range(1, slots + 1) if slots % k == 0 and k <= fit)
 
 
-def _collapse_views(gm: fx.GraphModule) -> bool:
-    """vmap folds the micro-batch dimension into the batch dimension around every op
-    and unfolds it after: ``view(relu(view(conv(x), [8, 16, ...])), [128, ...])``.
-    Rewrite, until nothing changes: an identity ``permute`` is dropped; a view of a view
-    becomes one view, and none if it restores the original shape; a unary pointwise op
-    on a view (its only user) moves before the view. What is left is the graph over
-    the folded batch, whose layouts a compiler can choose freely (Inductor gave the
-    CNN's pooling output an extra transposing copy before this). Returns whether
-    ``gm`` changed (the caller eliminates dead code and recompiles)."""
-    changed = True
-    rounds = 0
-    while changed:
-        changed = False
-        for node in list(gm.graph.nodes):
-            if node.op == "call_function" and len(node.users) > 0:
-                changed = _collapse_view(gm, node) or changed
-        if changed:
-            rounds += 1
-            gm.graph.eliminate_dead_code()
-    return rounds > 0
-
-
-def _collapse_view(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """One rewrite of :func:`_collapse_views` at ``node``; whether one applied."""
-    src = node.args[0] if node.args else None
-    if not isinstance(src, fx.Node):
-        return False
-    if node.target is torch.ops.aten.permute.default:
-        if list(node.args[1]) != list(range(len(node.args[1]))):
-            return False
-        node.replace_all_uses_with(src)
-        return True
-    if node.target in _VIEWS:
-        if src.target in _VIEWS:
-            node.args = (src.args[0],) + tuple(node.args[1:])
-            return True
-        val, src_val = node.meta.get("val"), src.meta.get("val")
-        if isinstance(val, torch.Tensor) and isinstance(src_val, torch.Tensor) \
-                and val.shape == src_val.shape:
-            node.replace_all_uses_with(src)
-            return True
-        return False
-    # u(view(x, s)) → view(u(x), s) for a unary pointwise u
-    if src.target not in _VIEWS or len(src.users) != 1 or node.kwargs \
-            or any(isinstance(a, fx.Node) for a in node.args[1:]) \
-            or not isinstance(node.target, torch._ops.OpOverload) \
-            or torch.Tag.pointwise not in node.target.tags \
-            or node.target._schema.is_mutable:
-        return False
-    x = src.args[0]
-    x_val = x.meta.get("val")
-    if not isinstance(x_val, torch._subclasses.FakeTensor):
-        return False
-    with x_val.fake_mode:
-        val = node.target(x_val, *node.args[1:])
-    with gm.graph.inserting_before(node):
-        moved = gm.graph.call_function(node.target, (x,) + tuple(node.args[1:]))
-        moved.meta["val"] = val
-        view = gm.graph.call_function(src.target, (moved,) + tuple(src.args[1:]))
-        view.meta["val"] = node.meta.get("val")
-    node.replace_all_uses_with(view)
-    return True
-
-
-def vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+def vectorize_graph(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
               slots: int) -> Optional[fx.GraphModule]:
     """Trace ``fn(*state, *inputs)`` vmapped over ``slots`` micro-batches.
 
@@ -238,9 +160,3 @@ class _CondAsSelect(fx.Interpreter):
         pred, then_gm, else_gm, operands = args[:4]
         then_out, else_out = then_gm(*operands), else_gm(*operands)
         return tuple(torch.where(pred, a, b) for a, b in zip(then_out, else_out))
-
-
-def graph_outputs(gm: fx.GraphModule) -> List[fx.Node]:
-    """The nodes returned by ``gm``."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return list(out.args[0])

@@ -26,27 +26,27 @@ import atexit
 import contextlib
 import datetime
 import hashlib
-import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from popart_compiler import config
+from popart_compiler.config import TIMEOUT_ENV
+from popart_compiler.enums import ReductionType
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 
 if TYPE_CHECKING:
-    from popart_compiler.compiler import Executable
+    from popart_compiler.stages import Executable
     from popart_compiler.optim.description import OptimizerDescription
 
 __all__ = ["ProcessGroup", "process_group", "program_signature", "collective_timeout",
            "backend_for", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
 
-#: Environment variable holding the collective timeout in seconds.
-TIMEOUT_ENV = "POPTORCH_DISTRIBUTED_TIMEOUT"
 #: Collective timeout (seconds) when :data:`TIMEOUT_ENV` is not set.
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = float(config.VARIABLES[TIMEOUT_ENV].default)
 
 _DEFAULT_ADDR = "127.0.0.1"
 _DEFAULT_PORT = "29500"
@@ -58,9 +58,7 @@ def collective_timeout() -> datetime.timedelta:
     Raises:
         Error: the variable is not a positive number.
     """
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    text = config.collective_timeout_text()
     try:
         seconds = float(text)
     except ValueError:
@@ -80,10 +78,11 @@ def _check_launcher(rank: int, size: int) -> None:
     """Under torchrun (or poprun, which runs it) the launcher started ``WORLD_SIZE``
     processes: options that say otherwise would wait for processes that never come
     until the rendezvous timeout, so fail at once naming both."""
-    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+    env = config.launcher()
+    if not env["run_id"]:
         return
     with contextlib.suppress(ValueError):
-        launched = (int(os.environ.get("RANK", rank)), int(os.environ.get("WORLD_SIZE", size)))
+        launched = (int(env["rank"] or rank), int(env["world_size"] or size))
         if launched != (rank, size):
             raise backend_error(
                 f"The launcher (torchrun) started this process as process {launched[0]} "
@@ -137,9 +136,10 @@ class ProcessGroup:
         _check_launcher(self.rank, self.size)
         self.backend = backend_for(device)
         timeout = collective_timeout()
-        if self.backend == "nccl" and os.environ.get("LOCAL_RANK", "").strip():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        env = config.launcher()
+        if self.backend == "nccl" and env["local_rank"]:
+            torch.cuda.set_device(int(env["local_rank"]))
+        if env["master_addr"] and env["master_port"]:
             init_method = "env://"
         else:
             init_method = f"tcp://{_DEFAULT_ADDR}:{_DEFAULT_PORT}"
@@ -337,7 +337,7 @@ def program_signature(executable: "Executable",
         "deviceIterations": str(o.device_iterations),
         "Training.gradientAccumulation": str(o.gradient_accumulation),
         "inputReplicaGrouping": f"{o.input_group_size} (type {o.input_group_type})",
-        "accumulationAndReplicationReductionType": "Mean" if o.reduction_type == 1
+        "accumulationAndReplicationReductionType": "Mean" if o.reduction_type is ReductionType.Mean
         else "Sum",
         "meanAccumulationAndReplicationReductionStrategy": str(o.mean_reduction_strategy),
         "broadcastBuffers": str(o.broadcast_buffers),

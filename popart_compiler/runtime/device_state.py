@@ -13,7 +13,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from popart_compiler.compiler import Executable
+from popart_compiler.stages import Executable
+from popart_compiler.enums import VariableRetrievalMode
 from popart_compiler.errors import backend_error
 
 __all__ = ["DeviceWeights", "DeviceRng", "device_dtype", "DEVICE_DTYPES"]
@@ -186,7 +187,7 @@ class DeviceWeights:
         raise backend_error(
             f"Cannot write per-replica weight {name}: shape {list(value.shape)} differs "
             f"from the {expected} expected (one value per replica group stacked on "
-            f"dimension 0{', or one per replica' if grouping.retrieval_mode == 2 else ''})")
+            f"dimension 0{', or one per replica' if grouping.retrieval_mode is VariableRetrievalMode.AllReplicas else ''})")
 
     def check(self, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Validate host values for :meth:`write` (device layout, known names only).
@@ -232,6 +233,6 @@ class DeviceWeights:
         t = self.params[i].detach()
         if i in self.grouped:
             grouping, _, groups = self.grouped[i]
-            if grouping.retrieval_mode == 2:
+            if grouping.retrieval_mode is VariableRetrievalMode.AllReplicas:
                 t = t[torch.tensor(groups, device=t.device)]
         return t

@@ -14,15 +14,17 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Tuple
 
+from popart_compiler.enums import OutputMode
+
 __all__ = ["IterationClock", "returned_iterations"]
 
 
-def returned_iterations(mode: int, period: int, iterations: int) -> List[int]:
+def returned_iterations(mode: OutputMode, period: int, iterations: int) -> List[int]:
     """Indices of the device iterations whose results a run returns for the output
-    mode ``mode`` (0 Final, 1 EveryN, 2 All, 3 Sum) with ``EveryN`` period ``period``."""
-    if mode == 2:
+    mode ``mode`` with ``EveryN`` period ``period``."""
+    if mode is OutputMode.All:
         return list(range(iterations))
-    if mode == 1:
+    if mode is OutputMode.EveryN:
         return list(range(period - 1, iterations, period))
     return [iterations - 1]
 

@@ -1,17 +1,15 @@
 """The stage schedule of a multi-stage program (spec S-60, S-63, S-65).
 
-:func:`split_stages` cuts a placed forward graph into one fx submodule per run of
-consecutive ops of the same pipeline stage (``torch.fx.passes.split_module``), and
-:class:`StagedProgram` runs micro-batches through them in the order of the
-execution strategy (:func:`stage_order`):
+:class:`StagedProgram` runs micro-batches through the segments of a
+:class:`~popart_compiler.stages.StagedGraph` (made by the compiler's ``split_stages``
+pass) in the order of the execution strategy (:func:`stage_order`):
 
 * pipelined: clock ``t`` runs stage ``s`` on micro-batch ``t − s`` (fill, steady
   state, drain), so micro-batches flow through the stages as on a pipeline;
 * sharded and phased: each micro-batch goes through all the stages, one after
   another, before the next one starts.
 
-Every stage computes exactly what the same ops compute in the unsplit graph, so
-results are identical to the unpartitioned model; only the order in which
+Results are identical to the unpartitioned model; only the order in which
 micro-batches visit the stages changes.
 """
 from __future__ import annotations
@@ -20,33 +18,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.split_module import split_module
 
-from popart_compiler.passes.placement import placement_of
+from popart_compiler.stages import StagedGraph
 
-__all__ = ["split_stages", "stage_order", "StagedProgram"]
-
-
-def split_stages(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[int]]:
-    """Split ``gm`` into submodules ``submod_<k>``, one per run of consecutive ops
-    (in graph order) that share a pipeline stage.
-
-    Returns:
-        ``(split, stage_of_segment)``: the split module (same signature and outputs
-        as ``gm``) and the stage id of each segment ``k``.
-    """
-    segment_of: Dict[fx.Node, int] = {}
-    stages: List[int] = []
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr", "output"):
-            continue
-        stage = placement_of(node).stage
-        if not stages or stages[-1] != stage:
-            stages.append(stage)
-        segment_of[node] = len(stages) - 1
-    split = split_module(gm, gm, lambda node: segment_of[node], keep_original_order=True)
-    return split, stages
-
+__all__ = ["stage_order", "StagedProgram"]
 
 def stage_order(num_stages: int, num_micro_batches: int,
                 pipelined: bool) -> List[Tuple[int, int]]:
@@ -66,26 +41,20 @@ def stage_order(num_stages: int, num_micro_batches: int,
 
 
 class StagedProgram:
-    """A forward graph split by stage, run micro-batch by micro-batch.
+    """A staged program, run micro-batch by micro-batch.
 
     Args:
-        gm: the placed forward graph.
-        pipelined: interleave micro-batches as a pipeline (else one after another).
+        staged: the program split by stage.
         wrap: applied to each stage submodule to get the callable that runs it
-            (e.g. a floating-point checking interpreter); identity by default.
+            (e.g. a floating-point checking interpreter, an Inductor compilation);
+            the submodule's ``forward`` by default.
     """
 
-    def __init__(self, gm: fx.GraphModule, pipelined: bool,
+    def __init__(self, staged: StagedGraph,
                  wrap: Optional[Callable[[fx.GraphModule], Callable]] = None):
-        self.split, segment_stages = split_stages(gm)
-        self.pipelined = pipelined
-        # Pipelined: one step per stage (stages never decrease along the data flow, so
-        # a stage's segments only need earlier stages). Otherwise one step per segment.
-        if pipelined:
-            ranks = {s: i for i, s in enumerate(sorted(set(segment_stages)))}
-            unit_of = [ranks[s] for s in segment_stages]
-        else:
-            unit_of = list(range(len(segment_stages)))
+        self.split = staged.split
+        self.pipelined = staged.pipelined
+        unit_of = staged.units()
         self.num_stages = max(unit_of) + 1
         self._placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in self.split.graph.nodes if n.op == "output")

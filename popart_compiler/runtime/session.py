@@ -1,5 +1,6 @@
-"""Sessions: load an :class:`~popart_compiler.compiler.Executable` on the IPU Model and
-run it (our PopART ``InferenceSession`` / ``TrainingSession``).
+"""Sessions: load an :class:`~popart_compiler.stages.Executable` on the IPU Model and
+run it (our PopART ``InferenceSession``; ``TrainingSession`` is in
+:mod:`popart_compiler.runtime.training`).
 
 A run takes the user inputs of one host call, each with a leading dimension of
 ``N × B`` (``N = D × G × A``, spec S-11) laid out as S-13 describes, executes
@@ -12,32 +13,21 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from popart_compiler.runtime import collectives
-from popart_compiler.compiler import Executable
 from popart_compiler.runtime.device_state import DEVICE_DTYPES, DeviceRng, DeviceWeights
+from popart_compiler.enums import CommGroupType, OutputMode
 from popart_compiler.errors import backend_error
-from popart_compiler.backends.eager import FloatingPointChecker
 from popart_compiler.runtime.rollback import SavedTensors, deferred_interrupts
 from popart_compiler.cost.ipu_model import IpuModel
-from popart_compiler.logging import logger
-from popart_compiler.optim.description import OptimizerDescription
-from popart_compiler.optim.device_optimizer import DeviceOptimizer, StepSettings
 from popart_compiler.runtime.perf_counters import IterationClock, returned_iterations
 from popart_compiler.runtime.schedule import StagedProgram
+from popart_compiler.stages import Executable
 
-__all__ = ["InferenceSession", "TrainingSession", "reduce_output"]
-
-#: One ``torch.autograd.grad`` at a time in the process: two training sessions running
-#: backward in two threads at once can make torch's autograd engine fail ("A leaf node
-#: was passed to _will_engine_execute_node ..."), seen on torch 2.13.
-_AUTOGRAD_LOCK = threading.Lock()
-
+__all__ = ["Session", "InferenceSession", "reduce_output"]
 
 def _merge(t: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
     """Fold ``k`` results of shape ``shape`` into the leading dimension (S-12)."""
@@ -48,13 +38,13 @@ def _merge(t: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
     return t.reshape(k * shape[0], *shape[1:])
 
 
-def reduce_output(t: torch.Tensor, mode: int, period: int = 1) -> torch.Tensor:
+def reduce_output(t: torch.Tensor, mode: OutputMode, period: int = 1) -> torch.Tensor:
     """Apply an output mode to stacked results.
 
     Args:
         t: results of shape ``[D, A, R, *s]`` (device iteration, accumulation step,
             replica, per-micro-batch shape ``s``).
-        mode: 0 Final, 1 EveryN, 2 All, 3 Sum (``poptorch.OutputMode`` values).
+        mode: the output mode.
         period: the ``EveryN`` period.
 
     Returns:
@@ -64,20 +54,20 @@ def reduce_output(t: torch.Tensor, mode: int, period: int = 1) -> torch.Tensor:
     """
     d, a, r = t.shape[:3]
     shape = t.shape[3:]
-    if mode == 2:
+    if mode is OutputMode.All:
         return _merge(t, d * a * r, shape)
-    if mode == 1:
+    if mode is OutputMode.EveryN:
         t = t[period - 1::period]
         return _merge(t, t.shape[0] * a * r, shape)
-    if mode == 0:
+    if mode is OutputMode.Final:
         return _merge(t[-1, -1], r, shape)
-    if mode == 3:
+    if mode is OutputMode.Sum:
         summed = t.sum(dim=(0, 1)) if t.dtype != torch.bool else t.any(dim=1).any(dim=0)
         return _merge(summed.to(t.dtype), r, shape)
     raise backend_error(f"Invalid output mode {mode}")
 
 
-class _Session(abc.ABC):
+class Session(abc.ABC):
     """Shared part of inference and training sessions."""
 
     training = False
@@ -92,16 +82,10 @@ class _Session(abc.ABC):
         torch_device = device.torch_device if device is not None else executable.options.device
         self.torch_device = torch_device
         self.weights = DeviceWeights(executable, torch_device)
-        self._graph = executable.module
-        self._runner = (FloatingPointChecker(self._graph).run
-                        if executable.options.fp_exceptions
-                        else self._graph if executable.runner is None else executable.runner)
+        self._runner = executable.runner or executable.module
         #: Several stages: micro-batches run through them in schedule order (S-63).
-        self._staged = StagedProgram(
-            self._graph, executable.placement.pipelined,
-            wrap=(lambda m: FloatingPointChecker(m).run)
-            if executable.options.fp_exceptions else executable.stage_wrapper
-        ) if executable.staged else None
+        self._staged = StagedProgram(executable.stages, wrap=executable.stage_runner) \
+            if executable.stages is not None else None
         self.rng = DeviceRng(self.options.random_seed, torch_device,
                               stream=self.options.process_id)
         self.anchors: Dict[str, torch.Tensor] = {}
@@ -173,7 +157,8 @@ class _Session(abc.ABC):
             x = x.reshape(d, a, groups, b, *x.shape[1:])
             if groups != r:
                 g = o.input_group_size
-                index = torch.tensor([j // g if o.input_group_type != 2 else j % groups
+                index = torch.tensor([j // g if o.input_group_type is not CommGroupType.Orthogonal
+                                      else j % groups
                                       for j in range(r)], device=x.device)
                 x = x.index_select(2, index)
             out.append(x)
@@ -282,7 +267,7 @@ class _Session(abc.ABC):
         """Execute the device iterations of one run (inputs as given to :meth:`run`)."""
 
 
-class InferenceSession(_Session):
+class InferenceSession(Session):
     """Runs an inference executable: ``D`` forward passes per replica per call."""
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -332,237 +317,3 @@ class InferenceSession(_Session):
         stacked = [torch.stack([res[j] for res in results]).reshape(d, 1, r, *results[0][j].shape)
                    for j in range(len(results[0]))] if results else []
         return self._finish(stacked)
-
-
-class TrainingSession(_Session):
-    """Runs a training executable: per device iteration, ``A`` forward/backward
-    micro-batches on each replica, the reduction of S-41, then one optimizer step.
-
-    Gradients come from PyTorch autograd (``torch.autograd.grad`` of the loss times
-    the loss scale, per micro-batch and replica); :class:`DeviceOptimizer` accumulates,
-    reduces and applies them.
-
-    Args:
-        executable: a training executable.
-        device: the attached IPU Model.
-        optimizer: the optimizer to run on the device.
-
-    Raises:
-        Error: an invalid optimizer description.
-    """
-
-    training = True
-
-    def __init__(self, executable: Executable, device: Optional[IpuModel],
-                 optimizer: OptimizerDescription):
-        super().__init__(executable, device)
-        g = executable.graph
-        o = self.options
-        #: the other processes of a multi-process run (S-28), ``None`` for one process
-        self.process_group: Optional[collectives.ProcessGroup] = None
-        if o.num_processes > 1:
-            self.process_group = collectives.process_group(o.process_id, o.num_processes,
-                                                           self.torch_device)
-            self.process_group.check_consistent(
-                collectives.program_signature(executable, optimizer))
-        settings = StepSettings(
-            accumulation=o.gradient_accumulation, replicas=o.replication_factor,
-            global_replicas=o.global_replicas,
-            mean=o.reduction_type == 1, running=o.mean_reduction_strategy == 0,
-            replica_groups=self.weights.replica_groups(),
-            auto_loss_scaling=o.auto_loss_scaling, als_update_period=o.als_update_period,
-            als_threshold=o.als_threshold, als_bin_edge=o.als_bin_edge,
-            foreach=o.backend == "inductor",
-            all_reduce=self.process_group.all_reduce_sum if self.process_group else None)
-        self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params,
-                                         settings)
-        self._log_optimizer(optimizer)
-
-    @staticmethod
-    def _log_optimizer(description: OptimizerDescription) -> None:
-        lines = description.describe()
-        logger.debug("Updating graph optimizer with %s", lines[0])
-        for i, line in enumerate(lines[1:]):
-            logger.debug("Updating group %d optimizer with %s", i, line)
-
-    def _mutable_tensors(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        params = [p for p in self.weights.params if p.requires_grad]
-        return params + super()._mutable_tensors(inputs) + self.optimizer.state_tensors()
-
-    def _snapshot(self, mutable: List[torch.Tensor]) -> Dict[str, object]:
-        snap = super()._snapshot(mutable)
-        snap["optimizer"] = self.optimizer.snapshot(copy_state=False)
-        return snap
-
-    def _restore(self, snap: Dict[str, object], mutable: List[torch.Tensor]) -> None:
-        super()._restore(snap, mutable)
-        self.optimizer.restore(snap["optimizer"])
-
-    def broadcast_state(self) -> None:
-        """Multi-process run: overwrite this process's weights, buffers and optimizer
-        state with process 0's, so that every process starts identical (S-28). Called
-        once, after the host state was uploaded at the first compile; a no-op for a
-        single process.
-
-        Raises:
-            Error: another process failed or timed out.
-        """
-        if self.process_group is None:
-            return
-        w = self.weights
-        tensors = list(w.params) + [b for bufs in w.buffers for b in bufs
-                                    if isinstance(b, torch.Tensor)]
-        names = sorted(self.optimizer.state)
-        tensors += [self.optimizer.state[k] for k in names]
-        self.process_group.broadcast_(tensors, src=0)
-        self.optimizer.note_state_written(names)
-
-    def checkOptimizer(self, description: OptimizerDescription) -> None:
-        """Raise if ``description`` cannot replace the compiled optimizer (S-52)."""
-        self.optimizer.check_update(description)
-
-    def setOptimizer(self, description: OptimizerDescription) -> None:
-        """Apply new hyper-parameter values (``updateOptimizerFromHost``).
-
-        Raises:
-            Error: a change that needs recompilation (S-52); nothing changes then.
-        """
-        self.optimizer.update(description)
-        self._log_optimizer(description)
-
-    def _gradients(self, loss: torch.Tensor, wrt: List[torch.Tensor], scale: float,
-                   inputs_finite: bool) -> List[Optional[torch.Tensor]]:
-        seed = torch.full_like(loss, scale)
-        with _AUTOGRAD_LOCK:
-            grads = list(torch.autograd.grad(loss, wrt, seed, allow_unused=True))
-        if self.options.fp_exceptions and inputs_finite and \
-                bool(torch.isfinite(loss).all()):
-            for g in grads:
-                if g is not None and g.is_floating_point() and \
-                        not bool(torch.isfinite(g).all()):
-                    raise backend_error(
-                        "Floating point exception: overflow in the backward pass (a "
-                        "gradient is not finite although the loss is). Lower the loss "
-                        "scaling or disable poptorch.Options().Precision."
-                        "enableFloatingPointExceptions.",
-                        type="poplar_application_runtime_error")
-        return grads
-
-    def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        o = self.options
-        d, a, r = o.device_iterations, o.gradient_accumulation, o.replication_factor
-        exe = self.executable
-        run = self._runner
-        split = self._split(inputs)
-        params = self.weights.params
-        num_params = len(params)
-        trainable = [i for i, p in enumerate(params) if p.requires_grad]
-        loss_index = exe.loss_index
-        opt = self.optimizer
-        results: List[List[torch.Tensor]] = []
-        state_anchor_names = {anc.name for anc in exe.state_anchors}
-        per_iteration: Dict[str, List[torch.Tensor]] = {n: [] for n in state_anchor_names}
-        for i in range(d):
-            since = time.perf_counter()
-            opt.begin_step()
-            scale = opt.loss_scale
-            if "finalLossScale" in per_iteration:
-                per_iteration["finalLossScale"].append(torch.tensor(scale))
-
-            def backward(step, rep, outs, state, xs):
-                """Backward of one micro-batch, then accumulate its gradients."""
-                loss = outs[loss_index]
-                if trainable and loss.requires_grad:
-                    finite = o.fp_exceptions and all(
-                        bool(torch.isfinite(t).all()) for t in xs + state[:num_params]
-                        if t.is_floating_point())
-                    grads = self._gradients(loss, [state[j] for j in trainable], scale,
-                                            finite)
-                    full: List[Optional[torch.Tensor]] = [None] * num_params
-                    for j, g in zip(trainable, grads):
-                        full[j] = g
-                    opt.accumulate(rep, step, full)
-                # the optimizer step writes the weights in place: no output may see it
-                return self._fresh([t.detach() for t in outs], [*state, *xs])
-
-            if self._staged is not None:
-                # Micro-batches flow through the stages in schedule order; each one's
-                # backward runs as it leaves the last forward stage (S-63).
-                args = [[[*self.weights.state(rep), *[t[i, step, rep] for t in split]]
-                         for rep in range(r)] for step in range(a)]
-                done: List[Optional[List[torch.Tensor]]] = [None] * (a * r)
-
-                def finish(step, rep, outs):
-                    state = args[step][rep][:len(args[step][rep]) - len(split)]
-                    xs = args[step][rep][len(state):]
-                    done[step * r + rep] = backward(step, rep, outs, state, xs)
-                self._staged.run(args, finish)
-                results.extend(done)
-            else:
-                for step in range(a):
-                    for rep in range(r):
-                        state = self.weights.state(rep)
-                        xs = [t[i, step, rep] for t in split]
-                        results.append(backward(step, rep, run(*state, *xs), state, xs))
-            # no local may keep this update's gradients alive into the next micro-batch:
-            # the next backward would then allocate beside them instead of reusing
-            # their memory, and the allocator would hand it back to the OS every time
-            # (page faults measured at ~20 % of an MLP's training time)
-            self._collect_gradients(per_iteration, opt.finish_step(params))
-            self._collect_state(per_iteration)
-            self.clock.mark(i, 1, since)
-        stacked = [torch.stack([res[j] for res in results]).reshape(d, a, r, *results[0][j].shape)
-                   for j in range(len(results[0]))] if results else []
-        self._record_state_anchors(per_iteration)
-        return self._finish(stacked)
-
-    def _collect_gradients(self, per_iteration: Dict[str, List[torch.Tensor]],
-                           grads: List[Optional[torch.Tensor]]) -> None:
-        """Record the anchored ``Gradient___<name>`` tensors of one weight update."""
-        params = self.weights.params
-        for name, g in zip(self.executable.graph.parameters, grads):
-            key = f"Gradient___{name}"
-            if key in per_iteration and g is not None:
-                per_iteration[key].append(g.to(params[self.weights.index[name]].dtype))
-
-    def _collect_state(self, per_iteration: Dict[str, List[torch.Tensor]]) -> None:
-        if not per_iteration:
-            return
-        for name in per_iteration:
-            prefix, _, base = name.partition("___")
-            if prefix == "Gradient" or name == "finalLossScale":
-                continue
-            if name in self.optimizer.state:
-                value = self.optimizer.state[name]
-            elif prefix == "UpdatedVar":
-                value = self.weights.read(base)
-            else:
-                value = self.weights.read(name) if name in self.weights.index else None
-            if value is not None:
-                per_iteration[name].append(value.detach().clone())
-
-    # -- optimizer state ----------------------------------------------------------------
-
-    def readOptimizerState(self) -> Dict[str, torch.Tensor]:
-        """Optimizer-state tensors by PopART name (``ipu_state``, S-56)."""
-        return {k: v.cpu() for k, v in self.optimizer.state_dict().items()}
-
-    def checkOptimizerState(self, state: Dict[str, torch.Tensor]) -> None:
-        """Validate optimizer-state tensors for :meth:`writeOptimizerState`.
-
-        Raises:
-            Error: not a dict of tensors, or a shape that differs from the device's.
-        """
-        self.optimizer.check_state(state)
-
-    def writeOptimizerState(self, state: Dict[str, torch.Tensor]) -> None:
-        """Write optimizer-state tensors (missing entries keep their device values).
-
-        Raises:
-            Error: see :meth:`checkOptimizerState`; nothing is written then.
-        """
-        self.optimizer.load_state_dict(state)
-
-    def readOptimizerParams(self) -> Dict[str, torch.Tensor]:
-        """Hyper-parameter tensors by PopART name (``ipu_param``, S-56)."""
-        return self.optimizer.hyper_parameters()

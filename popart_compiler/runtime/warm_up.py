@@ -25,8 +25,8 @@ from typing import List, Optional
 import torch
 from torch._functorch import config as functorch_config
 
-from popart_compiler.backends import inductor as inductor_backend
-from popart_compiler.compiler import Executable
+from popart_compiler.backends import inductor
+from popart_compiler.stages import Executable
 from popart_compiler.runtime.device_state import DeviceWeights
 from popart_compiler.logging import logger
 
@@ -76,12 +76,12 @@ def warm_up(exe: Executable) -> None:
     lowering = functorch_config.patch(force_non_lazy_backward_lowering=True) \
         if exe.training else contextlib.nullcontext()
     logger.debug("Compiling the inductor kernels before the first run")
-    compiled = inductor_backend.thread_compile_count()
+    compiled = inductor.thread_compile_count()
     with torch.random.fork_rng(devices=devices, device_type=device.type), grad, lowering:
         try:
             fn(*state, *inputs)
         except Exception as e:  # pylint: disable=broad-except
-            if inductor_backend.thread_compile_count() == compiled:
+            if inductor.thread_compile_count() == compiled:
                 raise  # the compilation failed: the first run would fail the same way
             # The kernels compiled; running them on the zero stand-ins failed (a
             # singular matrix, say), which says nothing about the user's inputs.

@@ -103,7 +103,7 @@ def test_vectorized_graph_has_no_view_round_trips():
     the next one, a unary op between them), so the vectorized CNN graph is the graph
     over the combined batch: the first view is of the input, the next view the
     flatten. Values equal the per-micro-batch loop."""
-    from popart_compiler.passes.vectorize import vectorize
+    from popart_compiler.passes.vectorize import vectorize_graph as vectorize
 
     gen = torch.Generator().manual_seed(0)
     state = [torch.randn(4, 3, 3, 3, generator=gen), torch.randn(4, generator=gen),
@@ -133,7 +133,7 @@ def test_view_collapse_keeps_a_view_with_other_users():
     a view that does not restore its source's shape stays."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from popart_compiler.passes.vectorize import simplify
+    from popart_compiler.passes.simplify import simplify
 
     def fn(x):
         v = x.view(3, 4)

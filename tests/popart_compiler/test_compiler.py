@@ -12,13 +12,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from popart_compiler.compiler import Compiler
+from popart_compiler import compiler
+from popart_compiler.enums import OutputMode
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError
 from popart_compiler.cost.ipu_model import TARGETS, acquire_device
 from popart_compiler.ir import Graph
 from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.optim.device_optimizer import DeviceOptimizer
-from popart_compiler.runtime.session import InferenceSession, TrainingSession, reduce_output
+from popart_compiler.runtime.session import InferenceSession, reduce_output
+from popart_compiler.runtime.training import TrainingSession
 from popart_compiler.session_options import Anchor, SessionOptions
 
 
@@ -93,7 +95,7 @@ def test_inference_session_output_modes():
     ]:
         g = export(m, x[:2])
         opts = SessionOptions(device_iterations=6, output_mode=mode, output_return_period=period)
-        session = InferenceSession(Compiler.compile(g, opts, training=False))
+        session = InferenceSession(compiler.compile(g, opts, training=False))
         (out,) = session.run([x])
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -106,18 +108,18 @@ def test_replicas_and_input_groups():
     x = torch.arange(4.).reshape(4, 1)  # D=2, G=2, B=1
     opts = SessionOptions(device_iterations=2, replication_factor=4, input_group_size=2,
                           input_group_type=1)
-    session = InferenceSession(Compiler.compile(export(Id(), x[:1]), opts, training=False))
+    session = InferenceSession(compiler.compile(export(Id(), x[:1]), opts, training=False))
     (out,) = session.run([x])
     assert out.flatten().tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 def test_reduce_output_scalar_rules():
     t = torch.arange(6.).reshape(3, 1, 2)  # D=3, A=1, R=2, scalar outputs
-    assert reduce_output(t, 2).tolist() == [0, 1, 2, 3, 4, 5]
-    assert reduce_output(t, 0).tolist() == [4, 5]
-    assert reduce_output(t[:, :, :1], 0).shape == ()
-    assert reduce_output(t, 3).tolist() == [6, 9]
-    assert reduce_output(t.int(), 3).dtype == torch.int32
+    assert reduce_output(t, OutputMode.All).tolist() == [0, 1, 2, 3, 4, 5]
+    assert reduce_output(t, OutputMode.Final).tolist() == [4, 5]
+    assert reduce_output(t[:, :, :1], OutputMode.Final).shape == ()
+    assert reduce_output(t, OutputMode.Sum).tolist() == [6, 9]
+    assert reduce_output(t.int(), OutputMode.Sum).dtype == torch.int32
 
 
 def test_training_session_matches_manual_loop():
@@ -127,7 +129,7 @@ def test_training_session_matches_manual_loop():
     x, t = torch.randn(d * a * 2, 4), torch.randint(0, 3, (d * a * 2,))
     g = export(m, x[:2], t[:2])
     opts = SessionOptions(device_iterations=d, gradient_accumulation=a, output_mode=2)
-    session = TrainingSession(Compiler.compile(g, opts, training=True), None,
+    session = TrainingSession(compiler.compile(g, opts, training=True), None,
                               sgd(0.1, momentum=0.9))
     out, loss = session.run([x, t])
     assert out.shape == (12, 3) and loss.shape == (6,)
@@ -156,25 +158,25 @@ def test_compile_errors():
             return super().forward(x) * 2
 
     with pytest.raises(Error, match="Couldn't find a loss in graph!") as info:
-        Compiler.compile(export(NoLoss(), torch.randn(2, 4)), SessionOptions(), training=True)
+        compiler.compile(export(NoLoss(), torch.randn(2, 4)), SessionOptions(), training=True)
     assert info.value.type == "poptorch_cpp_error"
-    assert str(info.value).startswith("In compiler.py:")
+    assert str(info.value).startswith("In checks.py:")
     with pytest.raises(Error, match="Return period must be <= to the number of batches"):
-        Compiler.compile(export(MLP(), torch.randn(2, 4)),
+        compiler.compile(export(MLP(), torch.randn(2, 4)),
                          SessionOptions(device_iterations=2, output_mode=1,
                                         output_return_period=4), training=False)
     with pytest.raises(Error, match="must be a factor of the number of batches"):
-        Compiler.compile(export(MLP(), torch.randn(2, 4)),
+        compiler.compile(export(MLP(), torch.randn(2, 4)),
                          SessionOptions(device_iterations=6, output_mode=1,
                                         output_return_period=4), training=False)
     with pytest.raises(Error, match="Gradient accumulation must be 1"):
-        Compiler.compile(export(MLP(), torch.randn(2, 4)),
+        compiler.compile(export(MLP(), torch.randn(2, 4)),
                          SessionOptions(gradient_accumulation=2), training=False)
     with pytest.raises(Error, match="Invalid distributed process 2 of 2"):
-        Compiler.compile(export(WithLoss(), torch.randn(2, 4), torch.zeros(2).long()),
+        compiler.compile(export(WithLoss(), torch.randn(2, 4), torch.zeros(2).long()),
                          SessionOptions(num_processes=2, process_id=2), training=True)
     with pytest.raises(Error, match="Anchored tensor nope not found"):
-        Compiler.compile(export(MLP(), torch.randn(2, 4)),
+        compiler.compile(export(MLP(), torch.randn(2, 4)),
                          SessionOptions(anchors=[Anchor("nope", 2)]), training=False)
 
 
@@ -217,7 +219,7 @@ def test_rng_state_roundtrip_and_seed():
             return x * (torch.rand_like(x) > 0.5)
 
     g = export(Drop(), torch.ones(100))
-    session = InferenceSession(Compiler.compile(g, SessionOptions(random_seed=7), False))
+    session = InferenceSession(compiler.compile(g, SessionOptions(random_seed=7), False))
     state = session.getRngState()
     assert state[0] == 7
     a = session.run([torch.ones(100)])[0]
@@ -228,7 +230,7 @@ def test_rng_state_roundtrip_and_seed():
     host = torch.get_rng_state()
     session.run([torch.ones(100)])
     assert torch.equal(host, torch.get_rng_state())  # the host RNG is not touched
-    plain = InferenceSession(Compiler.compile(export(MLP(), torch.ones(1, 4)),
+    plain = InferenceSession(compiler.compile(export(MLP(), torch.ones(1, 4)),
                                               SessionOptions(), False))
     assert plain.getRngState() == [0]
 
@@ -323,16 +325,16 @@ def test_long_messages_spill_to_a_log_file(tmp_path, monkeypatch):
 def test_vectorized_inference_runs_in_cache_sized_chunks(monkeypatch):
     """Stateless inference runs several micro-batches per call; the chunk is the largest
     divisor of D × R keeping the largest intermediate within the budget."""
-    import popart_compiler.compiler as compiler
+    from popart_compiler.passes import vectorize
     m = MLP()
     x = torch.randn(6 * 2, 4)  # D=6, B=2; largest intermediate: [2, 8] float32 = 64 bytes
-    monkeypatch.setattr(compiler, "VECTORIZE_BUDGET", 64 * 3)
-    exe = Compiler.compile(export(m, x[:2]), SessionOptions(device_iterations=6), False)
+    monkeypatch.setattr(vectorize, "VECTORIZE_BUDGET", 64 * 3)
+    exe = compiler.compile(export(m, x[:2]), SessionOptions(device_iterations=6), False)
     assert exe.vectorized is not None and exe.vectorized_slots == 3
     (out,) = InferenceSession(exe).run([x])
     torch.testing.assert_close(out, m(x).detach(), rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(compiler, "VECTORIZE_BUDGET", 10)
-    exe = Compiler.compile(export(m, x[:2]), SessionOptions(device_iterations=6), False)
+    monkeypatch.setattr(vectorize, "VECTORIZE_BUDGET", 10)
+    exe = compiler.compile(export(m, x[:2]), SessionOptions(device_iterations=6), False)
     assert exe.vectorized is None  # one micro-batch at a time
     torch.testing.assert_close(InferenceSession(exe).run([x])[0], m(x).detach(),
                                rtol=1e-5, atol=1e-6)

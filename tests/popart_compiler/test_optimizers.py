@@ -9,12 +9,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from popart_compiler.compiler import Compiler
+from popart_compiler import compiler
 from popart_compiler.errors import Error
 from popart_compiler.ir import Graph
 from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.optim.device_optimizer import DeviceOptimizer, StepSettings
-from popart_compiler.runtime.session import InferenceSession, TrainingSession
+from popart_compiler.runtime.session import InferenceSession
+from popart_compiler.runtime.training import TrainingSession
 from popart_compiler.session_options import ReplicaGrouping, SessionOptions
 
 
@@ -257,7 +258,7 @@ def test_floating_point_exception_restores_the_device_state():
 
     g = Graph(torch.export.export(M(), (torch.ones(2),), strict=False))
     opts = SessionOptions(device_iterations=2, output_mode=2, fp_exceptions=True)
-    session = TrainingSession(Compiler.compile(g, opts, training=True), None,
+    session = TrainingSession(compiler.compile(g, opts, training=True), None,
                               description(lr=0.1, momentum=0.9))
     session.run([torch.ones(4)])
     weights = session.readWeights()
@@ -276,12 +277,12 @@ def test_inference_session_floating_point_checks():
             return x / y
 
     g = Graph(torch.export.export(Div(), (torch.ones(2), torch.ones(2)), strict=False))
-    on = InferenceSession(Compiler.compile(g, SessionOptions(fp_exceptions=True), False))
+    on = InferenceSession(compiler.compile(g, SessionOptions(fp_exceptions=True), False))
     with pytest.raises(Error, match="overflow or division by zero"):
         on.run([torch.ones(2), torch.zeros(2)])
     with pytest.raises(Error, match="invalid operation"):
         on.run([torch.zeros(2), torch.zeros(2)])
-    off = InferenceSession(Compiler.compile(g, SessionOptions(), False))
+    off = InferenceSession(compiler.compile(g, SessionOptions(), False))
     assert torch.isinf(off.run([torch.ones(2), torch.zeros(2)])[0]).all()
 
 
@@ -308,7 +309,7 @@ def _train_on(device, kind, hyper, extra):
                           auto_loss_scaling=True, mean_reduction_strategy=0,
                           replica_groupings={"W": ReplicaGrouping(2, 2)})
     desc = OptimizerDescription(kind, dict(hyper), [], {}, **extra)
-    session = TrainingSession(Compiler.compile(g, opts, training=True), None, desc)
+    session = TrainingSession(compiler.compile(g, opts, training=True), None, desc)
     assert session.weights.params[0].device.type == torch.device(device).type
     gen = torch.Generator().manual_seed(1)
     session.writeWeights({"W": torch.randn(2, 3, 4, generator=gen)})

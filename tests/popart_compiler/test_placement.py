@@ -9,10 +9,12 @@ import torch.nn as nn
 
 from popart_compiler.errors import Error
 from popart_compiler.ir import Graph
-from popart_compiler.passes.placement import (BLOCK_KEY, NO_ACTIVE_BLOCK_KEY, ExecutionMode,
-                                       Placement, StrategySettings, place_nodes,
-                                       placement_of, plan_placement)
+from popart_compiler.enums import ExecutionMode
+from popart_compiler.session_options import StrategySettings
+from popart_compiler.passes.placement import (BLOCK_KEY, NO_ACTIVE_BLOCK_KEY, Placement, place_nodes, placement_of, plan_placement)
+from popart_compiler.passes.split_stages import split_by_stage
 from popart_compiler.runtime.schedule import StagedProgram
+from popart_compiler.stages import StagedGraph
 
 
 class Tagged(nn.Module):
@@ -112,7 +114,7 @@ def test_staged_program_runs_like_the_graph():
     state = [graph.state_values()[n] for n in graph.parameters]
     xs = [torch.randn(2, 4) for _ in range(3)]
     for pipelined in (True, False):
-        staged = StagedProgram(graph.module, pipelined)
+        staged = StagedProgram(StagedGraph(*split_by_stage(graph.module), pipelined))
         assert staged.num_stages == 3
         outs = {}
         staged.run([[[*state, x]] for x in xs], lambda m, r, o: outs.setdefault(m, o[0]))

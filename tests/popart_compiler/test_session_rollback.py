@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from popart_compiler.compiler import Compiler
+from popart_compiler import compiler
 from popart_compiler.runtime.rollback import deferred_interrupts
 from popart_compiler.ir import Graph
 from popart_compiler.optim.description import OptimizerDescription
-from popart_compiler.runtime.session import TrainingSession
+from popart_compiler.runtime.training import TrainingSession
 from popart_compiler.session_options import SessionOptions
 
 
@@ -35,7 +35,7 @@ def session(accumulation=1):
                           output_mode=2)
     desc = OptimizerDescription("SGD", defaults=dict(lr=0.1, momentum=0.9), groups=[],
                                 group_of={})
-    return TrainingSession(Compiler.compile(graph, opts, training=True), None, desc)
+    return TrainingSession(compiler.compile(graph, opts, training=True), None, desc)
 
 
 def state(s):

@@ -7,10 +7,11 @@ import torch.nn as nn
 
 import poptorch._ops_library as ops_library  # registers the poptorch:: ops
 from popart_compiler.passes import compiler_hints as steering
-from popart_compiler.compiler import Compiler
+from popart_compiler import compiler
 from popart_compiler.errors import Error
 from popart_compiler.ir import Graph, register_per_micro_batch_op
-from popart_compiler.session_options import SessionOptions
+from popart_compiler.passes.base import Compilation
+from popart_compiler.session_options import SessionOptions, StrategySettings
 
 
 def export(module, *args):
@@ -29,7 +30,7 @@ class Hinted(nn.Module):
 
 def test_record_available_memory_annotates_the_producer():
     graph = export(Hinted(), torch.randn(2, 3))
-    steering.record_available_memory(graph)
+    steering.record_available_memory(graph, Compilation(SessionOptions(), False))
     marker = next(n for n in graph.module.graph.nodes
                   if str(n.target) == "poptorch.set_available_memory.default")
     assert marker.args[0].target is torch.ops.aten.linear.default
@@ -44,14 +45,17 @@ class Overlap(nn.Module):
 
 def test_check_overlapped_io_rules():
     graph = export(Overlap(), torch.randn(2))
-    good = SessionOptions(output_mode=3, raw={"execution_mode": 1, "numIOTiles": 32})
-    steering.check_overlapped_io(graph, good)
+    def options(mode, raw):
+        return Compilation(SessionOptions(output_mode=mode, raw=raw,
+                                          strategy=StrategySettings.from_raw(raw)), False)
+    good = options(3, {"execution_mode": 1, "numIOTiles": 32})
+    assert not steering.check_overlapped_io(graph, good).changed
     for raw, mode, message in [({"execution_mode": 0, "numIOTiles": 32}, 2, "Pipelined"),
                                ({"execution_mode": 1}, 2, "No IO tiles allocated"),
                                ({"execution_mode": 1, "numIOTiles": 32}, 0,
                                 "Unsupported output mode")]:
         with pytest.raises(Error, match=message):
-            steering.check_overlapped_io(graph, SessionOptions(output_mode=mode, raw=raw))
+            steering.check_overlapped_io(graph, options(mode, raw))
 
 
 def test_per_micro_batch_ops_are_never_vectorised():
@@ -68,9 +72,9 @@ def test_per_micro_batch_ops_are_never_vectorised():
     torch.library.register_vmap("test_steering::side_effect",
                                 lambda info, in_dims, x: (x.clone(), in_dims[0]), lib=lib)
     options = SessionOptions(device_iterations=4)
-    assert Compiler.compile(export(Model(), torch.randn(3)), options,
+    assert compiler.compile(export(Model(), torch.randn(3)), options,
                             training=False).vectorized is not None
     register_per_micro_batch_op("test_steering::side_effect")
     graph = export(Model(), torch.randn(3))
     assert graph.runs_per_micro_batch()
-    assert Compiler.compile(graph, options, training=False).vectorized is None
+    assert compiler.compile(graph, options, training=False).vectorized is None

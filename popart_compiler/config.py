@@ -1,0 +1,104 @@
+"""Every environment variable the compiler and runtime read, in one place.
+
+Each variable is declared once (:data:`VARIABLES`, with its default and meaning) and
+read through the functions below, at the moment it is needed (not at import), so a
+program or a test may set it before wrapping a model. ``poptorch`` reads its own
+variables through :mod:`poptorch._config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Optional, Tuple
+
+__all__ = ["Variable", "VARIABLES", "text", "flag", "log_level", "log_dest",
+           "ipu_model_version", "engine_options_text", "ipu_model_flags", "verify_graphs",
+           "collective_timeout_text", "launcher", "TIMEOUT_ENV"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """An environment variable: its name, the value used when unset and its meaning."""
+    name: str
+    default: str
+    doc: str
+
+
+#: Environment variable holding the collective timeout in seconds.
+TIMEOUT_ENV = "POPTORCH_DISTRIBUTED_TIMEOUT"
+
+VARIABLES: Dict[str, Variable] = {v.name: v for v in (
+    Variable("POPTORCH_LOG_LEVEL", "WARN",
+             "TRACE, DEBUG, INFO, WARN, ERR or OFF: level of PopTorch's loggers"),
+    Variable("POPTORCH_LOG_DEST", "stderr",
+             "stderr, stdout or a file name: where the compiler's log goes"),
+    Variable("POPTORCH_IPU_MODEL_VERSION", "ipu2", "ipu1, ipu2 or ipu21: the IPU Model"),
+    Variable("POPTORCH_IPU_MODEL", "0", "1: the IPU Model was asked for explicitly"),
+    Variable("POPTORCH_SMALL_IPU_MODEL", "0", "1: the 4-tile IPU Model"),
+    Variable("POPLAR_ENGINE_OPTIONS", "",
+             "a JSON object of Poplar engine options (autoReport.*, debug.*)"),
+    Variable("POPTORCH_VERIFY", "0", "1: verify the graph after every compiler pass"),
+    Variable(TIMEOUT_ENV, "300", "seconds a collective of a multi-process run may wait"),
+    Variable("TORCHELASTIC_RUN_ID", "", "set by torchrun: the process was launched"),
+    Variable("RANK", "", "torchrun's process index"),
+    Variable("WORLD_SIZE", "", "torchrun's process count"),
+    Variable("LOCAL_RANK", "", "torchrun's process index on this host (CUDA device)"),
+    Variable("MASTER_ADDR", "", "rendezvous host of torch.distributed's env://"),
+    Variable("MASTER_PORT", "", "rendezvous port of torch.distributed's env://"),
+)}
+
+
+def text(name: str) -> str:
+    """The stripped value of the declared variable ``name``, or its default when unset
+    or empty."""
+    return os.environ.get(name, "").strip() or VARIABLES[name].default
+
+
+def flag(name: str) -> bool:
+    """Whether the integer variable ``name`` is set to a non-zero value (a value that
+    is not an integer counts as unset)."""
+    try:
+        return int(text(name) or "0") != 0
+    except ValueError:
+        return False
+
+
+def log_level() -> str:
+    return text("POPTORCH_LOG_LEVEL")
+
+
+def log_dest() -> str:
+    return text("POPTORCH_LOG_DEST")
+
+
+def ipu_model_version() -> str:
+    """``POPTORCH_IPU_MODEL_VERSION`` (not validated here)."""
+    return text("POPTORCH_IPU_MODEL_VERSION")
+
+
+def engine_options_text() -> str:
+    """The raw JSON text of ``POPLAR_ENGINE_OPTIONS`` (``""`` when unset)."""
+    return text("POPLAR_ENGINE_OPTIONS")
+
+
+def ipu_model_flags() -> Tuple[bool, bool]:
+    """``(POPTORCH_IPU_MODEL != 0, POPTORCH_SMALL_IPU_MODEL != 0)``."""
+    return flag("POPTORCH_IPU_MODEL"), flag("POPTORCH_SMALL_IPU_MODEL")
+
+
+def verify_graphs() -> bool:
+    """``POPTORCH_VERIFY=1``: run :func:`popart_compiler.verify.verify` after every pass."""
+    return flag("POPTORCH_VERIFY")
+
+
+def collective_timeout_text() -> str:
+    return text(TIMEOUT_ENV)
+
+
+def launcher() -> Dict[str, Optional[str]]:
+    """torchrun's variables: ``run_id``, ``rank``, ``world_size``, ``local_rank``,
+    ``master_addr``, ``master_port`` (``None`` when unset)."""
+    names = {"run_id": "TORCHELASTIC_RUN_ID", "rank": "RANK", "world_size": "WORLD_SIZE",
+             "local_rank": "LOCAL_RANK", "master_addr": "MASTER_ADDR",
+             "master_port": "MASTER_PORT"}
+    return {key: (text(name) or None) for key, name in names.items()}
