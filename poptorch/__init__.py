@@ -16,22 +16,22 @@ import torch as _torch  # noqa: E402
 
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError  # noqa: E402
 
-from . import enums  # noqa: E402
-from .enums import *  # noqa: E402,F401,F403
-from ._logging import logger, setLogLevel  # noqa: E402,F401
-from ._custom_parsers import ICustomArgParser, registerCustomArgParser  # noqa: E402,F401
-from ._impl import isRunningOnIpu  # noqa: E402,F401
-from ._execution_strategy import *  # noqa: E402,F401,F403
-from .options import *  # noqa: E402,F401,F403
-from .ops import *  # noqa: E402,F401,F403
-from ._printing import *  # noqa: E402,F401,F403
-from ._capture import registerPreCompileHook, registerPostCompileHook  # noqa: E402,F401
-from ._poplar_executor import PoplarExecutor  # noqa: E402
-from . import optim  # noqa: E402,F401
-from . import profiling  # noqa: E402,F401
-from ._dataloader import DataLoader, AsynchronousDataAccessor  # noqa: E402,F401
-from . import poptorch_core  # noqa: E402,F401
-from . import options, ops  # noqa: E402,F401
+from poptorch import enums  # noqa: E402
+from poptorch.enums import *  # noqa: E402,F401,F403
+from poptorch._logging import logger, setLogLevel  # noqa: E402,F401
+from poptorch._capture.custom_parsers import ICustomArgParser, registerCustomArgParser  # noqa: E402,F401
+from poptorch._impl import isRunningOnIpu  # noqa: E402,F401
+from poptorch._options.execution_strategy import *  # noqa: E402,F401,F403
+from poptorch.options import *  # noqa: E402,F401,F403
+from poptorch.ops import *  # noqa: E402,F401,F403
+from poptorch._ops.printing import *  # noqa: E402,F401,F403
+from poptorch._capture.capture import registerPreCompileHook, registerPostCompileHook  # noqa: E402,F401
+from poptorch._executor.executor import PoplarExecutor  # noqa: E402
+from poptorch import optim  # noqa: E402,F401
+from poptorch import profiling  # noqa: E402,F401
+from poptorch._data.dataloader import DataLoader, AsynchronousDataAccessor  # noqa: E402,F401
+from poptorch import poptorch_core  # noqa: E402,F401
+from poptorch import options, ops  # noqa: E402,F401
 
 
 def _resolve(model):
@@ -62,18 +62,18 @@ def trainingModel(model: _torch.nn.Module, options: "Options" = None,
             ``torch.Tensor``.
         AssertionError / ValueError: unsupported optimizer.
     """
-    from ._executor_sync import TRAINING_WRAPPERS
-    from . import _instrument
+    from poptorch._executor.host_sync import TRAINING_WRAPPERS
+    from poptorch._executor import instrument
     user_model = _resolve(model)
-    if id(user_model) in TRAINING_WRAPPERS and _instrument.is_instrumented(user_model):
+    if id(user_model) in TRAINING_WRAPPERS and instrument.is_instrumented(user_model):
         raise RuntimeError(
             "Model has already been wrapped in 'poptorch.trainingModel'. Call "
             "model.destroy() on the model to unwrap it before wrapping it again.")
     import copy as _copy
-    with _instrument.syncing():
+    with instrument.syncing():
         model_copy = _copy.copy(user_model)
-    if _instrument.is_instrumented(model_copy):
-        model_copy.__class__ = _instrument.original_class(model_copy)
+    if instrument.is_instrumented(model_copy):
+        model_copy.__class__ = instrument.original_class(model_copy)
         model_copy.__dict__.pop("_poptorch_executor_ref", None)
     return PoplarExecutor(model_copy, options, True, __version__, optimizer=optimizer,
                           user_model=user_model)
@@ -94,12 +94,12 @@ def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> Poplar
         poptorch.Error: ``options`` is not an ``Options``; gradient accumulation is not 1.
     """
     import copy as _copy
-    from . import _instrument
+    from poptorch._executor import instrument
     user_model = _resolve(model)
-    with _instrument.syncing():
+    with instrument.syncing():
         model_copy = _copy.copy(user_model)
-    if _instrument.is_instrumented(model_copy):
-        model_copy.__class__ = _instrument.original_class(model_copy)
+    if instrument.is_instrumented(model_copy):
+        model_copy.__class__ = instrument.original_class(model_copy)
         model_copy.__dict__.pop("_poptorch_executor_ref", None)
     return PoplarExecutor(model_copy, options, False, __version__, user_model=user_model)
 
@@ -119,7 +119,7 @@ def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
             run-time options such as the device may change).
         unpickle_model: rebuild the original Python model from its pickle stored in
             the file (runs code from the file: only for files you trust). By default
-            nothing is unpickled: the model is an :class:`poptorch._export.ExportedModel`
+            nothing is unpickled: the model is an :class:`poptorch._files.export.ExportedModel`
             holding the stored weights, and the stored program runs without the
             model's Python source.
 
@@ -133,7 +133,7 @@ def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
         AssertionError: another PopTorch version; a file saved with
             ``export_model=False`` (use ``loadExecutable``).
     """
-    from ._export import load as _load
+    from poptorch._files.export import load as _load
     return _load(filename, edit_opts_fn, unpickle_model)
 
 
@@ -144,7 +144,7 @@ def importPoptorchMetadataFromFile(filename: str) -> bytes:
     Raises:
         poptorch.Error: not an executable file, or no metadata in it.
     """
-    from ._export import import_metadata
+    from poptorch._files.export import import_metadata
     return import_metadata(filename)
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import os
 from typing import Union
 
-from popart_compiler import logging as _backend_logging
+from popart_compiler import logging
 
 __all__ = ["logger", "setLogLevel"]
 
-logger = _backend_logging.make_logger("poptorch::python", lowercase=True)
+logger = logging.make_logger("poptorch::python", lowercase=True)
 
 _LEGACY_INTS = {0: "TRACE", 1: "DEBUG", 2: "INFO", 3: "WARN", 4: "ERR", 6: "OFF"}
 
@@ -30,8 +30,8 @@ def setLogLevel(level: Union[str, int]) -> None:
         if level not in _LEGACY_INTS:
             raise ValueError("Invalid log level integer")
         level = _LEGACY_INTS[level]
-    py_level = _backend_logging.level_from_name(str(level))
-    _backend_logging.set_level(str(level))
+    py_level = logging.level_from_name(str(level))
+    logging.set_level(str(level))
     logger.setLevel(py_level)
 
 

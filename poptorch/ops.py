@@ -6,7 +6,7 @@ serialised matmul, memory and overlap hints), ``_host_ops`` (``ipu_print_tensor`
 ``CPU``), ``_custom_op`` (the custom-op registry), ``_dynamic_slicing``,
 ``_search_ops`` (CTC beam search, ``fps``, ``nearest``) and ``_scopes``
 (``NameScope``, ``Attribute``, ``MultiConv``). Their ``torch.library`` definitions are
-in ``_ops_library``.
+in ``library``.
 """
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ import torch
 
 from popart_compiler.errors import py_error
 
-from . import _ops_library
-from ._compiler_hints import (recomputationCheckpoint, serializedMatMul,
+from poptorch._ops import library
+from poptorch._ops.compiler_hints import (recomputationCheckpoint, serializedMatMul,
                               set_available_memory, set_overlap_for_input,
                               set_overlap_for_output)
-from ._custom_op import custom_op, register_custom_op, unregister_custom_op
-from ._dynamic_slicing import dynamic_slice, dynamic_update
-from ._host_ops import CPU, ipu_print_tensor
-from ._impl import capturing_training, isRunningOnIpu
-from ._scopes import Attribute, MultiConv, NameScope
-from ._search_ops import ctc_beam_search_decoder, fps, nearest
+from poptorch._ops.custom import custom_op, register_custom_op, unregister_custom_op
+from poptorch._ops.dynamic_slicing import dynamic_slice, dynamic_update
+from poptorch._ops.host import CPU, ipu_print_tensor
+from poptorch._impl import capturing_training, isRunningOnIpu
+from poptorch._ops.scopes import Attribute, MultiConv, NameScope
+from poptorch._ops.search import ctc_beam_search_decoder, fps, nearest
 
 __all__ = ["identity_loss", "cond", "for_loop", "nop", "recomputationCheckpoint",
            "serializedMatMul", "set_available_memory", "set_overlap_for_input",
@@ -212,4 +212,4 @@ def nop(tensor: torch.Tensor) -> torch.Tensor:
         raise py_error(f"poptorch.nop takes a tensor, got {type(tensor).__name__}")
     if not isRunningOnIpu() and not isinstance(tensor, torch.fx.Proxy):
         return tensor
-    return _ops_library.NOP(tensor)
+    return library.NOP(tensor)

@@ -15,7 +15,7 @@ import torch
 from popart_compiler.errors import py_error
 from popart_compiler.optim.description import HYPER_PARAMETERS, OptimizerDescription
 
-from ._logging import logger
+from poptorch._logging import logger
 
 __all__ = ["VariableAttributes", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB"]
 

@@ -26,18 +26,18 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import enums
-from ._backend_options import _BackendOptions
-from ._execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
+from poptorch import enums
+from poptorch._options.backend import _BackendOptions
+from poptorch._options.execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
                                   SerialPhasedExecution, ShardedExecution)
-from ._logging import logger
-from ._options_dict import (OptionsDict, check_bool, check_int, check_proportion,
+from poptorch._logging import logger
+from poptorch._options.dict import (OptionsDict, check_bool, check_int, check_proportion,
                             check_strings, check_type)
-from ._options_loading import ConfigFileError, apply_json, load_file
-from ._options_groups import (TensorLocationSettings, _DistributedOptions, _JitOptions,
+from poptorch._options.loading import ConfigFileError, apply_json, load_file
+from poptorch._options.groups import (TensorLocationSettings, _DistributedOptions, _JitOptions,
                               _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
                               _TrainingOptions)
-from ._progress import ProgressBar
+from poptorch._executor.progress import ProgressBar
 
 _DEFAULT_SOURCE_LOCATION_EXCLUDES = [
     "install/poptorch", "site-packages/torch", "site-packages/poptorch"

@@ -15,8 +15,8 @@ import torch
 import torch.utils.data
 
 import poptorch
-from poptorch._dataloader import AsynchronousDataAccessor, DataLoader
-from poptorch._custom_parsers import ICustomArgParser, registerCustomArgParser
+from poptorch._data.dataloader import AsynchronousDataAccessor, DataLoader
+from poptorch._capture.custom_parsers import ICustomArgParser, registerCustomArgParser
 from poptorch.enums import DataLoaderMode, SharingStrategy
 from poptorch.options import Options
 
@@ -526,7 +526,7 @@ def test_keyboard_interrupt_at_top_level_of_a_script(tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent("""
         import sys, time, torch
-        from poptorch._dataloader import AsynchronousDataAccessor
+        from poptorch._data.dataloader import AsynchronousDataAccessor
         from poptorch.enums import SharingStrategy
 
         class Slow(torch.utils.data.Dataset):

@@ -6,7 +6,7 @@ import torch
 import torch.utils.data
 
 import poptorch
-from poptorch._dataloader import DataLoader
+from poptorch._data.dataloader import DataLoader
 from poptorch.enums import CommGroupType, DataLoaderMode
 from poptorch.options import Options
 

@@ -159,12 +159,12 @@ def test_processes_compile_once_and_later_processes_skip_capture(tmp_path):
 
 _KILL_MID_WRITE = '''
 import signal
-from poptorch import _serialization
+from poptorch._files import container
 def dying_write(stream, blobs):
     stream.write(b"PK partial data")
     stream.flush()
     os.kill(os.getpid(), signal.SIGKILL)
-_serialization._write_blobs = dying_write
+container._write_blobs = dying_write
 '''
 
 

@@ -5,14 +5,14 @@ import pickle
 import pytest
 import torch
 
-from poptorch import _execution_strategy as es
+from poptorch._options import execution_strategy as es
 from poptorch import enums
-from poptorch._execution_strategy import (NO_ACTIVE_BLOCK, BeginBlock, Block, BlockFunction,
+from poptorch._options.execution_strategy import (NO_ACTIVE_BLOCK, BeginBlock, Block, BlockFunction,
                                           ParallelPhasedExecution, Phase, PipelinedExecution,
                                           SerialPhasedExecution, ShardedExecution, Stage,
                                           current_block, removeBlocks)
-from poptorch._printing import module_repr
-from poptorch._printing import print as pt_print
+from poptorch._ops.printing import module_repr
+from poptorch._ops.printing import print as pt_print
 from popart_compiler.errors import Error
 
 

@@ -7,15 +7,15 @@ import torch
 import torch.nn as nn
 
 import poptorch
-from poptorch import _dtype_rules
+from poptorch._capture import dtype_rules
 
 
 @pytest.fixture
 def fresh_warning():
     """Forget that the one-time warning was given."""
-    _dtype_rules._warned_uint8[0] = False
+    dtype_rules._warned_uint8[0] = False
     yield
-    _dtype_rules._warned_uint8[0] = False
+    dtype_rules._warned_uint8[0] = False
 
 
 class MaskedFill(nn.Module):

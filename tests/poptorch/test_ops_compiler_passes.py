@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import poptorch._ops_library as ops_library  # registers the poptorch:: ops
+import poptorch._ops.library as ops_library  # registers the poptorch:: ops
 from popart_compiler.passes import compiler_hints as steering
 from popart_compiler import compiler
 from popart_compiler.errors import Error

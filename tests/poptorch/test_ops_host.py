@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-from poptorch._print_format import PrintFormat, format_tensor
+from poptorch._ops.print_format import PrintFormat, format_tensor
 
 
 def quiet(opts=None):

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-import poptorch._program as program_module  # where capture() is called
+import poptorch._files.program as program_module  # where capture() is called
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

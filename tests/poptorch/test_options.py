@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from poptorch import enums
-from poptorch._execution_strategy import (ParallelPhasedExecution, Phase, PipelinedExecution,
+from poptorch._options.execution_strategy import (ParallelPhasedExecution, Phase, PipelinedExecution,
                                           SerialPhasedExecution, ShardedExecution, Stage)
 from poptorch.options import ConfigFileError, Options, TensorLocationSettings
 from popart_compiler.errors import Error

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-from poptorch import _serialization
+from poptorch._files import container as _serialization
 
 
 class Net(nn.Module):
@@ -56,7 +56,7 @@ def test_inference_export_and_load_match_the_model(tmp_path, captures):
     loaded = poptorch.load(str(path))
     assert len(captures) == 1  # nothing captured again
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
-    assert isinstance(loaded.model, poptorch._export.ExportedModel)
+    assert isinstance(loaded.model, poptorch._files.export.ExportedModel)
     with pytest.raises(poptorch.Error, match="Shape mismatch for x"):
         loaded(torch.randn(4, 6))
 
@@ -170,16 +170,16 @@ def test_truncated_corrupted_and_foreign_files_are_refused(exported, tmp_path):
 
 
 def test_another_format_version_is_refused(exported, tmp_path):
-    other = tmp_path / "v2.poptorch"
+    other = tmp_path / "v1.poptorch"
     with zipfile.ZipFile(exported) as src, zipfile.ZipFile(other, "w") as dst:
         for item in src.namelist():
             data_ = src.read(item)
             if item == "manifest.json":
                 manifest = json.loads(data_)
-                manifest["format_version"] = 2
+                manifest["format_version"] = 1  # before the options' classes moved
                 data_ = json.dumps(manifest).encode()
             dst.writestr(item, data_)
-    with pytest.raises(poptorch.Error, match="format version 2 is not supported"):
+    with pytest.raises(poptorch.Error, match="format version 1 is not supported"):
         poptorch.load(str(other))
 
 
@@ -253,7 +253,7 @@ def test_unpickle_model_restores_the_python_model(tmp_path):
     trainer.save(str(path))
     loaded = poptorch.load(str(path), unpickle_model=True)
     # the stored (uninstrumented) Net, instrumented again by the new trainingModel
-    assert poptorch._instrument.original_class(loaded.model) is Net
+    assert poptorch._executor.instrument.original_class(loaded.model) is Net
     for name, value in model.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], value)
 

@@ -45,9 +45,9 @@ def test_unary_math_after_a_loss_is_the_loss(head):
 def test_every_options_group_can_be_stored_in_an_executable_file(tmp_path):
     """``Options.Backend`` lives in its own module: save() refused it and every
     save / compileAndExport failed (api §5.4)."""
-    from poptorch import _serialization
+    from poptorch._files import container
     opts = poptorch.Options()
-    decoded = _serialization.decode(_serialization.encode(opts))
+    decoded = container.decode(container.encode(opts))
     assert decoded.Backend.compilerName == opts.Backend.compilerName
     model = nn.Linear(4, 2)
     x = torch.randn(3, 4)

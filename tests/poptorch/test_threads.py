@@ -168,7 +168,7 @@ def test_capture_holds_back_only_the_capturing_threads_stderr(capsys):
     other threads keep writing to the real stream."""
     import io
 
-    from poptorch._capture_guard import capture_guard, thread_stderr
+    from poptorch._capture.guard import capture_guard, thread_stderr
     held = io.StringIO()
     real = sys.stderr
     with capture_guard(), thread_stderr(held):

@@ -1,0 +1,244 @@
+"""The optimizer binding of a :class:`poptorch.PoplarExecutor` (spec api §5.12; S-41,
+S-50…S-58): which optimizer the executor trains with, its description for the
+compiler, the checks a new optimizer passes before anything changes, and the transfers
+of the optimizer state between the host optimizer and the device.
+
+The executor owns one :class:`OptimizerBinding`; it holds no reference back to the
+executor (so the executor is still freed, and its ``__del__`` still runs, as soon as
+the user drops it). Methods that work on the device take the session.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional
+
+import torch
+
+from popart_compiler.errors import py_error
+
+from poptorch._executor import instrument
+from poptorch import enums
+from poptorch._logging import logger
+
+__all__ = ["OptimizerBinding"]
+
+
+def _optimizer_class():
+    from poptorch.optim import Optimizer
+    return Optimizer
+
+
+class OptimizerBinding:
+    """The optimizer of one executor and the device's view of it.
+
+    Args:
+        model: the user's model (the optimizer must hold its parameters).
+        options: the executor's ``Options`` (read for the loss-scaling settings;
+            ``meanAccumulationAndReplicationReductionStrategy`` may be switched, S-41).
+        training: whether the executor trains (inference executors bind nothing).
+
+    Attributes:
+        optimizer: the bound ``torch.optim.Optimizer`` (``None`` before the first
+            ``setOptimizer`` and for inference executors).
+        description: its ``OptimizerDescription``, as given to the compiler.
+        pending: a changed description waits for the next attach (S-50).
+        state_stale: the device's optimizer state may have moved on since the host
+            last read it.
+        tracker: the ``OptimizerAttrTracker`` of a training executor (S-52).
+    """
+
+    def __init__(self, model: torch.nn.Module, options: Any, training: bool):
+        self._model = model
+        self._options = options
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.description = None
+        self.pending = False
+        self.state_stale = False
+        self.tracker = None
+        if training:
+            from poptorch.optim import OptimizerAttrTracker
+            self.tracker = OptimizerAttrTracker(
+                bool(options._relax_optimizer_attributes_checks))
+
+    def param_names(self) -> Dict[int, str]:
+        """``id(parameter) → name`` of the model's parameters."""
+        with instrument.syncing():
+            return {id(p): n for n, p in self._model.named_parameters()}
+
+    def check_parameters(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every parameter in the optimizer's groups must belong to the wrapped model."""
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, list):
+            return  # optimizer_type() rejects it
+        with instrument.syncing():
+            own = {id(p) for p in self._model.parameters()}
+        for index, group in enumerate(groups):
+            foreign = [tuple(p.shape) for p in group.get("params", []) if id(p) not in own]
+            if foreign:
+                raise py_error(
+                    f"The optimizer's param group {index} holds {len(foreign)} tensor(s) "
+                    f"(shapes {foreign[:3]}) that are not parameters of the model wrapped "
+                    "by this poptorch.trainingModel. Build the optimizer from the "
+                    "parameters of the model you pass to poptorch.trainingModel, e.g. "
+                    "optimizer = poptorch.optim.SGD(model.parameters(), lr=...).")
+
+    def describe(self, optimizer: torch.optim.Optimizer, track: bool = False):
+        """The ``OptimizerDescription`` of ``optimizer``; ``track``: record its
+        attribute values with :attr:`tracker` (S-52)."""
+        from poptorch import optim
+        auto_ls = bool(self._options._Popart.options.get(
+            "automaticLossScalingSettings.enabled", False))
+        return optim.to_description(optimizer, self.param_names(), auto_ls,
+                                    self.tracker if track else None)
+
+    def check_mean_reduction_strategy(self, description, compiled: bool) -> bool:
+        """S-41: float16 gradient accumulators (except SGD's combined variant) need the
+        ``Running`` mean strategy. Returns whether the options must switch to it.
+
+        Raises:
+            ValueError: the switch would be needed but the model is already compiled.
+        """
+        needs_running = description.accum_type == torch.float16 and not (
+            description.type == "SGD" and description.use_combined_accum)
+        strategy = self._options.Training.meanAccumulationAndReplicationReductionStrategy
+        if not needs_running or strategy != enums.MeanReductionStrategy.Post:
+            return False
+        if compiled:
+            raise ValueError(
+                "The optimizer's accum_type is torch.float16, so "
+                "poptorch.Options().Training.meanAccumulationAndReplicationReductionStrategy"
+                " would have to be MeanReductionStrategy.Running, but the model is already "
+                "compiled with MeanReductionStrategy.Post. Use a float16 accum_type before "
+                "the first compilation, or call destroy() and compile again.")
+        return True
+
+    def bind(self, executor: Any, optimizer: torch.optim.Optimizer) -> None:
+        """``executor.setOptimizer(optimizer)`` of a training executor: check
+        everything, then commit (see ``PoplarExecutor.setOptimizer``)."""
+        optim_class = _optimizer_class()
+        session = executor._session
+        self.check_parameters(optimizer)
+        known = self.tracker.known
+        try:
+            if optimizer is not self.optimizer:
+                self.tracker.reset()  # a new object: its attributes are the baseline
+            description = self.describe(optimizer, track=True)
+            compiled = executor.isCompiled()
+            switch = self.check_mean_reduction_strategy(description, compiled)
+            new_object = compiled and self.optimizer is not None and \
+                optimizer is not self.optimizer
+            carries_state = isinstance(optimizer, optim_class) and optimizer.has_state()
+            if session is not None:
+                session.checkOptimizer(description)
+                if new_object and carries_state:
+                    session.checkOptimizerState(optimizer.get_state_dict()["ipu_state"])
+        except BaseException:
+            self.tracker.known = known  # a rejected optimizer changes nothing
+            raise
+        # -- all checks passed: commit --
+        if switch:
+            logger.info("Optimizer accum_type is float16: setting "
+                        "meanAccumulationAndReplicationReductionStrategy to Running")
+            self._options._unfreeze()
+            self._options.Training.setMeanAccumulationAndReplicationReductionStrategy(
+                enums.MeanReductionStrategy.Running)
+            self._options._freeze()
+        if new_object:
+            if isinstance(self.optimizer, optim_class):
+                executor._syncOptimizerStateToHost()
+                self.optimizer._executor_ref = None
+            if carries_state:
+                optimizer._state_pending = True
+        self.optimizer = optimizer
+        if isinstance(optimizer, optim_class):
+            optimizer._executor_ref = weakref.ref(executor)
+        changed = description != self.description
+        self.description = description
+        if session is None:
+            return
+        if executor._attached:
+            if changed:
+                session.setOptimizer(description)
+            if getattr(optimizer, "_state_pending", False):
+                self.write_pending_state(session)
+        elif changed:
+            self.pending = True
+
+    def mark_state_pending(self) -> None:
+        """A device state stored on the host optimizer is uploaded with the weights
+        (at compile and attach)."""
+        if isinstance(self.optimizer, _optimizer_class()) and self.optimizer.has_state():
+            self.optimizer._state_pending = True
+
+    def upload(self, session: Any) -> None:
+        """Host → device at compile / attach: the description and a pending state."""
+        self.pending = False
+        if session.optimizer.description is not self.description:
+            session.setOptimizer(self.description)
+        self.write_pending_state(session)
+
+    def check_state_fits(self, session: Any, optimizer, ipu_state) -> None:
+        """Called by ``optimizer.load_state_dict``: the loaded state and the loaded
+        param groups' hyper-parameters must fit the compiled optimizer.
+
+        Raises:
+            poptorch.Error: see ``setOptimizer``.
+        """
+        if session is None or optimizer is not self.optimizer:
+            return
+        session.checkOptimizerState(ipu_state)
+        session.checkOptimizer(self.describe(optimizer))
+
+    def sync_state_to_host(self, session: Any) -> None:
+        """Device → host: the optimizer state and parameters into the host optimizer's
+        state dict (``ipu_state`` / ``ipu_param``, S-56), unless the host copy is
+        current."""
+        opt = self.optimizer
+        if not isinstance(opt, _optimizer_class()) or session is None:
+            return
+        if not self.state_stale and opt._state_dict.get("ipu_state") is not None:
+            logger.debug("Using cached optimiser state dict")
+            return
+        if opt._state_pending:  # a loaded state not written yet is the latest one
+            return
+        logger.info("Writing optimiser state tensors from IPU to host.")
+        opt._state_dict = {"ipu_state": session.readOptimizerState(),
+                           "ipu_param": session.readOptimizerParams()}
+        self.state_stale = False
+
+    def write_pending_state(self, session: Any) -> None:
+        """Write a state loaded on the host (``optimizer.load_state_dict``) to the
+        device, together with the hyper-parameters of the loaded param groups.
+
+        Raises:
+            poptorch.Error: the state does not fit; it is dropped (the device keeps its
+                state) so that the model stays usable.
+        """
+        opt = self.optimizer
+        if not isinstance(opt, _optimizer_class()) or session is None:
+            return
+        if not opt._state_pending:
+            if opt._state_dict.get("ipu_state") is None:
+                self.state_stale = True
+            return
+        state = opt._state_dict
+        try:
+            session.checkOptimizerState(state["ipu_state"])
+            description = self.describe(opt)
+            session.checkOptimizer(description)
+        except BaseException:
+            opt._state_pending = False  # dropped: a recompile does not retry it
+            opt._state_dict = dict(opt._state_dict, ipu_state=None, ipu_param=None)
+            raise
+        logger.info("Writing optimiser state tensors from host to IPU memory.")
+        session.writeOptimizerState(state["ipu_state"])
+        loaded_params = state.get("ipu_param")
+        if isinstance(loaded_params, dict):
+            for name in session.readOptimizerParams():
+                if name not in loaded_params:
+                    logger.warning("ignoring missing parameter %s", name)
+        if description != self.description:
+            self.description = description
+            session.setOptimizer(description)
+        opt._state_pending = False
+        self.state_stale = True

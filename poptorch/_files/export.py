@@ -1,0 +1,322 @@
+"""Precompiled executables: ``save`` / ``compileAndExport``, ``loadExecutable``,
+``poptorch.load`` and ``importPoptorchMetadataFromFile`` (spec api §2.3, §2.13,
+§5.4-§5.6; S-62, S-81, S-96). The file format is described in
+:mod:`poptorch._files.container`.
+
+``metadata.json`` holds the ``poptorch`` / ``torch`` versions, the training flag,
+whether the model was exported, the executor's ``Options`` (tagged JSON), the
+replica grouping of weights, ``forward``'s signature and, for exported models, the
+weight layout (names, kinds, aliases) and the optimizer settings; the RNG state when
+saved. Loading a file never unpickles anything: ``poptorch.load`` rebuilds the model
+from the stored program and weights (:class:`ExportedModel`), so the model's Python
+source is not needed. The pickled Python model (``model.pkl``) is only read when the
+caller passes ``unpickle_model=True``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from popart_compiler.errors import backend_error, py_error
+
+from poptorch._executor import instrument
+from poptorch import enums
+from poptorch._logging import logger
+from poptorch._files.optimizer_record import (device_state_of, optimizer_record, rebuild_optimizer,
+                                write_device_state)
+from poptorch._files.program import (capture_program, decode_signature, encode_signature,
+                       from_blobs, structure_of, to_blobs)
+from poptorch._files.container import (decode, encode, read_container, tensors_from_bytes,
+                             tensors_to_bytes, write_container)
+
+__all__ = ["save", "load_executable", "load", "import_metadata",
+           "ExportedModel"]
+
+#: Options that may differ between the saving and the loading executor (S-62: only
+#: run-time options matter after loading).
+_RUNTIME_OPTIONS = frozenset({
+    "connection_type", "ipu_id", "ipu_version", "use_model", "sync_pattern", "log_dir",
+    "max_repeat_logs", "model_name", "cachePath", "enableEngineCaching",
+    "compilation_progress_bar_fn", "engineOptions"})
+
+
+# -- saving ---------------------------------------------------------------------------
+
+def _target_path(filename: str) -> str:
+    """api §5.5: create the parent directory; write ``<dir>/model.poptorch`` when
+    ``filename`` is a directory."""
+    filename = os.fspath(filename)
+    if os.path.isdir(filename):
+        path = os.path.join(filename, "model.poptorch")
+        logger.warning("save(): %s is a directory: saving to %s", filename, path)
+        return path
+    parent = os.path.dirname(os.path.abspath(filename))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise AssertionError(f"Cannot save to {filename}: {parent} is not a directory")
+    os.makedirs(parent, exist_ok=True)
+    return filename
+
+
+def _weights_record(executor) -> Tuple[Dict[str, Any], bytes]:
+    """Host weights (one copy per tensor) and their layout."""
+    with instrument.syncing():
+        model = executor._user_model
+        kinds: Dict[str, str] = {}
+        tensors: Dict[str, torch.Tensor] = {}
+        aliases: Dict[str, str] = {}
+        first: Dict[int, str] = {}
+        for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                            ("buffer", model.named_buffers(remove_duplicate=False))):
+            for name, tensor in named:
+                if id(tensor) in first:
+                    aliases[name] = first[id(tensor)]
+                    continue
+                first[id(tensor)] = name
+                owner = model.get_submodule(name.rpartition(".")[0]) if "." in name \
+                    else model
+                persistent = name.rpartition(".")[2] not in getattr(
+                    owner, "_non_persistent_buffers_set", set())
+                kinds[name] = kind if kind == "parameter" or persistent \
+                    else "buffer_non_persistent"
+                tensors[name] = tensor.detach()
+                if kind == "parameter":
+                    kinds[name] += "" if tensor.requires_grad else "_frozen"
+    return {"kinds": kinds, "aliases": aliases}, tensors_to_bytes(tensors)
+
+
+def save(executor, filename: str, export_model: bool = True,
+         save_rng_state: bool = True) -> None:
+    """See :meth:`poptorch.PoplarExecutor.save`."""
+    from poptorch import __version__
+    executor._require_executable()
+    if not executor._executable.graph.has_device_work():
+        raise backend_error("Nothing to export: the model's graph does no work on the "
+                            "device (it only passes inputs or constants through).")
+    path = _target_path(filename)
+    program = executor._program
+    if program.blobs is None:  # serialize the uncompiled program (captured again)
+        bound, spec, micro = executor._capture_args
+        program.blobs = to_blobs(capture_program(executor, bound, spec, micro,
+                                                 executor._executable.options.device))
+    blobs = dict(program.blobs)
+    meta: Dict[str, Any] = {
+        "kind": "executable", "poptorch_version": __version__,
+        "torch_version": torch.__version__, "training": executor._training,
+        "export_model": bool(export_model), "options": encode(executor._options),
+        "replica_groupings": encode(dict(executor.per_replica_params)),
+        "signature": encode_signature(executor._model.forward),
+    }
+    if export_model:
+        if executor._training:
+            executor.copyWeightsToHostIfNeeded()
+        meta["weights"], blobs["weights.safetensors"] = _weights_record(executor)
+        binding = executor._optimizer_binding
+        if executor._training and binding.optimizer is not None:
+            executor._syncOptimizerStateToHost()
+            meta["optimizer"], blobs["optimizer.safetensors"] = optimizer_record(
+                binding.optimizer, binding.param_names(),
+                device_state_of(binding.optimizer, executor._session))
+        try:
+            with instrument.syncing():
+                blobs["model.pkl"] = pickle.dumps(executor._user_model)
+        except Exception as exc:  # unpicklable models are still loadable from the program
+            logger.warning("The Python model is not stored in %s (it cannot be pickled: "
+                           "%s); poptorch.load rebuilds it from the program.", path, exc)
+    if save_rng_state:
+        meta["rng_state"] = executor.rng_state
+    blobs["metadata.json"] = json.dumps(meta).encode()
+    write_container(path, blobs)
+    logger.info("Saved the executable to %s", path)
+
+
+# -- loading --------------------------------------------------------------------------
+
+def _read(filename: str) -> Tuple[Dict[str, bytes], Dict[str, Any]]:
+    blobs = read_container(os.fspath(filename))
+    if "metadata.json" not in blobs or "program.json" not in blobs:
+        raise backend_error(f"Invalid file {filename}: it does not contain Poptorch "
+                            "metadata and a program.")
+    meta = json.loads(blobs["metadata.json"])
+    if meta.get("kind") != "executable":
+        raise backend_error(f"Invalid file {filename}: it is an executable-cache entry, "
+                            "not a file written by save() / compileAndExport().")
+    return blobs, meta
+
+
+def import_metadata(filename: str) -> bytes:
+    """See :func:`poptorch.importPoptorchMetadataFromFile`."""
+    return _read(filename)[0]["metadata.json"]
+
+
+def _options_difference(current, stored) -> Optional[str]:
+    """The first compile-time option whose value differs, or ``None``."""
+    now = {k: v for k, v in current.toDict().items() if k not in _RUNTIME_OPTIONS}
+    then = {k: v for k, v in stored.toDict().items() if k not in _RUNTIME_OPTIONS}
+    for key in sorted(set(now) | set(then), key=str):
+        if str(now.get(key)) != str(then.get(key)):
+            return f"{key} is {now.get(key)!r} here but {then.get(key)!r} in the file"
+    return None
+
+
+def _check_fits(executor, filename: str, meta: Dict[str, Any],
+                structure: Dict[str, Any]) -> None:
+    """S-62: the file must hold an executable for this wrapper's kind of model,
+    weights and ``forward`` signature, compiled with the same compile-time options.
+
+    Raises:
+        poptorch.Error: naming the first difference.
+    """
+    def fail(reason: str):
+        raise backend_error(f"Invalid file {filename}: {reason}. Load it into a wrapper "
+                            "of the model it was exported from, created with the same "
+                            "options.")
+
+    kind = {True: "training", False: "inference"}
+    if bool(meta["training"]) != executor._training:
+        fail(f"it holds a {kind[bool(meta['training'])]} executable but this is an "
+             f"{kind[executor._training]} model")
+    with instrument.syncing():
+        host = dict(executor._model.named_parameters(remove_duplicate=False))
+        host.update(executor._model.named_buffers(remove_duplicate=False))
+    for entry in structure["state"]:
+        tensor = host.get(entry["name"])
+        if tensor is None:
+            fail(f"the executable was compiled for a model with a weight "
+                 f"{entry['name']} that this model does not have")
+        if entry["name"] not in executor.per_replica_params and \
+                list(tensor.shape) != entry["shape"]:
+            fail(f"weight {entry['name']} has shape {list(tensor.shape)} here but "
+                 f"{entry['shape']} in the executable")
+    names = {e["name"] for e in structure["state"]}
+    extra = sorted(n for n, t in host.items() if n not in names and isinstance(
+        t, torch.nn.Parameter))
+    if extra:
+        fail(f"this model has parameters {extra[:5]} that the executable does not use")
+    stored_sig = decode_signature(meta.get("signature"))
+    here = executor._parser._sig
+    if here is not None and meta.get("signature") is not None and \
+            list(here.parameters) != list(stored_sig.parameters):
+        fail(f"forward takes {list(here.parameters)} here but "
+             f"{list(stored_sig.parameters)} in the executable")
+    difference = _options_difference(executor._options, decode(meta["options"]))
+    if difference is not None:
+        fail(f"compile-time option {difference}")
+
+
+def load_executable(executor, filename: str) -> None:
+    """See :meth:`poptorch.PoplarExecutor.loadExecutable`."""
+    from poptorch import __version__
+    blobs, meta = _read(filename)
+    if meta.get("poptorch_version") != __version__:
+        raise backend_error(f"Invalid file {filename}: PopTorch version mismatch (the file "
+                            f"was written by {meta.get('poptorch_version')}, this is "
+                            f"{__version__}).")
+    _check_fits(executor, filename, meta, structure_of(blobs))
+    program = from_blobs(blobs)
+    executor._loadProgram(program)
+
+
+class ExportedModel(torch.nn.Module):
+    """The model of an exported file, rebuilt without its Python source: the stored
+    parameters and buffers under their original names, and ``forward``'s signature
+    (used to bind call arguments). It is not itself callable on the host: the loaded
+    executor runs the stored program.
+    """
+
+    def __init__(self, layout: Dict[str, Any], weights: Dict[str, torch.Tensor],
+                 signature):
+        super().__init__()
+        for name, kind in layout["kinds"].items():
+            path, _, attr = name.rpartition(".")
+            owner = self
+            for part in path.split(".") if path else []:
+                if part not in owner._modules:
+                    owner.add_module(part, torch.nn.Module())
+                owner = owner._modules[part]
+            value = weights[name]
+            if kind.startswith("parameter"):
+                owner.register_parameter(attr, torch.nn.Parameter(
+                    value, requires_grad=not kind.endswith("_frozen")))
+            else:
+                owner.register_buffer(attr, value,
+                                      persistent=kind != "buffer_non_persistent")
+        for alias, target in layout["aliases"].items():
+            path, _, attr = alias.rpartition(".")
+            owner = self.get_submodule(path) if path else self
+            tensor = self.get_parameter(target) if target in dict(
+                self.named_parameters()) else self.get_buffer(target)
+            if isinstance(tensor, torch.nn.Parameter):
+                owner.register_parameter(attr, tensor)
+            else:
+                owner.register_buffer(attr, tensor)
+
+        def forward(*args, **kwargs):
+            raise py_error("This model was loaded from an exported file without its "
+                           "Python source: it cannot be captured again (e.g. after "
+                           "destroy()). Load the file again with poptorch.load(), or "
+                           "rebuild the original model, wrap it and call "
+                           "loadExecutable() or compile().")
+        forward.__signature__ = decode_signature(signature)  # type: ignore[attr-defined]
+        self.forward = forward
+
+
+def _loaded_model(filename: str, blobs, meta, unpickle_model: bool) -> torch.nn.Module:
+    if unpickle_model:
+        if "model.pkl" not in blobs:
+            raise backend_error(f"Invalid file {filename}: it holds no pickled Python "
+                                "model (it could not be pickled when saved).")
+        model = pickle.loads(blobs["model.pkl"])  # noqa: S301 - the caller opted in
+        if instrument.is_instrumented(model):
+            model.__class__ = instrument.original_class(model)
+        return model
+    return ExportedModel(meta["weights"], tensors_from_bytes(blobs["weights.safetensors"]),
+                         meta.get("signature"))
+
+
+def load(filename: str, edit_opts_fn: Optional[Callable] = None,
+         unpickle_model: bool = False):
+    """See :func:`poptorch.load`."""
+    import poptorch
+    blobs, meta = _read(filename)
+    if meta.get("poptorch_version") != poptorch.__version__:
+        raise AssertionError(f"Invalid file {filename}: PopTorch version mismatch (the file "
+                             f"was written by {meta.get('poptorch_version')}, this is "
+                             f"{poptorch.__version__}).")
+    if not meta.get("export_model"):
+        raise AssertionError(
+            f"Invalid file {filename}: it was saved with export_model=False and holds no "
+            "model. Re-create the model and its wrapper (poptorch.trainingModel / "
+            "poptorch.inferenceModel) and call wrapper.loadExecutable("
+            f"{os.fspath(filename)!r}) instead.")
+    options = decode(meta["options"])
+    options._unfreeze()
+    options.deleteIfExists("ipu_version")
+    if options.connection_type == enums.ConnectionType.Never.value:
+        options.connectionType(enums.ConnectionType.Always)
+    if edit_opts_fn is not None:
+        edit_opts_fn(options)
+    model = _loaded_model(filename, blobs, meta, unpickle_model)
+    if meta["training"]:
+        optimizer = None
+        if "optimizer" in meta:
+            with instrument.syncing():
+                params = dict(model.named_parameters())
+            optimizer = rebuild_optimizer(meta["optimizer"],
+                                          blobs.get("optimizer.safetensors", b""), params)
+        executor = poptorch.trainingModel(model, options, optimizer)
+    else:
+        executor = poptorch.inferenceModel(model, options)
+    for name, grouping in decode(meta.get("replica_groupings") or {"__dict__": []}).items():
+        executor.per_replica_params[name] = grouping
+    _check_fits(executor, filename, meta, structure_of(blobs))
+    executor._loadProgram(from_blobs(blobs))
+    if meta["training"] and executor._session is not None:
+        write_device_state(executor._optimizer_binding.optimizer, executor._session,
+                           blobs.get("optimizer.safetensors", b""))
+    if meta.get("rng_state") is not None:
+        executor.rng_state = meta["rng_state"]
+    return executor

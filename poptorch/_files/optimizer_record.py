@@ -1,0 +1,124 @@
+"""An optimizer as JSON settings plus safetensors state, for exported training
+executables (spec api §2.3 step 6, S-62), rebuilt without unpickling anything.
+
+Only the optimizers PopTorch supports are stored: ``poptorch.optim`` SGD, Adam, AdamW,
+RMSprop, LAMB and ``torch.optim`` SGD, Adam, AdamW, RMSprop. The record holds the class,
+``defaults``, each param group's hyper-parameters with its parameters by name, the
+PopTorch attributes (loss scaling, accumulation types, variable attributes, ...) and
+the device optimizer state (``ipu_state`` / ``ipu_param``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from popart_compiler.errors import backend_error
+
+from poptorch import optim
+from poptorch._files.container import decode, encode, tensors_from_bytes, tensors_to_bytes
+
+__all__ = ["device_state_of", "optimizer_record", "rebuild_optimizer",
+           "write_device_state"]
+
+_CLASSES = {f"poptorch.optim.{c.__name__}": c for c in (
+    optim.SGD, optim.Adam, optim.AdamW, optim.RMSprop, optim.LAMB)}
+_CLASSES.update({f"torch.optim.{c.__name__}": c for c in (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)})
+_KEY_OF = {cls: key for key, cls in _CLASSES.items()}
+#: PopTorch attributes restored on the rebuilt optimizer.
+_ATTRIBUTES = tuple(a for a in optim.Optimizer._PICKLED
+                    if a not in ("_state_dict", "_state_pending"))
+
+
+def device_state_of(optimizer: torch.optim.Optimizer, session: Any
+                    ) -> Optional[Dict[str, torch.Tensor]]:
+    """The device optimizer state (``ipu_state``) of a ``torch.optim`` optimizer,
+    which has no host copy of it (momentum, Adam moments, step counts); ``None`` for
+    ``poptorch.optim`` optimizers (their host copy is stored) or before compiling."""
+    if isinstance(optimizer, optim.Optimizer) or session is None:
+        return None
+    return session.readOptimizerState()
+
+
+def write_device_state(optimizer: torch.optim.Optimizer, session: Any,
+                       state_bytes: bytes) -> None:
+    """Write the ``torch.optim`` device state :func:`device_state_of` stored to the
+    compiled ``session`` (``poptorch.optim`` state is uploaded by the executor)."""
+    if isinstance(optimizer, optim.Optimizer):
+        return
+    prefix = "ipu_state/"
+    state = {k[len(prefix):]: v for k, v in tensors_from_bytes(state_bytes).items()
+             if k.startswith(prefix)}
+    if state:
+        session.checkOptimizerState(state)
+        session.writeOptimizerState(state)
+
+
+def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, str],
+                     device_state: Optional[Dict[str, torch.Tensor]] = None
+                     ) -> Tuple[Dict[str, Any], bytes]:
+    """``(settings, state_bytes)`` describing ``optimizer``; its device state must
+    already be synchronised to the host (``device_state``: that of a ``torch.optim``
+    optimizer, see :func:`device_state_of`).
+
+    Raises:
+        poptorch.Error: an optimizer class that cannot be stored.
+    """
+    key = _KEY_OF.get(type(optimizer))
+    if key is None:
+        raise backend_error(f"Cannot export the optimizer: {type(optimizer).__qualname__} "
+                            f"is not one of {sorted(_CLASSES)}.")
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({"params": [param_names[id(p)] for p in group["params"]],
+                       "hyper": encode(hyper, "the optimizer's param groups")})
+    attributes = {a: optimizer.__dict__[a] for a in _ATTRIBUTES if a in optimizer.__dict__}
+    settings = {"class": key, "defaults": encode(dict(optimizer.defaults), "defaults"),
+                "groups": groups, "attributes": encode(attributes, "the optimizer")}
+    tensors: Dict[str, torch.Tensor] = {}
+    if isinstance(optimizer, optim.Optimizer) and optimizer.has_state():
+        state = optimizer.get_state_dict()
+        for part in ("ipu_state", "ipu_param"):
+            for name, value in (state.get(part) or {}).items():
+                tensors[f"{part}/{name}"] = value
+    for name, value in (device_state or {}).items():
+        tensors[f"ipu_state/{name}"] = value
+    return settings, tensors_to_bytes(tensors)
+
+
+def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
+                      params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer :func:`optimizer_record` described, over ``params`` (by name),
+    with its device state pending upload.
+
+    Raises:
+        poptorch.Error: an unknown class or a parameter the model does not have.
+    """
+    cls = _CLASSES.get(settings.get("class"))
+    if cls is None:
+        raise backend_error(f"Invalid file: unknown optimizer class {settings.get('class')}")
+    groups: List[Dict[str, Any]] = []
+    for group in settings["groups"]:
+        missing = [n for n in group["params"] if n not in params]
+        if missing:
+            raise backend_error(f"Invalid file: the optimizer refers to parameters "
+                                f"{missing} that the model does not have.")
+        groups.append({"params": [params[n] for n in group["params"]],
+                       **decode(group["hyper"])})
+    defaults = decode(settings["defaults"])
+    optimizer = cls(groups, lr=defaults.get("lr", groups[0].get("lr")))
+    optimizer.defaults.clear()
+    optimizer.defaults.update(defaults)
+    for index, group in enumerate(settings["groups"]):
+        optimizer.param_groups[index].update(decode(group["hyper"]))
+    for name, value in decode(settings["attributes"]).items():
+        optimizer.__dict__[name] = value
+    tensors = tensors_from_bytes(state_bytes)
+    if tensors and isinstance(optimizer, optim.Optimizer):
+        optimizer.set_state_dict({
+            part: {k.split("/", 1)[1]: v for k, v in tensors.items()
+                   if k.startswith(part + "/")}
+            for part in ("ipu_state", "ipu_param")})
+    return optimizer

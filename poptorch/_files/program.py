@@ -1,0 +1,318 @@
+"""A captured program as named blobs, and back (spec S-61, S-62).
+
+:class:`Program` is what one capture produces for an executor: the
+:class:`~poptorch._capture.capture.Captured` graph plus the structure of the inputs it was
+captured with. :func:`to_blobs` stores it with ``torch.export``'s serializer (the
+program as JSON, without its weights) and safetensors (constants, host outputs);
+:func:`from_blobs` rebuilds it. Weights are never part of a program: the executor
+uploads its host model's tensors (S-62), so a cache entry serves any weights. The
+rebuilt program is a ``torch.export`` program of ATen ops, so a training session
+differentiates it with PyTorch autograd exactly like a freshly captured one; no Python
+source of the model is needed.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import inspect
+import json
+import types
+import typing
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from popart_compiler.errors import backend_error
+from popart_compiler.ir import Graph
+from popart_compiler.passes.placement import Placement
+
+from poptorch._executor import instrument
+from poptorch._capture.args import Spec
+from poptorch._capture.capture import Captured, capture
+from poptorch._files.container import (decode, dtype_name, dtype_of, encode, tensors_from_bytes,
+                             tensors_to_bytes)
+
+__all__ = ["Program", "capture_program", "to_blobs", "from_blobs", "encode_spec", "decode_spec",
+           "state_signature", "encode_signature", "decode_signature"]
+
+
+@dataclasses.dataclass
+class Program:
+    """One captured program and the call structure it was captured for.
+
+    Attributes:
+        captured: graph, output structure and host outputs.
+        input_spec: structure of the bound ``forward`` arguments.
+        input_names: the bound argument names.
+        num_positional: how many of them were passed positionally.
+        blobs: the program serialized before compilation (:func:`to_blobs`), when
+            it was read from or written to a file.
+    """
+    captured: Captured
+    input_spec: Spec
+    input_names: List[str]
+    num_positional: int
+    blobs: Optional[Dict[str, bytes]] = None
+
+
+# -- capture --------------------------------------------------------------------------
+
+def capture_program(executor, bound, spec, micro: List[torch.Tensor],
+                    device: str) -> Program:
+    """Capture ``executor``'s model for one micro-batch ``micro`` of the bound inputs
+    (training models with their instrumentation suspended, replica-grouped weights
+    as one group's slice, S-27)."""
+    from poptorch._executor.executor import _forward_of
+    from poptorch._executor.replica_grouping import one_replica_slices
+    model = executor._model
+    # Capture reads shapes, not values: no implicit device → host copy for a model
+    # trained by another executor (it could wait on that executor from inside the
+    # process-wide capture lock).
+    suspend = instrument.suspended(executor._user_model) if executor._training \
+        else instrument.syncing()
+    with suspend, one_replica_slices(executor._user_model, executor.per_replica_params):
+        captured = capture(model, _forward_of(model), bound, spec, micro,
+                           executor._training, device,
+                           strategy=executor._options._execution_strategy,
+                           module_namescope=executor._options._module_namescope_enabled)
+    return Program(captured, spec, list(bound.names), bound.num_positional)
+
+
+# -- torch.export (de)serialization ------------------------------------------------------
+
+@contextlib.contextmanager
+def _memoized_type_hints() -> Iterator[None]:
+    """``torch._export.serde`` resolves the type hints of its schema dataclasses once
+    per JSON object; they never change, so remember them while (de)serializing (halves
+    the time for transformer-size programs)."""
+    from torch._export.serde import serialize as serde
+    original = serde.typing
+    memo: Dict[Any, Any] = {}
+
+    def get_type_hints(cls, globalns=None, localns=None, include_extras=False):
+        key = (cls, include_extras)
+        if key not in memo:
+            memo[key] = original.get_type_hints(cls, globalns=globalns, localns=localns,
+                                                include_extras=include_extras)
+        return memo[key]
+
+    proxy = types.SimpleNamespace(**{k: getattr(typing, k) for k in dir(typing)
+                                     if not k.startswith("__")})
+    proxy.get_type_hints = get_type_hints
+    serde.typing = proxy
+    try:
+        yield
+    finally:
+        serde.typing = original
+
+
+def _serialize_program(program: ExportedProgram) -> bytes:
+    from torch._export.serde import serialize as serde
+    with _memoized_type_hints():
+        artifact = serde.serialize(program, serialize_state_dict=False,
+                                   serialize_constants=False,
+                                   serialize_example_inputs=False)
+    return artifact.exported_program
+
+
+def _deserialize_program(data: bytes, state: Dict[str, torch.Tensor],
+                         constants: Dict[str, Any]) -> ExportedProgram:
+    from torch._export.serde import serialize as serde
+    with _memoized_type_hints():
+        return serde.deserialize(serde.SerializedArtifact(data, state, constants, ((), {})))
+
+
+def state_signature(program: ExportedProgram) -> List[Dict[str, Any]]:
+    """Name, kind, shape, dtype and ``requires_grad`` of every parameter and persistent
+    buffer of ``program`` (the weights a file or cache entry expects)."""
+    out = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER) or \
+                spec.target not in program.state_dict:
+            continue
+        value = program.state_dict[spec.target]
+        out.append({"name": spec.target,
+                    "kind": "parameter" if spec.kind == InputKind.PARAMETER else "buffer",
+                    "shape": list(value.shape), "dtype": dtype_name(value.dtype),
+                    "requires_grad": bool(value.requires_grad)})
+    return out
+
+
+def _program_state(signature: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    """A placeholder ``state_dict`` for a rebuilt program: uninitialised tensors of
+    the stored shapes and dtypes. Their values are never used: the executor uploads the host model's
+    weights before any run (S-62: weights come from the wrapper's model)."""
+    state: Dict[str, torch.Tensor] = {}
+    for entry in signature:
+        value = torch.empty(entry["shape"], dtype=dtype_of(entry["dtype"]))
+        if entry["kind"] == "parameter":
+            value = torch.nn.Parameter(value, requires_grad=entry["requires_grad"])
+        state[entry["name"]] = value
+    return state
+
+
+# -- argument / output structure ----------------------------------------------------------
+
+def encode_spec(spec: Optional[Spec], where: str) -> Any:
+    """JSON form of an argument / output structure.
+
+    Raises:
+        poptorch.Error: a custom-parser argument or a constant that is not JSON data.
+    """
+    if spec is None:
+        return None
+    if spec.kind == "tensor":
+        dtype, shape = spec.meta
+        return {"kind": "tensor", "dtype": dtype_name(dtype), "shape": list(shape)}
+    if spec.kind == "custom":
+        raise backend_error(f"Cannot export {where}: arguments handled by a custom "
+                            "argument parser cannot be stored in an executable file.")
+    if spec.kind == "const":
+        return {"kind": "const", "value": encode(spec.meta, where)}
+    out: Dict[str, Any] = {"kind": spec.kind,
+                           "children": [encode_spec(c, f"{where}[{i}]")
+                                        for i, c in enumerate(spec.children)]}
+    if spec.kind == "namedtuple":
+        out["type"] = spec.pytype.__name__
+        out["fields"] = list(spec.pytype._fields)
+    if spec.kind == "dict":
+        out["keys"] = encode(list(spec.meta), where)
+    return out
+
+
+def decode_spec(data: Any, types_by_name: Optional[Dict[str, type]] = None
+                ) -> Optional[Spec]:
+    """Inverse of :func:`encode_spec`. Named tuples are rebuilt with
+    ``collections.namedtuple`` unless ``types_by_name`` has the original class."""
+    if data is None:
+        return None
+    kind = data["kind"]
+    if kind == "tensor":
+        return Spec("tensor", torch.Tensor, (dtype_of(data["dtype"]), tuple(data["shape"])))
+    if kind == "const":
+        value = decode(data["value"])
+        return Spec("const", type(value), value)
+    children = [decode_spec(c, types_by_name) for c in data["children"]]
+    if kind == "namedtuple":
+        pytype = (types_by_name or {}).get(data["type"]) or \
+            collections.namedtuple(data["type"], data["fields"])
+        return Spec("namedtuple", pytype, None, children)
+    if kind == "dict":
+        return Spec("dict", dict, decode(data["keys"]), children)
+    return Spec(kind, {"tuple": tuple, "list": list}[kind], None, children)
+
+
+def encode_signature(forward) -> Optional[List[Dict[str, Any]]]:
+    """The parameters of ``forward`` (names, kinds, JSON defaults), or ``None`` when it
+    has no inspectable signature. Defaults that are not JSON data are dropped (the
+    argument becomes mandatory for a model loaded without its Python source)."""
+    try:
+        sig = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
+    out = []
+    for p in sig.parameters.values():
+        entry: Dict[str, Any] = {"name": p.name, "kind": int(p.kind)}
+        if p.default is not inspect.Parameter.empty:
+            try:
+                entry["default"] = encode(p.default, f"the default of {p.name}")
+            except Exception:  # a tensor or an object: no default after loading
+                entry["no_default"] = True
+        out.append(entry)
+    return out
+
+
+def decode_signature(data: Optional[List[Dict[str, Any]]]) -> inspect.Signature:
+    """An ``inspect.Signature`` equal to the one :func:`encode_signature` stored."""
+    if data is None:
+        return inspect.Signature([inspect.Parameter(
+            "args", inspect.Parameter.VAR_POSITIONAL)])
+    params = []
+    for entry in data:
+        default = decode(entry["default"]) if "default" in entry else \
+            inspect.Parameter.empty
+        params.append(inspect.Parameter(entry["name"], inspect._ParameterKind(entry["kind"]),
+                                        default=default))
+    return inspect.Signature(params)
+
+
+# -- whole programs ----------------------------------------------------------------------
+
+def to_blobs(program: Program) -> Dict[str, bytes]:
+    """``program.json``, ``constants.safetensors``, ``host_outputs.safetensors`` and
+    ``structure.json`` (input / output structure, weight layout, the placement of the
+    blocks the capture recorded) of an (uncompiled) captured program. Weights are left
+    out.
+
+    Raises:
+        poptorch.Error: the program holds something that cannot be stored (a custom
+            class object, a custom-parser argument, a non-JSON constant argument).
+    """
+    exported = program.captured.graph.program
+    constants = {}
+    for name, value in exported.constants.items():
+        if not isinstance(value, torch.Tensor):
+            raise backend_error(f"Cannot export the program: constant {name} is a "
+                                f"{type(value).__name__}, not a tensor.")
+        constants[name] = value
+    captured = program.captured
+    structure = {
+        "inputs": encode_spec(program.input_spec, "the inputs"),
+        "input_names": list(program.input_names),
+        "num_positional": program.num_positional,
+        "outputs": encode_spec(captured.output_spec, "the outputs"),
+        "output_leaves": list(captured.output_leaves),
+        "state": state_signature(exported),
+        "blocks": [[name, dataclasses.asdict(where)]
+                   for name, where in captured.graph.blocks.items()],
+    }
+    return {
+        "program.json": _serialize_program(exported),
+        "constants.safetensors": tensors_to_bytes(constants),
+        "host_outputs.safetensors": tensors_to_bytes(
+            {str(i): t for i, t in enumerate(captured.host_outputs)}),
+        "structure.json": json.dumps(structure).encode(),
+    }
+
+
+#: The blobs that make up a program (the rest of a file is metadata and weights).
+_PROGRAM_BLOBS = ("program.json", "constants.safetensors", "host_outputs.safetensors",
+                  "structure.json")
+
+
+def structure_of(blobs: Dict[str, bytes]) -> Dict[str, Any]:
+    """The decoded ``structure.json`` blob."""
+    return json.loads(blobs["structure.json"])
+
+
+def from_blobs(blobs: Dict[str, bytes],
+               types_by_name: Optional[Dict[str, type]] = None) -> Program:
+    """Rebuild a :class:`Program` from :func:`to_blobs`'s blobs.
+
+    Args:
+        blobs: the blobs (checked by the container reader).
+        types_by_name: original named-tuple classes of the inputs, when available.
+
+    Raises:
+        poptorch.Error: a program this torch cannot read.
+    """
+    structure = structure_of(blobs)
+    state = _program_state(structure["state"])
+    constants = tensors_from_bytes(blobs["constants.safetensors"])
+    try:
+        exported = _deserialize_program(blobs["program.json"], state, constants)
+    except Exception as exc:
+        raise backend_error(f"The stored program cannot be read by torch "
+                            f"{torch.__version__}: {type(exc).__name__}: {exc}") from exc
+    host = tensors_from_bytes(blobs["host_outputs.safetensors"])
+    graph = Graph(exported, blocks={name: Placement(**where)
+                                    for name, where in structure["blocks"]})
+    captured = Captured(graph, decode_spec(structure["outputs"]),
+                        list(structure["output_leaves"]),
+                        [host[str(i)] for i in range(len(host))])
+    return Program(captured, decode_spec(structure["inputs"], types_by_name),
+                   list(structure["input_names"]), int(structure["num_positional"]),
+                   blobs={k: v for k, v in blobs.items() if k in _PROGRAM_BLOBS})

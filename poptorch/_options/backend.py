@@ -1,0 +1,89 @@
+"""``Options.Backend``: where and how the IPU Model runs a compiled program.
+
+Not a PopTorch option group (PopTorch targets real IPUs); our simulator's extension,
+documented in the README section "Compiled backends and CUDA". Environment variables
+let unchanged PopTorch scripts switch backend:
+
+* ``POPTORCH_EXECUTION_DEVICE``: ``cpu`` (default) or ``cuda``.
+* ``POPTORCH_COMPILER``: ``eager`` (default) or ``inductor``.
+
+The values travel through ``Options.toDict()`` under the keys ``execution_device`` and
+``compiler_backend`` into ``popart_compiler``'s ``SessionOptions.device`` /
+``SessionOptions.backend``, and are part of the executable-cache key
+(``popart_compiler.backend_key``).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from poptorch._options.dict import OptionsDict
+
+__all__ = ["EXECUTION_DEVICES", "COMPILERS"]
+
+#: Accepted execution devices.
+EXECUTION_DEVICES = ("cpu", "cuda")
+#: Accepted compilers: ``eager`` runs the captured ATen graph with eager kernels;
+#: ``inductor`` compiles it with TorchInductor.
+COMPILERS = ("eager", "inductor")
+
+
+def _check(kind: str, value, allowed, env: str) -> str:
+    if not isinstance(value, str) or value.lower() not in allowed:
+        raise ValueError(f"Invalid {kind} {value!r} (from Options.Backend or {env}): "
+                         f"pick one of {', '.join(allowed)}.")
+    return value.lower()
+
+
+class _BackendOptions(OptionsDict):
+    """``Options.Backend``: values ``execution_device: str = "cpu"``,
+    ``compiler_backend: str = "eager"``; the constructor reads
+    ``POPTORCH_EXECUTION_DEVICE`` and ``POPTORCH_COMPILER``.
+
+    Raises:
+        ValueError: an unknown device or compiler (from a setter or the environment).
+    """
+
+    def __init__(self):
+        super().__init__(execution_device="cpu", compiler_backend="eager")
+        device = os.environ.get("POPTORCH_EXECUTION_DEVICE", "") or "cpu"
+        compiler = os.environ.get("POPTORCH_COMPILER", "") or "eager"
+        self.executionDevice(device)
+        self.compiler(compiler)
+
+    def executionDevice(self, device: str):
+        """Run the IPU Model's kernels on ``"cpu"`` (default) or ``"cuda"`` (the
+        current CUDA device). Returns self.
+
+        Raises:
+            ValueError: an unknown device, or ``"cuda"`` without a CUDA device.
+        """
+        device = _check("execution device", device, EXECUTION_DEVICES,
+                        "POPTORCH_EXECUTION_DEVICE")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("Execution device 'cuda' was requested but PyTorch sees no "
+                             "CUDA device: use 'cpu' or run on a machine with a GPU.")
+        return self.set(execution_device=device)
+
+    def compiler(self, compiler: str):
+        """Compile the captured graphs with ``"eager"`` (default: PyTorch eager
+        kernels, no compilation) or ``"inductor"`` (TorchInductor: each program compiles
+        while the model compiles, or at its first run; later runs with the same input
+        shapes reuse it). Returns self.
+
+        Raises:
+            ValueError: an unknown compiler.
+        """
+        return self.set(compiler_backend=_check("compiler", compiler, COMPILERS,
+                                                "POPTORCH_COMPILER"))
+
+    @property
+    def device(self) -> str:
+        """The execution device."""
+        return self._values["execution_device"]
+
+    @property
+    def compilerName(self) -> str:
+        """The compiler."""
+        return self._values["compiler_backend"]
