@@ -58,7 +58,7 @@ def _train(replicas: int, epochs: int) -> dict:
         model.parameters(), lr=0.01, momentum=0.9))
     x, y = next(iter(loader))
     training(x, y)  # compile + first call, not timed
-    group = training._session.process_group
+    group = training._state.session.process_group
     before = dict(group.stats) if group else None
     samples, start = 0, time.perf_counter()
     for _ in range(epochs):

@@ -37,7 +37,7 @@ sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[1] + "/bench")
 import torch
 import poptorch
-import poptorch._executor.executor as executor
+import poptorch._executor.compile as executor
 from peers import Cnn, Mlp, WithLoss, _opts
 
 poptorch.setLogLevel("ERR")

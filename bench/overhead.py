@@ -291,7 +291,7 @@ def rollback_cost(name: str, device_iterations: int, min_rounds: int,
             model, quiet_options().deviceIterations(device_iterations),
             poptorch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
         ipu(x, y)  # compile
-        ipu._session.all_or_nothing = rollback
+        ipu._state.session.all_or_nothing = rollback
         executors.append(ipu)
     stats = interleaved_medians([lambda e=e: e(x, y) for e in executors], warmup=2,
                                 min_rounds=min_rounds, budget_s=budget_s)

@@ -71,7 +71,7 @@ def main() -> int:
     plain, piped = wrap(plain_model, a), wrap(piped_model, a)
     plain(x, t)  # compile + warm up
     piped(x, t)
-    assert piped._executable.placement.pipeline_stages == 7
+    assert piped._state.executable.placement.pipeline_stages == 7
     best_plain, best_piped = float("inf"), float("inf")
     for _ in range(args.repeats):  # interleaved, best of N: robust to machine load
         best_plain = min(best_plain, seconds_per_micro_batch(plain, x, t, args.runs, a))

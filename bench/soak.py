@@ -74,7 +74,7 @@ def resources() -> dict:
 
 
 def device_state(training) -> dict:
-    session = training._session
+    session = training._state.session
     state = dict(session.readWeights())
     state.update(session.readOptimizerState())
     return {k: v.clone() for k, v in state.items()}

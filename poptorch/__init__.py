@@ -14,6 +14,7 @@ __version__ = "3.4.0"
 
 import torch as _torch  # noqa: E402
 
+from popart_compiler.cost.ipu_model import MAX_IPUS as _MAX_IPUS  # noqa: E402
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError  # noqa: E402
 
 from poptorch import enums  # noqa: E402
@@ -26,18 +27,14 @@ from poptorch.options import *  # noqa: E402,F401,F403
 from poptorch.ops import *  # noqa: E402,F401,F403
 from poptorch._ops.printing import *  # noqa: E402,F401,F403
 from poptorch._capture.capture import registerPreCompileHook, registerPostCompileHook  # noqa: E402,F401
+from poptorch._executor import executor as _executor_module  # noqa: E402
 from poptorch._executor.executor import PoplarExecutor  # noqa: E402
+from poptorch._files import export as _export  # noqa: E402
 from poptorch import optim  # noqa: E402,F401
 from poptorch import profiling  # noqa: E402,F401
 from poptorch._data.dataloader import DataLoader, AsynchronousDataAccessor  # noqa: E402,F401
 from poptorch import poptorch_core  # noqa: E402,F401
 from poptorch import options, ops  # noqa: E402,F401
-
-
-def _resolve(model):
-    if isinstance(model, PoplarExecutor):
-        return model._user_model
-    return model
 
 
 def trainingModel(model: _torch.nn.Module, options: "Options" = None,
@@ -62,21 +59,7 @@ def trainingModel(model: _torch.nn.Module, options: "Options" = None,
             ``torch.Tensor``.
         AssertionError / ValueError: unsupported optimizer.
     """
-    from poptorch._executor.host_sync import TRAINING_WRAPPERS
-    from poptorch._executor import instrument
-    user_model = _resolve(model)
-    if id(user_model) in TRAINING_WRAPPERS and instrument.is_instrumented(user_model):
-        raise RuntimeError(
-            "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-            "model.destroy() on the model to unwrap it before wrapping it again.")
-    import copy as _copy
-    with instrument.syncing():
-        model_copy = _copy.copy(user_model)
-    if instrument.is_instrumented(model_copy):
-        model_copy.__class__ = instrument.original_class(model_copy)
-        model_copy.__dict__.pop("_poptorch_executor_ref", None)
-    return PoplarExecutor(model_copy, options, True, __version__, optimizer=optimizer,
-                          user_model=user_model)
+    return _executor_module.wrap(model, options, True, __version__, optimizer=optimizer)
 
 
 def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> PoplarExecutor:
@@ -93,15 +76,7 @@ def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> Poplar
     Raises:
         poptorch.Error: ``options`` is not an ``Options``; gradient accumulation is not 1.
     """
-    import copy as _copy
-    from poptorch._executor import instrument
-    user_model = _resolve(model)
-    with instrument.syncing():
-        model_copy = _copy.copy(user_model)
-    if instrument.is_instrumented(model_copy):
-        model_copy.__class__ = instrument.original_class(model_copy)
-        model_copy.__dict__.pop("_poptorch_executor_ref", None)
-    return PoplarExecutor(model_copy, options, False, __version__, user_model=user_model)
+    return _executor_module.wrap(model, options, False, __version__)
 
 
 def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
@@ -133,8 +108,8 @@ def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
         AssertionError: another PopTorch version; a file saved with
             ``export_model=False`` (use ``loadExecutable``).
     """
-    from poptorch._files.export import load as _load
-    return _load(filename, edit_opts_fn, unpickle_model)
+    return _executor_module.wrap_loaded(_export.read_exported(filename, __version__, edit_opts_fn,
+                                                       unpickle_model))
 
 
 def importPoptorchMetadataFromFile(filename: str) -> bytes:
@@ -144,8 +119,7 @@ def importPoptorchMetadataFromFile(filename: str) -> bytes:
     Raises:
         poptorch.Error: not an executable file, or no metadata in it.
     """
-    from poptorch._files.export import import_metadata
-    return import_metadata(filename)
+    return _export.import_metadata(filename)
 
 
 #: Opt-in: report the IPU Model's IPUs as hardware (see :func:`ipuHardwareIsAvailable`).
@@ -174,8 +148,7 @@ def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
     """
     if not _model_as_hardware():
         return False
-    from popart_compiler.cost.ipu_model import MAX_IPUS
-    return 1 <= num_ipus <= MAX_IPUS
+    return 1 <= num_ipus <= _MAX_IPUS
 
 
 def ipuHardwareVersion() -> int:

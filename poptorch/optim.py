@@ -8,22 +8,21 @@ called by PopTorch.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from popart_compiler.errors import py_error
-from popart_compiler.optim.description import HYPER_PARAMETERS, OptimizerDescription
+from popart_compiler.optim.description import ACCUMULATION_TYPES
 
 from poptorch._logging import logger
 
 __all__ = ["VariableAttributes", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB"]
 
-_ACCUM_TYPES = (torch.float32, torch.float16)
-
 
 def _check_accum_type(dtype) -> None:
-    if dtype not in _ACCUM_TYPES:
+    if dtype not in ACCUMULATION_TYPES:
         raise AssertionError("Accumulation types must be either torch.float32 or "
                              "torch.float16")
 
@@ -74,7 +73,6 @@ class Optimizer:
     attached to a compiled training executor).
     """
 
-    _poptorch_type: str = ""
 
     def _init_poptorch(self, passed: Dict[str, Any], loss_scaling: Optional[float],
                        accum_types: Dict[str, Optional[torch.dtype]]) -> None:
@@ -91,19 +89,14 @@ class Optimizer:
         self.variable_attrs = VariableAttributes(variables, allowed)
         self._state_dict: Dict[str, Any] = {"ipu_state": None, "ipu_param": None}
         self._state_pending = False
-        self._executor_ref = None
+        self._device: Optional[DeviceLink] = None
 
     # -- device state ---------------------------------------------------------------
 
-    def _executor(self):
-        ref = getattr(self, "_executor_ref", None)
-        return ref() if ref is not None else None
-
     def state_dict(self) -> Dict[str, Any]:
         """torch's state dict plus ``ipu_state`` / ``ipu_param`` (S-56)."""
-        executor = self._executor()
-        if executor is not None:
-            executor._syncOptimizerStateToHost()
+        if self._device is not None:
+            self._device.sync_state()
         result = super().state_dict()  # type: ignore[misc]
         result["ipu_state"] = self._state_dict.get("ipu_state")
         result["ipu_param"] = self._state_dict.get("ipu_param")
@@ -138,9 +131,8 @@ class Optimizer:
             super().load_state_dict(  # type: ignore[misc]
                 {k: state_dict[k] for k in ("state", "param_groups")})
         try:
-            executor = self._executor()
-            if executor is not None and state_dict["ipu_state"] is not None:
-                executor._checkOptimizerStateFits(self, state_dict["ipu_state"])
+            if self._device is not None and state_dict["ipu_state"] is not None:
+                self._device.check_state(self, state_dict["ipu_state"])
         except BaseException:
             self.__dict__.update(saved)
             raise
@@ -167,26 +159,90 @@ class Optimizer:
         """Whether a device state is stored on the host."""
         return self._state_dict.get("ipu_state") is not None
 
-    #: Attributes kept by pickling besides torch's ``defaults``/``state``/``param_groups``.
-    _PICKLED = ("loss_scaling", "variable_attrs", "use_combined_accum", "max_grad_norm",
-                "bias_correction", "use_tf_variant", "accum_type", "velocity_accum_type",
-                "first_order_momentum_accum_type", "second_order_momentum_accum_type",
-                "_state_dict", "_state_pending")
-
     def __getstate__(self):
-        executor = self._executor()
-        if executor is not None:  # pickle the live device state
-            executor._syncOptimizerStateToHost()
+        if self._device is not None:  # pickle the live device state
+            self._device.sync_state()
         state = dict(super().__getstate__())  # type: ignore[misc]
-        state.update({k: self.__dict__[k] for k in self._PICKLED if k in self.__dict__})
-        state["_executor_ref"] = None
+        state.update({k: self.__dict__[k] for k in _PICKLED if k in self.__dict__})
+        state["_device"] = None
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)  # type: ignore[misc]
+        self.__dict__.setdefault("_device", None)
         if "_state_dict" in state:  # unpickling (torch's load_state_dict passes less)
             # an unpickled optimizer carrying a device state uploads it on first use
             self._state_pending = self.has_state()
+
+
+#: PopTorch's attributes of an optimizer (besides torch's ``defaults`` / ``state`` /
+#: ``param_groups``), kept when it is pickled or exported.
+ATTRIBUTES = ("loss_scaling", "variable_attrs", "use_combined_accum", "max_grad_norm",
+              "bias_correction", "use_tf_variant", "accum_type", "velocity_accum_type",
+              "first_order_momentum_accum_type", "second_order_momentum_accum_type")
+_PICKLED = ATTRIBUTES + ("_state_dict", "_state_pending")
+
+
+class DeviceLink:
+    """What a PopTorch optimizer bound to a compiled training model asks of the device:
+    read its state to the host (``state_dict()``, pickling) and check a state before it
+    is loaded. Set by the model's optimizer binding; the callables are held weakly (the
+    optimizer does not keep the model alive).
+
+    Args:
+        sync_state: copy the device's optimizer state into the optimizer.
+        check_state: ``check_state(optimizer, ipu_state)`` raises if the state does not
+            fit the compiled optimizer.
+    """
+
+    def __init__(self, sync_state: Callable[[], None],
+                 check_state: Callable[["Optimizer", Dict[str, torch.Tensor]], None]):
+        self._sync = weakref.WeakMethod(sync_state)
+        self._check = weakref.WeakMethod(check_state)
+
+    def sync_state(self) -> None:
+        sync = self._sync()
+        if sync is not None:
+            sync()
+
+    def check_state(self, optimizer: "Optimizer", state: Dict[str, torch.Tensor]) -> None:
+        check = self._check()
+        if check is not None:
+            check(optimizer, state)
+
+
+# The device side of a PopTorch optimizer, for the executor's optimizer binding.
+
+def link_device(optimizer: Optimizer, link: Optional[DeviceLink]) -> None:
+    """Bind ``optimizer`` to a compiled model's device (``None``: unbind)."""
+    optimizer._device = link
+
+
+def state_pending(optimizer: Optimizer) -> bool:
+    """Whether a state loaded on the host waits to be written to the device."""
+    return bool(getattr(optimizer, "_state_pending", False))
+
+
+def mark_state_pending(optimizer: Optimizer) -> None:
+    """The stored state (if any) is written to the device before the next run."""
+    optimizer._state_pending = optimizer.has_state()
+
+
+def store_device_state(optimizer: Optimizer, ipu_state: Dict[str, torch.Tensor],
+                       ipu_param: Dict[str, torch.Tensor]) -> None:
+    """The device's state read to the host (not pending: the device has it)."""
+    optimizer._state_dict = {"ipu_state": ipu_state, "ipu_param": ipu_param}
+
+
+def drop_pending_state(optimizer: Optimizer) -> None:
+    """Forget a loaded state that did not fit the device."""
+    optimizer._state_pending = False
+    optimizer._state_dict = dict(optimizer._state_dict, ipu_state=None, ipu_param=None)
+
+
+def written_to_device(optimizer: Optimizer) -> None:
+    """The pending state is now on the device."""
+    optimizer._state_pending = False
 
 
 def _check_tensor_dict(key: str, value: Any) -> None:
@@ -227,7 +283,6 @@ class SGD(Optimizer, torch.optim.SGD):
         AssertionError: accumulation types other than float32 / float16.
     """
 
-    _poptorch_type = "SGD"
 
     def __init__(self, params: Iterable, lr: float, momentum: Optional[float] = None,
                  dampening: Optional[float] = None, weight_decay: Optional[float] = None,
@@ -266,7 +321,6 @@ class Adam(Optimizer, torch.optim.Adam):
     max_grad_norm ``inf``.
     """
 
-    _poptorch_type = "Adam"
 
     def __init__(self, params: Iterable, lr: Optional[float] = None,
                  betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
@@ -295,7 +349,6 @@ class AdamW(Optimizer, torch.optim.AdamW):
     when it is False, like PopTorch (S-54).
     """
 
-    _poptorch_type = "AdamW"
 
     def __init__(self, params: Iterable, lr: Optional[float] = None,
                  betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
@@ -324,7 +377,6 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
     """RMSprop with PopTorch's attributes (api §10.5). Defaults: lr 1e-2, alpha 0.99,
     eps 1e-8, weight_decay 0, momentum 0, centered False, ``use_tf_variant`` False."""
 
-    _poptorch_type = "RMSprop"
 
     def __init__(self, params: Iterable, lr: Optional[float] = None,
                  alpha: Optional[float] = None, eps: Optional[float] = None,
@@ -356,7 +408,6 @@ class LAMB(Optimizer, torch.optim.Optimizer):
     CPU.
     """
 
-    _poptorch_type = "LAMB"
 
     def __init__(self, params: Iterable, lr: Optional[float] = None,
                  betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
@@ -417,198 +468,5 @@ class LAMB(Optimizer, torch.optim.Optimizer):
         return loss
 
 
-# -- conversion to the device description ------------------------------------------
-
-_TORCH_TYPES = {torch.optim.SGD: "SGD", torch.optim.Adam: "Adam",
-                torch.optim.AdamW: "AdamW", torch.optim.RMSprop: "RMSprop"}
-#: torch defaults used to decide const / variable for plain torch optimizers (S-52).
-_TORCH_CONST_DEFAULTS = {"weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0,
-                         "velocity_scaling": 1.0, "eps": 1e-8, "max_weight_norm": 65500.0}
-_ALWAYS_CONST = ("alpha", "nesterov", "betas", "centered")
-
-
-class OptimizerAttrTracker:
-    """Warns about optimizer attributes the converter does not know (S-53).
-
-    The attributes present at the first conversion (param-group keys, ``defaults``
-    keys, public attributes of the optimizer object) are accepted silently; any other
-    attribute found later produces one message per distinct text, e.g. "Ignoring
-    unexpected group 0 attribute in SGD optimizer: ['initial_lr']" — a warning, or a
-    debug message with ``Options.relaxOptimizerAttributesChecks()``.
-
-    Args:
-        relax: log at debug level instead of warning level.
-    """
-
-    def __init__(self, relax: bool = False):
-        self._log = logger.debug if relax else logger.warning
-        self._printed: set = set()
-        self.reset()
-
-    def reset(self) -> None:
-        """Record the attributes of the next conversion again."""
-        self.known: Optional[Dict[str, set]] = None
-
-    @staticmethod
-    def _attributes(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-        return {
-            "group": [set(g) - {"params"} for g in optimizer.param_groups],
-            "optimizer": {k for k in vars(optimizer) if not k.startswith("_")},
-            "defaults": set(optimizer.defaults),
-        }
-
-    def check(self, optimizer: torch.optim.Optimizer, kind: str) -> None:
-        """Record (first call) or check the attributes of ``optimizer``."""
-        found = self._attributes(optimizer)
-        if self.known is None:
-            self.known = {"group": set().union(*found["group"]) if found["group"]
-                           else set(), "optimizer": found["optimizer"],
-                           "defaults": found["defaults"]}
-            return
-        for index, keys in enumerate(found["group"]):
-            self._report(f"group {index} attribute", kind, keys - self.known["group"])
-        self._report("optimizer attribute", kind,
-                     found["optimizer"] - self.known["optimizer"])
-        self._report("default group variable", kind,
-                     found["defaults"] - self.known["defaults"])
-
-    def _report(self, what: str, kind: str, extra: set) -> None:
-        if not extra:
-            return
-        msg = f"Ignoring unexpected {what} in {kind} optimizer: {sorted(extra)}"
-        if msg not in self._printed:
-            self._printed.add(msg)
-            self._log(msg)
-
-
-def optimizer_type(optimizer: torch.optim.Optimizer) -> str:
-    """The device optimizer type of ``optimizer``.
-
-    Raises:
-        AssertionError: unsupported optimizer type; RMSprop groups disagreeing on
-            ``centered``.
-        ValueError: ``amsgrad=True``.
-    """
-    if isinstance(optimizer, Optimizer):
-        kind = type(optimizer)._poptorch_type or next(
-            (v for k, v in _TORCH_TYPES.items() if isinstance(optimizer, k)), "")
-    else:
-        kind = next((v for k, v in _TORCH_TYPES.items() if type(optimizer) is k), "")
-        if not kind:
-            kind = next((v for k, v in _TORCH_TYPES.items() if isinstance(optimizer, k)), "")
-    if not kind:
-        raise AssertionError(
-            f"Unsupported optimizer type {type(optimizer).__name__}. Types supported: "
-            "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, "
-            "poptorch.optim.SGD, poptorch.optim.Adam, poptorch.optim.AdamW, "
-            "poptorch.optim.RMSprop, poptorch.optim.LAMB")
-    if kind in ("Adam", "AdamW") and any(g.get("amsgrad", False)
-                                         for g in optimizer.param_groups):
-        raise ValueError("Only non-amsgrad Adam/AdamW optimizers are supported.")
-    if kind == "RMSprop":
-        centered = {bool(g.get("centered", False)) for g in optimizer.param_groups}
-        if len(centered) > 1:
-            raise AssertionError("All RMSprop param groups must have the same value for "
-                                 "'centered'.")
-    bases = type(optimizer).__bases__
-    if not (Optimizer in bases or torch.optim.Optimizer in bases
-            or type(optimizer) in _TORCH_TYPES):
-        logger.warning("Subclassed optimizers are unlikely to behave as intended: "
-                       "PopTorch runs its own %s update on the device and never calls the "
-                       "Python step() of %s.", kind, type(optimizer).__name__)
-    return kind
-
-
-def _check_number(name: str, value: Any) -> Any:
-    if name in ("nesterov", "centered"):
-        return bool(value)
-    if name == "betas":
-        if not (isinstance(value, (tuple, list)) and len(value) == 2):
-            raise AssertionError(f"Expected a pair of numbers for betas, got {value!r}")
-        return tuple(float(_check_number("betas element", v)) for v in value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise AssertionError(f"Expected a number for {name}, got {value!r} of type "
-                             f"{type(value).__name__}")
-    return float(value)
-
-
-def to_description(optimizer: torch.optim.Optimizer, param_names: Dict[int, str],
-                   automatic_loss_scaling: bool = False,
-                   tracker: Optional[OptimizerAttrTracker] = None) -> OptimizerDescription:
-    """Convert ``optimizer`` into what the device runs (S-50…S-55).
-
-    Args:
-        optimizer: a supported optimizer.
-        param_names: ``id(parameter) → name`` for the model's parameters.
-        automatic_loss_scaling: forces ``loss_scaling`` to be variable (S-52).
-        tracker: reports attributes added since the first conversion (S-53).
-
-    Raises:
-        AssertionError / ValueError: unsupported type or hyper-parameter values (S-50).
-        poptorch.Error: ``max_grad_norm`` is NaN, invalid accumulation type.
-    """
-    kind = optimizer_type(optimizer)
-    if tracker is not None:
-        tracker.check(optimizer, kind)
-    names = HYPER_PARAMETERS[kind]
-    is_poptorch = isinstance(optimizer, Optimizer)
-
-    def hyper(source: Dict[str, Any], mandatory: Tuple[str, ...]) -> Dict[str, Any]:
-        out = {}
-        for name in names:
-            if name not in source:
-                if name in mandatory:
-                    raise AssertionError(f"Mandatory attribute {name} not found in "
-                                         "optimizer group")
-                continue
-            out[name] = _check_number(name, source[name])
-        return out
-
-    defaults = hyper(optimizer.defaults, ("lr",))
-    group_mandatory = tuple(n for n in names if n != "velocity_scaling")
-    groups, group_of = [], {}
-    for index, group in enumerate(optimizer.param_groups):
-        values = dict(defaults)
-        values.update(hyper(group, group_mandatory))
-        groups.append(values)
-        for p in group["params"]:
-            name = param_names.get(id(p))
-            if name is not None:
-                group_of[name] = index
-    if is_poptorch:
-        constant = {a for a in list(optimizer.defaults) + ["loss_scaling"]
-                    if optimizer.variable_attrs.isConstant(a)}
-        loss_scaling = _check_number("loss_scaling", optimizer.loss_scaling)
-    else:
-        loss_scaling = _check_number("loss_scaling", getattr(optimizer, "loss_scaling", 1.0))
-        const_defaults = dict(_TORCH_CONST_DEFAULTS)
-        if kind == "AdamW":
-            const_defaults["weight_decay"] = 1e-2
-        constant = set()
-        for attr in names:
-            if attr == "lr":
-                continue
-            values = [g.get(attr) for g in groups] + [defaults.get(attr)]
-            if attr in _ALWAYS_CONST or all(
-                    v is None or v == const_defaults.get(attr, v) for v in values):
-                constant.add(attr)
-        if loss_scaling == 1.0:
-            constant.add("loss_scaling")
-    if automatic_loss_scaling:
-        constant.discard("loss_scaling")
-    get = lambda attr, default: getattr(optimizer, attr, default)  # noqa: E731
-    description = OptimizerDescription(
-        type=kind, defaults=defaults, groups=groups, group_of=group_of,
-        constant=constant, loss_scaling=loss_scaling,
-        use_combined_accum=bool(get("use_combined_accum", False)),
-        accum_type=get("accum_type", torch.float32),
-        velocity_accum_type=get("velocity_accum_type", torch.float32),
-        first_order_type=get("first_order_momentum_accum_type", torch.float32),
-        second_order_type=get("second_order_momentum_accum_type", torch.float32),
-        max_grad_norm=_check_number("max_grad_norm", get("max_grad_norm", math.inf)),
-        bias_correction=bool(get("bias_correction", True)),
-        use_tf_variant=bool(get("use_tf_variant", False)))
-    description.validate()
-    return description
+#: The device optimizer type of each PopTorch optimizer class (and its subclasses).
+KINDS = {SGD: "SGD", Adam: "Adam", AdamW: "AdamW", RMSprop: "RMSprop", LAMB: "LAMB"}

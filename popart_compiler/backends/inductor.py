@@ -34,8 +34,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.fx as fx
 
-from popart_compiler.logging import logger
 from popart_compiler.backends.tracing import TRACE_LOCK
+from popart_compiler.logging import logger
 
 __all__ = ["compile_graph", "compile_count", "thread_compile_count", "onednn_linear",
            "start_probing_cpu"]

@@ -17,11 +17,11 @@ import torch
 
 from popart_compiler.cost.cycle_model import CycleEstimate, CycleSettings, estimate_cycles
 from popart_compiler.cost.ipu_model import IpuTarget
+from popart_compiler.cost.memory_model import (IpuMemory, Location, MemorySettings,
+                                               check_fits, estimate_memory)
+from popart_compiler.cost.op_costs import ProgramCosts, collect
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
-from popart_compiler.cost.memory_model import (IpuMemory, Location, MemorySettings, check_fits,
-                           estimate_memory)
-from popart_compiler.cost.op_costs import ProgramCosts, collect
 from popart_compiler.session_options import SessionOptions
 
 __all__ = ["IpuEstimate", "estimate", "memory_settings", "check"]

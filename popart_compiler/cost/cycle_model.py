@@ -32,8 +32,9 @@ import math
 from typing import Dict, List, Sequence, Tuple
 
 from popart_compiler.cost.ipu_model import IpuTarget
-from popart_compiler.cost.memory_model import (MemorySettings, TILE_GRAIN_BYTES, kept_for_backward,
-                           matmul_temporary, recomputation_active)
+from popart_compiler.cost.memory_model import (TILE_GRAIN_BYTES, MemorySettings,
+                                               kept_for_backward, matmul_temporary,
+                                               recomputation_active)
 from popart_compiler.cost.op_costs import OpCost, ProgramCosts
 
 __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate_cycles",

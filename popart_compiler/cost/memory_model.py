@@ -44,9 +44,9 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from popart_compiler.errors import backend_error
 from popart_compiler.cost.ipu_model import IpuTarget
 from popart_compiler.cost.op_costs import ProgramCosts
+from popart_compiler.errors import backend_error
 
 __all__ = ["MemorySettings", "Location", "IpuMemory", "estimate_memory", "check_fits",
            "out_of_memory_message", "recomputation_active", "kept_for_backward",

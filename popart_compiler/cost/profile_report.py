@@ -16,9 +16,9 @@ import os
 from typing import Any, Dict, List
 
 from popart_compiler.cost.cost_model import IpuEstimate
+from popart_compiler.cost.memory_model import CATEGORIES
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
-from popart_compiler.cost.memory_model import CATEGORIES
 
 __all__ = ["write_report", "render_html", "FORMAT"]
 

@@ -33,9 +33,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
+from popart_compiler.cost.ipu_model import MAX_IPUS
 from popart_compiler.enums import ExecutionMode, Liveness
 from popart_compiler.errors import backend_error
-from popart_compiler.cost.ipu_model import MAX_IPUS
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
 from popart_compiler.passes.base import Compilation, PassResult
@@ -354,6 +354,7 @@ def joint_graph(graph, plan: PlacementPlan) -> Optional[fx.GraphModule]:
     ``None`` when AOTAutograd cannot trace it (the report then shows no backward
     op counts)."""
     import contextlib
+
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     values = graph.state_values()
     names = graph.parameters + graph.buffers + graph.constants

@@ -39,8 +39,8 @@ from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 
 if TYPE_CHECKING:
-    from popart_compiler.stages import Executable
     from popart_compiler.optim.description import OptimizerDescription
+    from popart_compiler.stages import Executable
 
 __all__ = ["ProcessGroup", "process_group", "program_signature", "collective_timeout",
            "backend_for", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]

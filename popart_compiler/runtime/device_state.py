@@ -13,9 +13,9 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from popart_compiler.stages import Executable
 from popart_compiler.enums import VariableRetrievalMode
 from popart_compiler.errors import backend_error
+from popart_compiler.stages import Executable
 
 __all__ = ["DeviceWeights", "DeviceRng", "device_dtype", "DEVICE_DTYPES"]
 

@@ -18,12 +18,12 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from popart_compiler.runtime.device_state import DEVICE_DTYPES, DeviceRng, DeviceWeights
 from popart_compiler.enums import CommGroupType, OutputMode
 from popart_compiler.errors import backend_error
-from popart_compiler.runtime.rollback import SavedTensors, deferred_interrupts
-from popart_compiler.cost.ipu_model import IpuModel
+from popart_compiler.runtime.device import IpuModel
+from popart_compiler.runtime.device_state import DEVICE_DTYPES, DeviceRng, DeviceWeights
 from popart_compiler.runtime.perf_counters import IterationClock, returned_iterations
+from popart_compiler.runtime.rollback import SavedTensors, deferred_interrupts
 from popart_compiler.runtime.schedule import StagedProgram
 from popart_compiler.stages import Executable
 

@@ -9,13 +9,13 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from popart_compiler.cost.ipu_model import IpuModel
 from popart_compiler.enums import MeanReductionStrategy, ReductionType
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.optim.device_optimizer import DeviceOptimizer, StepSettings
 from popart_compiler.runtime import collectives
+from popart_compiler.runtime.device import IpuModel
 from popart_compiler.runtime.session import Session
 from popart_compiler.stages import Executable
 

@@ -26,9 +26,9 @@ import torch
 from torch._functorch import config as functorch_config
 
 from popart_compiler.backends import inductor
-from popart_compiler.stages import Executable
-from popart_compiler.runtime.device_state import DeviceWeights
 from popart_compiler.logging import logger
+from popart_compiler.runtime.device_state import DeviceWeights
+from popart_compiler.stages import Executable
 
 __all__ = ["warm_up"]
 

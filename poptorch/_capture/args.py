@@ -8,13 +8,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from popart_compiler.errors import py_error
-
 from poptorch._capture.custom_parsers import getCustomArgParser
 from poptorch._logging import logger
 
-__all__ = ["ArgsParser", "BoundArgs", "Spec", "flatten", "unflatten", "validate"]
+__all__ = ["ArgsParser", "BoundArgs", "Spec", "flatten", "unflatten", "validate",
+           "RECOMPILE"]
 
-_RECOMPILE_ADVICE = (
+#: What a call with other inputs than the compiled ones must do (S-22).
+RECOMPILE = (
     "The inputs given at run time differ from the ones the model was compiled with. "
     "To run with these inputs, create a new wrapper or call destroy() on this one: the "
     "next call then recompiles.")
@@ -104,7 +105,7 @@ def validate(name: str, compiled: Spec, now: Spec) -> None:
     """Raise the S-22 error for the first difference between ``compiled`` and ``now``."""
 
     def fail(text: str):
-        raise py_error(f"{text}\n{_RECOMPILE_ADVICE}")
+        raise py_error(f"{text}\n{RECOMPILE}")
 
     def kind_of(spec: Spec):
         return "tensor" if spec.kind == "tensor" else spec.pytype
@@ -196,6 +197,11 @@ class ArgsParser:
         self._allowed = [p.name for p in self._positional if p.kind != P.POSITIONAL_ONLY]
         self._allowed += [p.name for p in self._kw_only]
         self._known = {p.name for p in self._positional} | {p.name for p in self._kw_only}
+
+    @property
+    def signature(self) -> Optional[inspect.Signature]:
+        """``forward``'s signature, or ``None`` when it has none."""
+        return self._sig
 
     def bind(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> BoundArgs:
         """Bind ``args`` / ``kwargs`` (S-20).

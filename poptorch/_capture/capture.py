@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import io
+import logging
 import os
 import sys
 import traceback
@@ -14,29 +14,27 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-import torch.fx.traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 
 from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
-
-from poptorch._ops import blocks as _blocks
-
-from poptorch._capture import data_dependence
-from poptorch._ops import dynamic_slicing
-from poptorch._ops import host as _host_ops
 from poptorch import _impl
-from poptorch._ops import opaque
-from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
+from poptorch._capture import data_dependence
 from poptorch._capture.args import BoundArgs, Spec, flatten, unflatten
+from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
+from poptorch._capture.dtype_rules import DtypeRulesMode
 from poptorch._capture.guard import capture_guard, thread_stderr
 from poptorch._capture.warnings import at_user_code
-from poptorch._capture.dtype_rules import DtypeRulesMode
-from poptorch._options.execution_strategy import PipelinedExecution
 from poptorch._logging import logger
+from poptorch._ops import blocks as _blocks
+from poptorch._ops import dynamic_slicing
+from poptorch._ops import host as _host_ops
+from poptorch._ops import opaque
+from poptorch._options.execution_strategy import PipelinedExecution
 
 __all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
 
@@ -197,7 +195,7 @@ def _patch_tensor_ipu() -> Callable[[], None]:
 # -- error translation ------------------------------------------------------------------
 
 #: poptorch's own source directory (a PopTorch op's argument checks raise from here).
-_POPTORCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_POPTORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:

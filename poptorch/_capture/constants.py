@@ -18,8 +18,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
-from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing,
-                                                get_proxy_mode, get_proxy_slot)
+from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get_proxy_mode,
+                                                get_proxy_slot)
 
 __all__ = ["VALUE_READS", "constant_value", "producing_op"]
 

@@ -21,7 +21,8 @@ __all__ = ["is_data_dependent", "data_dependent_error", "shape_error", "read_err
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OURS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-              for m in (popart_compiler,)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+              for m in (popart_compiler,)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # poptorch/
 #: torch's tracing machinery (never the cause of a data dependence, only its messenger).
 _MACHINERY = tuple(_TORCH + p for p in (
     "_subclasses", "fx", "_export", "export", "_dynamo", "_library", "_functorch",
@@ -82,9 +83,9 @@ def _alternative(op: str) -> str:
 
 
 def is_data_dependent(exc: BaseException) -> bool:
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                                DynamicOutputShapeException)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     if isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException,
                         DynamicOutputShapeException)):
         return True

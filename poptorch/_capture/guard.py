@@ -19,8 +19,8 @@ import sys
 import threading
 from typing import Iterator
 
-from popart_compiler.runtime.rollback import deferred_interrupts
 from popart_compiler.backends.tracing import TRACE_LOCK
+from popart_compiler.runtime.rollback import deferred_interrupts
 
 __all__ = ["capture_guard", "thread_stderr"]
 

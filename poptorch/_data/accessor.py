@@ -11,21 +11,21 @@ import pickle
 import tempfile
 import time
 import weakref
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 import torch.multiprocessing as torch_mp  # noqa: F401  registers torch's tensor reductions
 import torch.utils.data
-from multiprocessing.reduction import ForkingPickler
 
 from popart_compiler.errors import py_error
-
-from poptorch._data import worker as _async_worker
 from poptorch._capture import custom_parsers
-from poptorch._data.worker import (_CTRL_SIZE, _END, _FREE, _JOIN_TIMEOUT_S, _LIVENESS_PERIOD_S,
-                            _MAX_BACKOFF_S, _REQ, _STATE, _STOP, _TAG, _DatasetPayload,
-                            _RemoteTraceback, _unpack_exception, _worker_main)
 from poptorch._capture.custom_parsers import getCustomArgParser
+from poptorch._data import worker as _async_worker
+from poptorch._data.worker import (_CTRL_SIZE, _END, _FREE, _JOIN_TIMEOUT_S,
+                                   _LIVENESS_PERIOD_S, _MAX_BACKOFF_S, _REQ, _STATE, _STOP,
+                                   _TAG, _DatasetPayload, _RemoteTraceback,
+                                   _unpack_exception, _worker_main)
 from poptorch.enums import SharingStrategy
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ _LIVE_ACCESSORS: "weakref.WeakSet[AsynchronousDataAccessor]" = weakref.WeakSet()
 
 def _dataloader_class() -> type:
     """``poptorch.DataLoader`` (imported late: its module imports this one)."""
-    from poptorch._data.dataloader import DataLoader  # pylint: disable=import-outside-toplevel
+    from poptorch._data.dataloader import \
+        DataLoader  # pylint: disable=import-outside-toplevel
     return DataLoader
 
 

@@ -13,9 +13,8 @@ import torch
 import torch.utils.data
 
 from popart_compiler.errors import py_error
-
-from poptorch._data.accessor import AsynchronousDataAccessor
 from poptorch._capture.custom_parsers import getCustomArgParser
+from poptorch._data.accessor import AsynchronousDataAccessor
 from poptorch._logging import logger
 from poptorch.enums import DataLoaderMode
 

@@ -49,10 +49,8 @@ import torch
 import torch.utils.data
 
 from popart_compiler.errors import py_error
-
 from poptorch._capture import custom_parsers
 from poptorch._capture.custom_parsers import getCustomArgParser
-
 
 # --------------------------------------------------------------------------------------
 # Shared-memory protocol constants
@@ -386,7 +384,8 @@ def _iterate_source(dataset):
     """One pass over what the accessor wraps: a poptorch DataLoader's synchronous
     pipeline, a map-style dataset with a length but no ``__iter__`` (indices
     ``0..len-1``), or any other iterable."""
-    from poptorch._data.dataloader import DataLoader  # pylint: disable=import-outside-toplevel
+    from poptorch._data.dataloader import \
+        DataLoader  # pylint: disable=import-outside-toplevel
     if isinstance(dataset, DataLoader):
         return dataset._sync_iter()  # pylint: disable=protected-access
     if (not hasattr(type(dataset), "__iter__") and hasattr(dataset, "__getitem__")

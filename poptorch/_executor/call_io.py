@@ -2,7 +2,7 @@
 S-11, S-20, S-22…S-24, S-44): binding the call's arguments to ``forward``'s
 signature and checking their batch dimension, the 32-bit contiguous device inputs,
 the check that later calls match the compiled inputs, the write-back of inputs
-mutated in place, and the output structure. A mixin of ``PoplarExecutor``."""
+mutated in place, and the output structure. Functions of the executor's state."""
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -10,15 +10,13 @@ from typing import List, Tuple
 import torch
 
 from popart_compiler.errors import py_error
-
-from poptorch._capture.args import BoundArgs, Spec, check_batch, flatten, leaf_names, unflatten, validate
+from poptorch._capture.args import (RECOMPILE, BoundArgs, Spec, check_batch, flatten,
+                                    leaf_names, unflatten, validate)
+from poptorch._executor.state import Compiled, ExecutorState
 from poptorch._logging import logger
 
-__all__ = ["CallIOMixin"]
-
-_RECOMPILE = ("The inputs given at run time differ from the ones the model was compiled "
-              "with. To run with these inputs, create a new wrapper or call destroy() on "
-              "this one: the next call then recompiles.")
+__all__ = ["bind", "device_inputs", "validate_inputs", "write_back_inputs",
+           "build_outputs"]
 
 
 def _no_backward(*args, **kwargs):
@@ -28,92 +26,101 @@ def _no_backward(*args, **kwargs):
                    "inferenceModel, you should use a trainingModel instead.")
 
 
-class CallIOMixin:
-    """Inputs in, outputs out. Uses the executor's ``_parser``, ``_options``,
-    ``_training``, the compiled ``_input_spec`` / ``_input_names`` /
-    ``_num_positional``, ``_executable`` and ``_captured``; the one-time warnings set
-    ``_warned_requires_grad`` and ``_warned_contiguous``."""
+def bind(state: ExecutorState, args, kwargs) -> Tuple[BoundArgs, List[torch.Tensor], Spec]:
+    """Bind a call's arguments to ``forward`` and flatten them (S-20); check each
+    tensor's batch dimension against ``N = D × (R / g) × A`` (S-11).
 
-    def _bind(self, args, kwargs) -> Tuple[BoundArgs, List[torch.Tensor], Spec]:
-        bound = self._parser.bind(args, kwargs)
-        tensors: List[torch.Tensor] = []
-        spec = flatten(tuple(bound.values), tensors)
-        names = [n for name, child in zip(bound.names, spec.children)
-                 for n in leaf_names(name, child)]
-        o = self._options
-        d, r, g = o.device_iterations, o.replication_factor, o.input_group_size
-        a = o.Training.gradient_accumulation if self._training else 1
-        factor = d * (r // g) * a
-        for name, t in zip(names, tensors):
-            check_batch(name, t, factor, d, r, g, a)
-        return bound, tensors, spec
+    Returns:
+        ``(bound, tensors, spec)``: the bound arguments, their tensors in order and
+        their structure.
+    """
+    bound = state.parser.bind(args, kwargs)
+    tensors: List[torch.Tensor] = []
+    spec = flatten(tuple(bound.values), tensors)
+    names = [n for name, child in zip(bound.names, spec.children)
+             for n in leaf_names(name, child)]
+    o = state.options
+    d, r, g = o.device_iterations, o.replication_factor, o.input_group_size
+    a = o.Training.gradient_accumulation if state.training else 1
+    factor = d * (r // g) * a
+    for name, t in zip(names, tensors):
+        check_batch(name, t, factor, d, r, g, a)
+    return bound, tensors, spec
 
-    def _batch_factor(self) -> int:
-        o = self._options
-        a = o.Training.gradient_accumulation if self._training else 1
-        return o.device_iterations * (o.replication_factor // o.input_group_size) * a
 
-    def _device_inputs(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Contiguous, detached, 32-bit versions of the inputs (S-24, S-44)."""
-        out = []
-        for t in tensors:
-            if t.requires_grad:
-                if not self._warned_requires_grad:
-                    logger.warning("Input tensor has requires_grad=True set. This tensor "
-                                   "will be detached because backward pass via inputs is "
-                                   "not supported.")
-                    self._warned_requires_grad = True
-                t = t.detach()
-            if not t.is_contiguous():
-                if not self._warned_contiguous:
-                    logger.warning("At least one input tensor is not contiguous: non-"
-                                   "contiguous tensors will be converted.")
-                    self._warned_contiguous = True
-                t = t.contiguous()
-            if t.dtype == torch.float64:
-                t = t.float()
-            elif t.dtype == torch.int64:
-                t = t.to(torch.int32).to(torch.int64)  # 32-bit range on the device
-            out.append(t)
-        return out
+def _warn_once(state: ExecutorState, key: str, message: str) -> None:
+    if key not in state.warned:
+        logger.warning(message)
+        state.warned.add(key)
 
-    def _validateInputs(self, bound: BoundArgs, spec: Spec) -> None:
-        """S-22: the inputs must match those of the compilation."""
-        if bound.num_positional != self._num_positional:
-            raise py_error(
-                f"Number of positional arguments mismatch: expected {self._num_positional} "
-                f"arguments but got {bound.num_positional}.\n{_RECOMPILE}")
-        compiled = dict(zip(self._input_names, self._input_spec.children))
-        for name, now in zip(bound.names, spec.children):
-            if name not in compiled:
-                raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: "
-                               f"['{name}']. Missing arguments: "
-                               f"{sorted(set(compiled) - set(bound.names))}.\n{_RECOMPILE}")
-            validate(name, compiled[name], now)
-        missing = [n for n in self._input_names if n not in bound.names]
-        if missing:
-            raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: []. "
-                           f"Missing arguments: {missing}.\n{_RECOMPILE}")
 
-    def _writeBackInputs(self, originals: List[torch.Tensor],
-                         device_inputs: List[torch.Tensor]) -> None:
-        """In-place updates of inputs reach the caller's tensors (S-23): the session runs
-        the graph on views of ``device_inputs``, which are copied back where they are
-        not the caller's own tensors (converted dtype, made contiguous)."""
-        mutated = self._executable.graph.mutated_inputs if self._executable else ()
-        for i in mutated:
-            src, dst = device_inputs[i], originals[i]
-            if src.data_ptr() != dst.data_ptr():
-                with torch.no_grad():
-                    dst.copy_(src.to(dst.dtype))
+def device_inputs(state: ExecutorState, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Contiguous, detached, 32-bit versions of the inputs (S-24, S-44)."""
+    out = []
+    for t in tensors:
+        if t.requires_grad:
+            _warn_once(state, "requires_grad",
+                       "Input tensor has requires_grad=True set. This tensor will be "
+                       "detached because backward pass via inputs is not supported.")
+            t = t.detach()
+        if not t.is_contiguous():
+            _warn_once(state, "contiguous",
+                       "At least one input tensor is not contiguous: non-contiguous "
+                       "tensors will be converted.")
+            t = t.contiguous()
+        if t.dtype == torch.float64:
+            t = t.float()
+        elif t.dtype == torch.int64:
+            t = t.to(torch.int32).to(torch.int64)  # 32-bit range on the device
+        out.append(t)
+    return out
 
-    def _buildOutputs(self, outputs: List[torch.Tensor]):
-        captured = self._captured
-        if captured.output_spec is None:
-            return None
-        host = iter(captured.host_outputs)
-        leaves = [outputs[i] if i is not None else next(host) for i in captured.output_leaves]
-        for t in leaves:
-            if isinstance(t, torch.Tensor):
-                t.backward = _no_backward  # type: ignore[method-assign]
-        return unflatten(captured.output_spec, iter(leaves))
+
+def validate_inputs(compiled: Compiled, bound: BoundArgs, spec: Spec) -> None:
+    """S-22: the inputs must match those of the compilation.
+
+    Raises:
+        poptorch.Error: other positional / keyword arguments, or other types, shapes
+            or structure (naming the argument).
+    """
+    if bound.num_positional != compiled.num_positional:
+        raise py_error(
+            f"Number of positional arguments mismatch: expected {compiled.num_positional} "
+            f"arguments but got {bound.num_positional}.\n{RECOMPILE}")
+    expected = dict(zip(compiled.input_names, compiled.input_spec.children))
+    for name, now in zip(bound.names, spec.children):
+        if name not in expected:
+            raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: "
+                           f"['{name}']. Missing arguments: "
+                           f"{sorted(set(expected) - set(bound.names))}.\n{RECOMPILE}")
+        validate(name, expected[name], now)
+    missing = [n for n in compiled.input_names if n not in bound.names]
+    if missing:
+        raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: []. "
+                       f"Missing arguments: {missing}.\n{RECOMPILE}")
+
+
+def write_back_inputs(compiled: Compiled, originals: List[torch.Tensor],
+                      inputs: List[torch.Tensor]) -> None:
+    """In-place updates of inputs reach the caller's tensors (S-23): the session runs
+    the graph on views of ``inputs`` (the device inputs), which are copied back where
+    they are not the caller's own tensors (converted dtype, made contiguous)."""
+    for i in compiled.executable.graph.mutated_inputs:
+        src, dst = inputs[i], originals[i]
+        if src.data_ptr() != dst.data_ptr():
+            with torch.no_grad():
+                dst.copy_(src.to(dst.dtype))
+
+
+def build_outputs(compiled: Compiled, outputs: List[torch.Tensor]):
+    """The structure ``forward`` returned at capture time, its tensors the run's
+    outputs and the host outputs (constants, non-tensors) of the capture."""
+    captured = compiled.captured
+    if captured.output_spec is None:
+        return None
+    host = iter(captured.host_outputs)
+    leaves = [outputs[i] if i is not None else next(host) for i in captured.output_leaves]
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            t.backward = _no_backward  # type: ignore[method-assign]
+    return unflatten(captured.output_spec, iter(leaves))

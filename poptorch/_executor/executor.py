@@ -1,54 +1,56 @@
 """``PoplarExecutor``: the object returned by ``trainingModel`` / ``inferenceModel``
 (spec api §5, §6; semantics S-1…S-36, S-44, S-95…S-97).
 
-This module holds the executor's life cycle: construction, compilation, running a
-call, optimizer changes, attach / detach and destroy. Its other parts live beside it:
-:mod:`._executor_io` (a call's arguments and results), :mod:`._executor_sync` (weight,
-buffer and RNG copies between host and device), :mod:`._executor_inspection` (the
-read-only inspection API), :mod:`._optimizer_binding` (the optimizer the executor
-trains with and its device state) and :mod:`._executor_lock` (the per-executor lock).
+The class is PopTorch's API face. Its state is one
+:class:`~poptorch._executor.state.ExecutorState`; each public method takes the
+executor's lock and hands the state to the module that does the work:
+:mod:`.compile` (capture, compile, session), :mod:`.call_io` (a call's arguments and
+results), :mod:`.host_sync` (weight, buffer and RNG copies), :mod:`.inspection` (the
+read-only inspection API), :mod:`.optimizer_binding` (the optimizer and its device
+state) and :mod:`poptorch._files.export` (files). :func:`wrap_loaded` is the one entry
+that builds a wrapper from a loaded program (``poptorch.load``).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import datetime
+import functools
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from popart_compiler import compiler
-from popart_compiler.stages import Executable
 from popart_compiler.errors import py_error
-from popart_compiler.cost.ipu_model import acquire_device
-from popart_compiler.runtime.session import InferenceSession
-from popart_compiler.runtime.training import TrainingSession
-from popart_compiler.runtime.warm_up import warm_up
-from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
-                                             ipu_model_env)
-
-from poptorch._executor import instrument as _instrument
-from poptorch import enums
+from poptorch import enums, optim
 from poptorch._capture.args import ArgsParser, BoundArgs, Spec
-from poptorch._capture.capture import Captured
-from poptorch._files.cache import program_for
-from poptorch._executor.inspection import InspectionMixin
-from poptorch._executor.call_io import CallIOMixin
-from poptorch._executor.lock import serialised
-from poptorch._executor.host_sync import TRAINING_WRAPPERS, HostSyncMixin
+from poptorch._executor import call_io
+from poptorch._executor import compile as compile_
+from poptorch._executor import host_sync, inspection, instrument, lifecycle
+from poptorch._executor.optimizer_binding import OptimizerBinding
+from poptorch._executor.replica_grouping import ReplicaGroupingProxy
+from poptorch._executor.state import NO_EXECUTABLE, ExecutorState, executor_options
+from poptorch._files import export
+from poptorch._files.program import Program
 from poptorch._impl import isRunningOnIpu
 from poptorch._logging import logger
-from poptorch._executor.optimizer_binding import OptimizerBinding
-from poptorch._executor.progress import ProgressBar
-from poptorch._executor.replica_grouping import ReplicaGroupingProxy, check_per_replica_params
+from poptorch._ops.printing import module_repr
 from poptorch.options import Options
 
-__all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
-
-#: The message of every method that needs a compiled executable.
-NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
+__all__ = ["PoplarExecutor", "NO_EXECUTABLE", "wrap", "wrap_loaded"]
 
 
-class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
+def serialised(method: Callable) -> Callable:
+    """Run ``method`` holding its executor's lock: calls, weight copies, optimizer
+    changes and attachment of one executor never interleave across threads."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
+class PoplarExecutor:
     """A model wrapped for the (simulated) IPU. Created by :func:`poptorch.trainingModel`,
     :func:`poptorch.inferenceModel` — not directly.
 
@@ -71,63 +73,21 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
                  user_model: Optional[torch.nn.Module] = None):
         #: One call at a time per executor (re-entrant: a call may copy weights).
         self._lock = threading.RLock()
-        if options is None:
-            options = Options()
-        if not isinstance(options, Options):
-            raise py_error(f"Invalid type: 'options' is of type {type(options)} (Expected "
-                           "poptorch.Options)")
-        options._freeze()
-        opts = options.clone()
-        self._poptorch_version = poptorch_version
-        self._training = training
-        self._user_model = user_model if user_model is not None else model
-        self._model = model
-        if opts.defaultOutputMode():
-            opts.outputMode(enums.OutputMode.Final if training else enums.OutputMode.All)
-        if not training and opts.Training.gradient_accumulation != 1:
-            pipelined = (type(opts._execution_strategy).__name__ == "PipelinedExecution")
-            raise py_error(
-                "You must set poptorch.Options().Training.gradientAccumulation to 1 or "
-                "leave it as its default value (1) when running a poptorch.inferenceModel()."
-                + (" Use poptorch.Options().deviceIterations() to process a larger number "
-                   "of batches simultaneously instead." if pipelined else ""))
-        for short, entry in opts.anchored_tensors.items():
-            if entry[1]:  # the mode was not given: inherit the model's
-                entry[2] = enums.OutputMode(opts.output_mode)
-                entry[3] = opts.output_return_period
-        opts._freeze()
-        self._options = opts
-        self._parser = ArgsParser(model.forward)
-        self._executable: Optional[Executable] = None
-        self._session = None
-        self._device = None
-        self._attached = False
-        self._captured: Optional[Captured] = None
-        self._program = None  # the Program compiled (see _program.py)
-        self._loaded_program = None  # set by loadExecutable: compiled instead of capturing
-        self._capture_args = None  # (bound, spec, micro-batch) of the last capture
-        self._serialize_program = False  # keep the uncompiled program (compileAndExport)
-        self._input_spec: Optional[Spec] = None
-        self._input_names: List[str] = []
-        self._num_positional = 0
-        self._warned_contiguous = False
-        self._warned_requires_grad = False
-        self._progress: Optional[ProgressBar] = None
-        self._host_weights_stale = False
-        self._host_weights_version = 0
-        self._uploaded_version: Optional[Tuple[Any, int]] = None  # see HostSyncMixin
-        self._rng_cache: Optional[List[int]] = (
-            [int(opts.random_seed)] if opts.exists("random_seed") else None)
-        self._rng_stale = False
-        self._optimizer_binding = OptimizerBinding(self._user_model, opts, training)
-        self._anchor_values: Dict[str, torch.Tensor] = {}
-        self._ran = False
-        self.per_replica_params: Dict[str, Any] = {}
+        opts = executor_options(options, training)
+        user_model = user_model if user_model is not None else model
+        link = optim.DeviceLink(self._syncOptimizerStateToHost,
+                                self._checkOptimizerStateFits)
+        self._state = ExecutorState(
+            options=opts, training=training, user_model=user_model, model=model,
+            parser=ArgsParser(model.forward), poptorch_version=poptorch_version,
+            binding=OptimizerBinding(user_model, opts, training, link),
+            host=instrument.HostWeights(self, self._implicitCopyWeightsToHost),
+            rng_cache=[int(opts.random_seed)] if opts.exists("random_seed") else None)
+        #: Replica groupings of weights (S-27), by parameter name.
+        self.per_replica_params: Dict[str, Any] = self._state.per_replica_params
         if training:
-            if optimizer is None:
-                from poptorch.optim import SGD
-                optimizer = SGD(self._user_model.parameters(), lr=0.01)
-            self.setOptimizer(optimizer)
+            self.setOptimizer(optimizer if optimizer is not None else
+                              optim.SGD(user_model.parameters(), lr=0.01))
             self._instrumentModel()
 
     # -- properties -------------------------------------------------------------------
@@ -135,21 +95,44 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
     @property
     def model(self) -> torch.nn.Module:
         """The user's module (instrumented for training executors)."""
-        return self._user_model
+        return self._state.user_model
 
     @property
     def options(self) -> Options:
         """This executor's private, frozen ``Options`` clone."""
-        return self._options
+        return self._state.options
+
+    # PopTorch's private attributes that its clients read (lightning-graphcore's
+    # IPUStrategy reads ``_executable`` and ``_options``); never used by this package.
+
+    @property
+    def _executable(self):
+        """The compiled executable, or ``None`` (PopTorch's attribute)."""
+        return self._state.executable
+
+    @property
+    def _options(self) -> Options:
+        """Same as :attr:`options` (PopTorch's attribute)."""
+        return self._state.options
+
+    @property
+    def _user_model(self) -> torch.nn.Module:
+        """Same as :attr:`model` (PopTorch's attribute)."""
+        return self._state.user_model
+
+    @property
+    def _training(self) -> bool:
+        """Whether this is a training executor (PopTorch's attribute)."""
+        return self._state.training
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("_user_model", "_training",
-                                                "_optimizer_binding"):
+        state = self.__dict__.get("_state")
+        if name.startswith("__") or state is None:
             raise AttributeError(name)
-        model = self.__dict__["_user_model"]
+        model = state.user_model
         value = getattr(model, name)
         if isinstance(value, torch.nn.Parameter):
-            with _instrument.syncing():
+            with instrument.syncing():
                 direct = model._parameters.get(name) is value
             if direct:
                 return ReplicaGroupingProxy(self, name, value)
@@ -167,49 +150,20 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
                        "state_dict()) instead, and wrap it again after loading.")
 
     def __repr__(self) -> str:
-        from poptorch._ops.printing import module_repr
-        return module_repr(self._user_model)
+        return module_repr(self._state.user_model)
 
     # -- state ------------------------------------------------------------------------
 
     def isCompiled(self) -> bool:
         """Whether an executable exists (not before the first compile nor after
         :meth:`destroy`)."""
-        return self._executable is not None
+        return self._state.compiled is not None
 
     def isAttachedToDevice(self) -> bool:
         """Whether the device is attached (``False`` when not compiled)."""
-        return self._executable is not None and self._attached
-
-    def _require_executable(self) -> None:
-        if self._executable is None:
-            raise py_error(NO_EXECUTABLE)
+        return self._state.compiled is not None and self._state.attached
 
     # -- compilation -------------------------------------------------------------------
-
-    def _session_options(self) -> Tuple[SessionOptions, ProgressBar]:
-        """The session options and the compilation progress bar (a silent timer when
-        ``showCompilationProgressBar(False)``)."""
-        o = self._options
-        values = o.toDict()
-        bar = values.pop("compilation_progress_bar_fn", None) or ProgressBar(show=False)
-        anchors = []
-        for short, (long_name, _inherit, mode, period) in o.anchored_tensors.items():
-            anchors.append(Anchor(long_name, int(mode), int(period) if int(mode) == 1 else 1,
-                                  key=short))
-        groupings = {name: ReplicaGrouping(int(cgt), int(shards), int(mode))
-                     for name, (cgt, shards, mode) in self.per_replica_params.items()}
-        return SessionOptions.from_dict(values, anchors, replica_groupings=groupings), bar
-
-    def _model_selection(self) -> Tuple[bool, Optional[bool], bool]:
-        """``(use_ipu_model, explicitly_requested, small)`` as PopTorch decides (S-82)."""
-        env_model, env_small = ipu_model_env()
-        o = self._options
-        if o.exists("use_model"):
-            logger.info("From the user configuration: Ipu model: %s",
-                        "Enabled" if o.use_model else "Disabled")
-            return bool(o.use_model), bool(o.use_model), env_small and not env_model
-        return True, env_model or env_small, env_small and not env_model
 
     def _instrumentModel(self) -> None:
         """Training: (re-)instrument the user model for this executor — at wrap time and
@@ -218,96 +172,26 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
         Raises:
             RuntimeError: another live training executor wraps the model.
         """
-        model = self._user_model
-        ref = _instrument.executor_ref_of(model)
-        if ref is not None and ref() is self:
+        model = self._state.user_model
+        if instrument.executor_of(model) is self:
             return
-        other = TRAINING_WRAPPERS.get(id(model))
-        if other is not None and other is not self and _instrument.is_instrumented(model):
+        other = host_sync.TRAINING_WRAPPERS.get(id(model))
+        if other is not None and other is not self and instrument.is_instrumented(model):
             raise RuntimeError(
                 "Model has already been wrapped in 'poptorch.trainingModel'. Call "
                 "model.destroy() on the model to unwrap it before wrapping it again.")
-        _instrument.instrument(model, self)
-        TRAINING_WRAPPERS[id(model)] = self
+        instrument.instrument(model, self._state.host)
+        host_sync.TRAINING_WRAPPERS[id(model)] = self
 
-    def _compile(self, bound: BoundArgs, tensors: List[torch.Tensor], spec: Spec) -> None:
-        o = self._options
-        if self._training:
+    def _compile(self, bound: Optional[BoundArgs], tensors: List[torch.Tensor], spec: Spec,
+                 loaded: Optional[Program] = None, keep_blobs: bool = False) -> None:
+        """Compile (see :func:`compile_.compile_program`), then commit: attach, upload
+        the weights, the optimizer and its state, and the RNG state. A failure (or
+        Ctrl-C) while doing so leaves the executor uncompiled."""
+        if self._state.training:
             self._instrumentModel()
-        sess_opts, self._progress = self._session_options()
-        check_per_replica_params(self._user_model, sess_opts)
-        use_model, explicit, small = self._model_selection()
-        sess_opts.small_ipu_model = small
-        connection = int(o.connection_type)
-        offline = connection == int(enums.ConnectionType.Never)
-
-        def acquire(num_ipus):
-            return acquire_device(num_ipus, sess_opts.ipu_model_version,
-                                  use_ipu_model=use_model, explicit_model_request=explicit,
-                                  small=small, offline=offline,
-                                  ipu_id=o.ipu_id if o.exists("ipu_id") else None,
-                                  torch_device=sess_opts.device,
-                                  auto_round_num_ipus=bool(o.auto_round_num_ipus))
-
-        progress = self._progress
-        try:
-            progress(0, 10)
-            compiler.prepare(sess_opts)  # overlaps the capture
-            program = program_for(self, bound, tensors, spec, sess_opts)
-            captured = program.captured
-            progress(4, 10)
-            exe = compiler.compile(captured.graph, sess_opts, self._training,
-                                   progress=lambda p, t: progress(4 + (5 * p) // t, 10),
-                                   optimizer=self._optimizer_binding.description
-                                   if self._training else None)
-            warm_up(exe)  # the inductor backend compiles its kernels here
-            # The IPUs needed are known once the graph is placed (S-64); with
-            # ConnectionType.OnDemand the device is acquired after compiling too.
-            device = acquire(exe.num_ipus)  # offline: raises for the rejected cases
-            progress(10, 10)
-        finally:
-            progress.close()
-        # Committed only once complete: a failure (or Ctrl-C) while creating the
-        # session or uploading the state leaves the executor uncompiled.
-        try:
-            self._program = program
-            self._captured = captured
-            self._input_spec = program.input_spec
-            self._input_names = list(program.input_names)
-            self._num_positional = program.num_positional
-            self._executable = exe
-            self._device = device
-            self._ran = False
-            if offline:
-                self._session = None
-                self._attached = False
-                return
-            if self._training:
-                self._session = TrainingSession(exe, device,
-                                                self._optimizer_binding.description)
-                self._optimizer_binding.mark_state_pending()  # uploaded with the weights
-            else:
-                self._session = InferenceSession(exe, device)
-            self._attached = True
-            self._uploadState()
-            if self._training:  # multi-process: every process starts from process 0's state
-                self._session.broadcast_state()
-        except BaseException:
-            self._discard_executable()
-            raise
-
-    def _uploadState(self) -> None:
-        """Host → device at compile / attach: weights, optimizer, optimizer state, RNG."""
-        self.copyWeightsToDevice()
-        if self._training:
-            self._optimizer_binding.upload(self._session)
-        if self._rng_cache is not None:
-            if len(self._rng_cache) > 1:
-                logger.debug("Setting RNG state")
-                self._session.setRngState(self._rng_cache)
-            else:
-                logger.debug("Setting random seed to: %d", self._rng_cache[0])
-                self._session.setRandomSeed(self._rng_cache[0])
+        lifecycle.commit(self._state, compile_.compile_program(
+            self._state, bound, tensors, spec, loaded, keep_blobs))
 
     @serialised
     def compile(self, *args, **kwargs) -> None:
@@ -319,20 +203,22 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
         if self.isCompiled():
             logger.warning("Call to compile() ignored: the executable is already compiled")
             return
-        bound, tensors, spec = self._bind(args, kwargs)
-        self._compile(bound, tensors, spec)
+        self._compile(*call_io.bind(self._state, args, kwargs))
 
     def compileAndExport(self, filename: str, *args, export_model: bool = True,
                          **kwargs) -> None:
         """:meth:`compile` with these arguments, then :meth:`save` to ``filename`` with
         the RNG state (api §5.4, S-62): offline precompilation."""
-        self._serialize_program = True
-        try:
-            self.compile(*args, **kwargs)
-        finally:
-            self._serialize_program = False
+        with self._lock:
+            if self.isCompiled():
+                logger.warning("Call to compile() ignored: the executable is already "
+                               "compiled")
+            else:
+                bound, tensors, spec = call_io.bind(self._state, args, kwargs)
+                self._compile(bound, tensors, spec, keep_blobs=True)
         self.save(filename, export_model=export_model, save_rng_state=True)
 
+    @serialised
     def save(self, filename: str, export_model: bool = True,
              save_rng_state: bool = True) -> None:
         """Write the compiled executable and its metadata to one file (api §5.5, S-62).
@@ -352,9 +238,9 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
                 custom-parser arguments, unsupported optimizer classes).
             AssertionError: the parent of ``filename`` exists but is not a directory.
         """
-        from poptorch._files.export import save
-        save(self, filename, export_model, save_rng_state)
+        export.save(filename, lifecycle.saved(self._state, export_model, save_rng_state))
 
+    @serialised
     def loadExecutable(self, filename: str) -> None:
         """Load an executable saved by :meth:`save` into this wrapper, which must wrap
         an equivalent model with the same compile-time options (api §5.6, S-62). No
@@ -367,18 +253,13 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
                 model with other weights or ``forward`` arguments, other compile-time
                 options.
         """
-        from poptorch._files.export import load_executable
-        load_executable(self, filename)
+        self._compile_from(export.load_executable(filename, lifecycle.expected(self._state)))
 
-    def _loadProgram(self, program) -> None:
+    def _compile_from(self, program: Program) -> None:
         """Compile ``program`` (read from a file) instead of capturing the model."""
         if self.isCompiled():
             self.destroy()
-        self._loaded_program = program
-        try:
-            self._compile(None, [], program.input_spec)
-        finally:
-            self._loaded_program = None
+        self._compile(None, [], program.input_spec, loaded=program)
 
     # -- running ----------------------------------------------------------------------
 
@@ -400,69 +281,105 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
                 out-of-range class label); the device and host then hold what they
                 held before the call.
         """
+        st = self._state
         if isRunningOnIpu():
             raise py_error(
                 "A PopTorch model cannot be called inside the forward of another wrapped "
                 "model: call the underlying module (executor.model) there instead.")
-        if int(self._options.connection_type) == int(enums.ConnectionType.Never):
+        if int(st.options.connection_type) == int(enums.ConnectionType.Never):
             raise AssertionError(
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
                 "model.compile(inputs) instead of model(inputs).")
-        bound, tensors, spec = self._bind(args, kwargs)
+        bound, tensors, spec = call_io.bind(st, args, kwargs)
         first = not self.isCompiled()
         if first:
             self._compile(bound, tensors, spec)
         else:
-            self._validateInputs(bound, spec)
-            if not self._attached:
+            call_io.validate_inputs(st.compiled, bound, spec)
+            if not st.attached:
                 self.attachToDevice()
+        compiled = st.compiled
         try:
-            self._prepare_run()
-            inputs = self._device_inputs(tensors)
-            outputs = self._run_session(inputs)
+            lifecycle.prepare_run(st)
+            inputs = call_io.device_inputs(st, tensors)
+            outputs = lifecycle.run_session(st, inputs)
         except BaseException:
             if first:  # a compile is committed by its first successful run
-                self._discard_executable()
+                lifecycle.discard(st)
             raise
-        self._ran = True
-        self._writeBackInputs(tensors, inputs)
-        self._anchor_values = {a.key: self._session.anchors[a.key]
-                               for a in self._executable.options.anchors
-                               if a.key in self._session.anchors}
-        return self._buildOutputs(outputs)
+        st.ran = True
+        call_io.write_back_inputs(compiled, tensors, inputs)
+        anchors = compiled.session.anchors
+        st.anchor_values = {a.key: anchors[a.key] for a in compiled.executable.options.anchors
+                            if a.key in anchors}
+        return call_io.build_outputs(compiled, outputs)
 
-    def _prepare_run(self) -> None:
-        """What a call does on the device before running: the trainer's latest weights
-        (inference, S-31), a pending optimizer and optimizer state (training)."""
-        binding = self._optimizer_binding
-        if not self._training:
-            self._syncFromTrainer()
-        elif binding.pending:
-            binding.pending = False
-            self._session.setOptimizer(binding.description)
-        if self._training and binding.optimizer is not None and \
-                getattr(binding.optimizer, "_state_pending", False):
-            if self._host_weights_stale:
-                self._implicitCopyWeightsToHost()
-            binding.write_pending_state(self._session)
+    # -- host ↔ device (see host_sync.py) ---------------------------------------------------
 
-    def _run_session(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Run the session (all or nothing, S-73). The host is told before the run
-        that the device may move ahead, so that a Ctrl-C arriving just after the run
-        leaves no trained weights unseen; after a rolled-back run the flags are put
-        back."""
-        binding = self._optimizer_binding
-        flags = (self._rng_stale, self._host_weights_stale, binding.state_stale)
-        self._rng_stale = True
-        if self._training:
-            self._host_weights_stale = binding.state_stale = True
-        try:
-            return self._session.run(inputs)
-        except BaseException:
-            self._rng_stale, self._host_weights_stale, binding.state_stale = flags
-            raise
+    @serialised
+    def copyWeightsToHost(self) -> None:
+        """Device → host: every parameter and buffer, in place, keeping host dtypes
+        (api §5.7). Bumps the host weight version (S-31).
 
-    # -- optimizer (see _optimizer_binding.py) --------------------------------------------
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        host_sync.copy_to_host(self._state)
+
+    @serialised
+    def _implicitCopyWeightsToHost(self) -> None:
+        # the host's view (HostWeights.pull): another thread may have copied meanwhile
+        lifecycle.pull_weights_if_stale(self._state)
+
+    @serialised
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        """Copy device → host if a run happened since the last copy; returns whether it
+        copied. Always ``False`` for inference executors (api §5.9)."""
+        return lifecycle.pull_weights_if_stale(self._state)
+
+    @serialised
+    def copyWeightsToDevice(self) -> None:
+        """Host → device: every parameter and buffer (api §5.8). Does not first pull the
+        device's weights: un-copied training results are overwritten (S-32).
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        host_sync.copy_to_device(self._state)
+
+    @serialised
+    def copyNamedBuffersToDevice(self) -> None:
+        """Upload only the buffers listed with ``Options.updatableNamedBuffers``.
+
+        Raises:
+            poptorch.Error: not compiled; option not set.
+        """
+        host_sync.copy_named_buffers_to_device(self._state)
+
+    @serialised
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
+        """``model.load_state_dict`` then, if attached, :meth:`copyWeightsToDevice`."""
+        result = self._state.user_model.load_state_dict(state_dict, strict)
+        if self.isAttachedToDevice():
+            self.copyWeightsToDevice()
+        return result
+
+    @property
+    @serialised
+    def rng_state(self) -> Optional[List[int]]:
+        """``[seed, *state]`` of the device RNG (api §5.16, S-96, S-97).
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        return host_sync.rng_state(self._state)
+
+    @rng_state.setter
+    @serialised
+    def rng_state(self, state: List[int]) -> None:
+        host_sync.set_rng(self._state, state)
+
+    # -- optimizer (see optimizer_binding.py) --------------------------------------------
 
     @serialised
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -480,10 +397,11 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
             poptorch.Error: parameters that do not belong to the model; a change that
                 needs recompilation (S-52); a stored optimizer state that does not fit.
         """
-        if not self._training:
+        st = self._state
+        if not st.training:
             raise AttributeError("setOptimizer is only supported by training models "
                                  "(poptorch.trainingModel).")
-        self._optimizer_binding.bind(self, optimizer)
+        st.binding.bind(optimizer, st.session, self.isCompiled(), st.attached)
 
     @serialised
     def _checkOptimizerStateFits(self, optimizer, ipu_state) -> None:
@@ -493,12 +411,12 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
         Raises:
             poptorch.Error: see ``setOptimizer``.
         """
-        self._optimizer_binding.check_state_fits(self._session, optimizer, ipu_state)
+        self._state.binding.check_state_fits(self._state.session, optimizer, ipu_state)
 
     @serialised
     def _syncOptimizerStateToHost(self) -> None:
         """Device → host: the optimizer state, unless the host copy is current."""
-        self._optimizer_binding.sync_state_to_host(self._session)
+        self._state.binding.sync_state_to_host(self._state.session)
 
     # -- device attachment ---------------------------------------------------------------
 
@@ -510,15 +428,7 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
         Raises:
             poptorch.Error: not compiled, or not attached.
         """
-        self._require_executable()
-        if not self._attached:
-            raise py_error("Device is not attached")
-        self._readRng()
-        if self._training:
-            self.copyWeightsToHostIfNeeded()
-            self._syncOptimizerStateToHost()
-        self._attached = False
-        logger.debug("Detached from device %d", self._device.device_id if self._device else 0)
+        lifecycle.detach(self._state)
 
     @serialised
     def attachToDevice(self) -> None:
@@ -528,66 +438,172 @@ class PoplarExecutor(CallIOMixin, HostSyncMixin, InspectionMixin):
             poptorch.Error: not compiled, or already attached.
             AssertionError: ``ConnectionType.Never``.
         """
-        self._require_executable()
-        if int(self._options.connection_type) == int(enums.ConnectionType.Never):
-            raise AssertionError("Trying to attach to an offline device "
-                                 "(ConnectionType.Never)")
-        if self._attached:
-            raise py_error("Device is already attached")
-        self._attached = True
-        if self._training:
-            self._optimizer_binding.mark_state_pending()
-        self._uploadState()
-
-    def _discard_executable(self) -> None:
-        """Forget a compilation whose first run failed: the next call captures and
-        compiles again (possibly for other input types). Nothing ran on the device,
-        so there is nothing to copy back."""
-        self._executable = None
-        self._program = None
-        self._session = None
-        self._attached = False
-        self._captured = None
-        self._input_spec = None
-        self._input_names = []
+        lifecycle.attach(self._state)
 
     @serialised
     def destroy(self) -> None:
         """Discard the executable (api §5.15). Training executors copy weights and
         optimizer state back first and remove the model's instrumentation. The executor
         can be called again afterwards: it recompiles."""
-        if self._executable is None:
-            return
-        if self._training:
-            self.copyWeightsToHostIfNeeded()
-            self._syncOptimizerStateToHost()
-        self._executable = None
-        self._session = None
-        self._attached = False
-        self._captured = None
-        if self._training:
-            if _instrument.is_instrumented(self._user_model):
-                _instrument.uninstrument(self._user_model)
-            if TRAINING_WRAPPERS.get(id(self._user_model)) is self:
-                del TRAINING_WRAPPERS[id(self._user_model)]
+        lifecycle.destroy(self._state, self)
 
     def __del__(self):
         """A training executor that goes away hands its trained weights and its optimizer
         state to the host and removes the instrumentation, so nothing trained is lost."""
         # At interpreter shutdown the modules used here may already be gone.
         with contextlib.suppress(Exception):
-            if not self.__dict__.get("_training") or "_user_model" not in self.__dict__:
-                return
-            if self._executable is not None and self._host_weights_stale:
-                self.copyWeightsToHost()
-            if self._executable is not None:
-                self._syncOptimizerStateToHost()
-            model = self._user_model
-            ref = _instrument.executor_ref_of(model)
-            if ref is not None and ref() in (None, self):
-                _instrument.uninstrument(model)
+            state = self.__dict__.get("_state")
+            if state is not None:
+                with self._lock:
+                    lifecycle.release(state, self)
+
+    # -- inspection (see inspection.py) ---------------------------------------------------
+
+    def cycleCount(self) -> int:
+        """Cycles of the last run on the first replica (api §5.17).
+
+        PopTorch counts them on IPU hardware only and fails to compile on the Poplar
+        IPU Model. This IPU Model goes further: it returns its estimate of the run
+        (:mod:`popart_compiler.cost.cycle_model`: per-op cost, pipeline schedule, weight
+        update), which is deterministic and does not depend on the host.
+
+        Raises:
+            poptorch.Error: ``Options.logCycleCount(True)`` was not set, or the model
+                has not run since it was compiled.
+        """
+        return inspection.cycle_count(self._state)
+
+    def estimatedThroughput(self) -> float:
+        """The IPU Model's estimate of the samples per second of all replicas (not a
+        PopTorch method): micro-batch × micro-batches per step × replicas over the
+        estimated time of a step (pipeline schedule, weight update, host transfers).
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        return float(self.ipuModelEstimate()["cycles"]["samples_per_second"])
+
+    def ipuModelEstimate(self) -> Dict[str, Any]:
+        """The IPU Model's estimate of the compiled program (not a PopTorch method):
+        the figures written to ``profile.json`` — memory per IPU by category (bytes),
+        largest tensors, cycles per run, pipeline stages and schedule, samples per
+        second (see README "Memory and cycle estimates").
+
+        Raises:
+            poptorch.Error: not compiled.
+        """
+        return inspection.ipu_model_estimate(self._state)
+
+    def compilationTime(self) -> datetime.timedelta:
+        """Wall-clock time of the last compilation (api §5.18).
+
+        Raises:
+            poptorch.Error: not compiled, or the progress bar was disabled.
+        """
+        return inspection.compilation_time(self._state)
+
+    def getPerfCounters(self) -> Dict[str, List[List[float]]]:
+        """Host timestamps of the transfers of the last run (api §5.19)."""
+        return inspection.perf_counters(self._state)
+
+    def getHostIpuLatency(self):
+        """``(min, max, mean)`` seconds from input start to input complete."""
+        return inspection.latency(self._state, "input", min, "input_complete", max)
+
+    def getComputeLatency(self):
+        """``(min, max, mean)`` seconds from input complete to output start."""
+        return inspection.latency(self._state, "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self):
+        """``(min, max, mean)`` seconds from output start to output complete."""
+        return inspection.latency(self._state, "output", min, "output_complete", max)
+
+    def getLatency(self):
+        """``(min, max, mean)`` seconds from input start to output complete."""
+        return inspection.latency(self._state, "input", min, "output_complete", max)
+
+    def getTensorNames(self) -> List[str]:
+        """Names of the tensors of the compiled graph (S-16).
+
+        Raises:
+            AssertionError: not compiled.
+        """
+        return inspection.tensor_names(self._state)
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """The value of an anchor (``Options.anchorTensor``) captured by the last run.
+
+        Raises:
+            AssertionError: "No tensor with name <n> found." (unknown name or no run).
+        """
+        return inspection.anchored_tensor(self._state, short_name)
+
+    def placementSummary(self, backward: bool = True) -> str:
+        """Where the compiled program runs, as a readable table (api §9, S-60).
+
+        One row per (IPU, pipeline stage, phase) with the number of forward ops, of
+        backward ops (training; counted on the joint forward/backward graph, ``-``
+        with ``backward=False``), and the number and bytes of the parameters whose
+        weight update runs there. The title gives the execution strategy, the IPUs
+        per replica and the number of stages (``2F − 1`` for pipelined training,
+        S-63). The same table (without backward counts) is logged at DEBUG when
+        the model compiles. Not part of PopTorch's API.
+
+        Raises:
+            poptorch.Error: the model is not compiled yet.
+        """
+        return inspection.placement_summary(self._state, backward)
+
+    def _debugGetPopartIR(self) -> str:
+        """A text listing of the compiled graph's operations with their scoped names and
+        the annotations the IPU compiler would read (``MultiConv``, ``Attribute``,
+        available memory; api §8)."""
+        return inspection.program_text(self._state)
 
 
-def _forward_of(model: torch.nn.Module) -> Callable:
-    return model.forward
+def wrap(model: torch.nn.Module, options: Optional[Options], training: bool, version: str,
+         optimizer: Optional[torch.optim.Optimizer] = None) -> PoplarExecutor:
+    """``trainingModel`` / ``inferenceModel``: wrap ``model`` (or the user model of a
+    wrapper). The executor captures a shallow copy of it (the user's instance is never
+    patched) and syncs weights with the user's model itself.
 
+    Raises:
+        RuntimeError: training: the model is already wrapped by a live training
+            executor.
+    """
+    user_model = model.model if isinstance(model, PoplarExecutor) else model
+    if training and id(user_model) in host_sync.TRAINING_WRAPPERS and \
+            instrument.is_instrumented(user_model):
+        raise RuntimeError(
+            "Model has already been wrapped in 'poptorch.trainingModel'. Call "
+            "model.destroy() on the model to unwrap it before wrapping it again.")
+    with instrument.syncing():
+        model_copy = copy.copy(user_model)
+    if instrument.is_instrumented(model_copy):
+        model_copy.__class__ = instrument.original_class(model_copy)
+        instrument.forget(model_copy)
+    return PoplarExecutor(model_copy, options, training, version, optimizer=optimizer,
+                          user_model=user_model)
+
+
+def wrap_loaded(loaded: "export.Loaded") -> PoplarExecutor:
+    """Build the wrapper of a file read by :func:`poptorch._files.export.read_exported`
+    (``poptorch.load``): a training or inference executor of the loaded model with the
+    stored options and optimizer, its replica groupings, the stored program compiled
+    (no capture), the optimizer's device state and the RNG state restored.
+
+    Raises:
+        poptorch.Error: the file's program does not fit the rebuilt model.
+    """
+    executor = wrap(loaded.model, loaded.options, loaded.training, loaded.version,
+                    optimizer=loaded.optimizer)
+    st = executor._state
+    st.per_replica_params.update(loaded.groupings)
+    loaded.check(lifecycle.expected(st))
+    executor._compile_from(loaded.program)
+    if loaded.training and st.session is not None:
+        export.write_device_state(st.binding.optimizer, st.session,
+                                  loaded.optimizer_state)
+    if loaded.rng_state is not None:
+        executor.rng_state = loaded.rng_state
+    return executor

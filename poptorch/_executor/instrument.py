@@ -19,8 +19,43 @@ import torch
 
 from popart_compiler.errors import py_error
 
-__all__ = ["instrument", "uninstrument", "is_instrumented", "suspended", "syncing",
-           "original_class"]
+__all__ = ["HostWeights", "instrument", "uninstrument", "is_instrumented", "suspended",
+           "syncing", "original_class", "executor_of", "host_weights_of", "forget"]
+
+
+class HostWeights:
+    """The host's view of the weights a training executor holds on the device (S-31):
+    shared by the executor and the instrumentation of its model.
+
+    Attributes:
+        stale: a run moved the device ahead of the host copy.
+        version: bumped at each device → host copy.
+        uploaded: which executor's host copy, and which version of it, was last
+            uploaded by the owner (inference wrappers pick up a trainer's weights).
+
+    Args:
+        owner: the executor (held weakly: dropping it frees it).
+        pull: the owner's implicit device → host copy (called while ``stale``).
+    """
+
+    def __init__(self, owner: Any, pull: Callable[[], None]):
+        self._owner = weakref.ref(owner)
+        self._pull = weakref.WeakMethod(pull)
+        self.stale = False
+        self.version = 0
+        self.uploaded: Optional[Tuple[Any, int]] = None
+
+    @property
+    def owner(self) -> Any:
+        """The executor, or ``None`` once it is gone."""
+        return self._owner()
+
+    def pull_if_stale(self) -> None:
+        """Copy the device's weights to the host if the host copy is stale."""
+        pull = self._pull()
+        if self.stale and pull is not None:
+            with syncing():
+                pull()
 
 #: Per thread: how many :func:`syncing` blocks the thread is inside. Another
 #: thread's reads still sync while one thread copies weights.
@@ -46,12 +81,11 @@ def _sync(args) -> None:
     if _syncing_now():
         return
     for a in args:
-        ref = getattr(a, "_poptorch_executor", None) if isinstance(a, torch.Tensor) else None
+        ref = getattr(a, "_poptorch_host", None) if isinstance(a, torch.Tensor) else None
         if ref is not None:
-            executor = ref()
-            if executor is not None and executor._host_weights_stale:
-                with syncing():
-                    executor._implicitCopyWeightsToHost()
+            host = ref()
+            if host is not None:
+                host.pull_if_stale()
             return
 
 
@@ -127,23 +161,18 @@ def _make_class(cls: type) -> type:
     if cls in _CLASSES:
         return _CLASSES[cls]
 
-    def executor_of(self):
-        ref = self.__dict__.get("_poptorch_executor_ref")
-        return ref() if ref is not None else None
+    def pull_if_stale(self) -> None:
+        host = _host_of(self)
+        if host is not None:
+            host.pull_if_stale()
 
     def __getattribute__(self, name: str):
         if name in ("_parameters", "_buffers", "forward") and not _syncing_now():
-            executor = executor_of(self)
-            if executor is not None and executor._host_weights_stale:
-                with syncing():
-                    executor._implicitCopyWeightsToHost()
+            pull_if_stale(self)
         return cls.__getattribute__(self, name)
 
     def state_dict(self, *args, **kwargs):
-        executor = executor_of(self)
-        if executor is not None and executor._host_weights_stale:
-            with syncing():
-                executor._implicitCopyWeightsToHost()
+        pull_if_stale(self)
         with syncing():
             result = cls.state_dict(self, *args, **kwargs)
         copies: dict = {}
@@ -168,15 +197,12 @@ def _make_class(cls: type) -> type:
             executor.destroy()
 
     def _host_weights_version_get(self) -> int:
-        executor = executor_of(self)
-        return executor._host_weights_version if executor is not None else 0
+        host = _host_of(self)
+        return host.version if host is not None else 0
 
     def __reduce_ex__(self, protocol):
-        executor = executor_of(self)
-        if executor is not None and executor._host_weights_stale:
-            with syncing():
-                executor._implicitCopyWeightsToHost()
-        state = {k: v for k, v in self.__dict__.items() if k != "_poptorch_executor_ref"}
+        pull_if_stale(self)
+        state = {k: v for k, v in self.__dict__.items() if k != _MODEL_KEY}
         return (copyreg._reconstructor, (cls, object, None), state)
 
     namespace = {
@@ -206,8 +232,35 @@ def _tensors(model: torch.nn.Module) -> List[Tuple[torch.Tensor, bool]]:
     return out
 
 
-def instrument(model: torch.nn.Module, executor: Any) -> None:
-    """Instrument ``model`` for lazy device → host weight copies by ``executor``.
+#: Key of the model's ``__dict__`` holding a weak reference to its :class:`HostWeights`.
+_MODEL_KEY = "_poptorch_host_ref"
+
+
+def _host_of(model: torch.nn.Module) -> Optional[HostWeights]:
+    ref = model.__dict__.get(_MODEL_KEY)
+    return ref() if ref is not None else None
+
+
+def host_weights_of(model: torch.nn.Module) -> Optional[HostWeights]:
+    """The :class:`HostWeights` of an instrumented model's executor, or ``None``."""
+    return _host_of(model)
+
+
+def executor_of(model: torch.nn.Module) -> Any:
+    """The live training executor that instrumented ``model``, or ``None``."""
+    host = _host_of(model)
+    return host.owner if host is not None else None
+
+
+def forget(model: torch.nn.Module) -> None:
+    """Drop the link to an executor from a model's ``__dict__`` (a shallow copy of an
+    instrumented model shares it)."""
+    model.__dict__.pop(_MODEL_KEY, None)
+
+
+def instrument(model: torch.nn.Module, host: HostWeights) -> None:
+    """Instrument ``model`` for lazy device → host weight copies through ``host``
+    (held weakly).
 
     Raises:
         poptorch.Error: a buffer is not an exact ``torch.Tensor``.
@@ -217,13 +270,13 @@ def instrument(model: torch.nn.Module, executor: Any) -> None:
             if not is_param and type(t) not in (torch.Tensor, _InstrumentedBuffer):
                 raise py_error("All buffers must be an instance of torch.Tensor "
                                f"(Got {type(t)})")
-        ref = weakref.ref(executor)
+        ref = weakref.ref(host)
         for t, is_param in _tensors(model):
             t.__class__ = _InstrumentedParameter if is_param else _InstrumentedBuffer
-            t._poptorch_executor = ref
+            t._poptorch_host = ref
         if not is_instrumented(model):
             model.__class__ = _make_class(type(model))
-        model.__dict__["_poptorch_executor_ref"] = ref
+        model.__dict__[_MODEL_KEY] = ref
 
 
 def uninstrument(model: torch.nn.Module) -> None:
@@ -236,7 +289,7 @@ def uninstrument(model: torch.nn.Module) -> None:
         raise py_error("model was never wrapped")
     with syncing():
         model.__class__ = original_class(model)
-        model.__dict__.pop("_poptorch_executor_ref", None)
+        forget(model)
         for t, is_param in _tensors(model):
             _restore_tensor(t, is_param)
 
@@ -244,7 +297,7 @@ def uninstrument(model: torch.nn.Module) -> None:
 def _restore_tensor(t: torch.Tensor, is_param: bool) -> None:
     if type(t) in (_InstrumentedParameter, _InstrumentedBuffer):
         t.__class__ = torch.nn.Parameter if is_param else torch.Tensor
-    t.__dict__.pop("_poptorch_executor", None)
+    t.__dict__.pop("_poptorch_host", None)
 
 
 @contextlib.contextmanager
@@ -254,7 +307,7 @@ def suspended(model: torch.nn.Module) -> Iterator[None]:
     with syncing():
         for t, is_param in _tensors(model):
             if type(t) in (_InstrumentedParameter, _InstrumentedBuffer):
-                swapped.append((t, type(t), t.__dict__.get("_poptorch_executor")))
+                swapped.append((t, type(t), t.__dict__.get("_poptorch_host")))
                 _restore_tensor(t, is_param)
     try:
         yield
@@ -263,8 +316,4 @@ def suspended(model: torch.nn.Module) -> Iterator[None]:
             for t, cls, ref in swapped:
                 t.__class__ = cls
                 if ref is not None:
-                    t._poptorch_executor = ref
-
-
-def executor_ref_of(model: torch.nn.Module) -> Optional[Callable[[], Any]]:
-    return model.__dict__.get("_poptorch_executor_ref")
+                    t._poptorch_host = ref

@@ -3,29 +3,23 @@ S-50…S-58): which optimizer the executor trains with, its description for the
 compiler, the checks a new optimizer passes before anything changes, and the transfers
 of the optimizer state between the host optimizer and the device.
 
-The executor owns one :class:`OptimizerBinding`; it holds no reference back to the
-executor (so the executor is still freed, and its ``__del__`` still runs, as soon as
+The executor owns one :class:`OptimizerBinding`; it holds no strong reference back to
+the executor (so the executor is still freed, and its ``__del__`` still runs, as soon as
 the user drops it). Methods that work on the device take the session.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, Optional
 
 import torch
 
 from popart_compiler.errors import py_error
-
+from poptorch import enums, optim
 from poptorch._executor import instrument
-from poptorch import enums
+from poptorch._executor.optimizer_description import OptimizerAttrTracker, to_description
 from poptorch._logging import logger
 
 __all__ = ["OptimizerBinding"]
-
-
-def _optimizer_class():
-    from poptorch.optim import Optimizer
-    return Optimizer
 
 
 class OptimizerBinding:
@@ -36,6 +30,8 @@ class OptimizerBinding:
         options: the executor's ``Options`` (read for the loss-scaling settings;
             ``meanAccumulationAndReplicationReductionStrategy`` may be switched, S-41).
         training: whether the executor trains (inference executors bind nothing).
+        link: what a bound PopTorch optimizer calls on the device (see
+            :class:`poptorch.optim.DeviceLink`).
 
     Attributes:
         optimizer: the bound ``torch.optim.Optimizer`` (``None`` before the first
@@ -47,16 +43,17 @@ class OptimizerBinding:
         tracker: the ``OptimizerAttrTracker`` of a training executor (S-52).
     """
 
-    def __init__(self, model: torch.nn.Module, options: Any, training: bool):
+    def __init__(self, model: torch.nn.Module, options: Any, training: bool,
+                 link: Optional[optim.DeviceLink] = None):
         self._model = model
         self._options = options
+        self._link = link
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.description = None
         self.pending = False
         self.state_stale = False
         self.tracker = None
         if training:
-            from poptorch.optim import OptimizerAttrTracker
             self.tracker = OptimizerAttrTracker(
                 bool(options._relax_optimizer_attributes_checks))
 
@@ -85,11 +82,10 @@ class OptimizerBinding:
     def describe(self, optimizer: torch.optim.Optimizer, track: bool = False):
         """The ``OptimizerDescription`` of ``optimizer``; ``track``: record its
         attribute values with :attr:`tracker` (S-52)."""
-        from poptorch import optim
         auto_ls = bool(self._options._Popart.options.get(
             "automaticLossScalingSettings.enabled", False))
-        return optim.to_description(optimizer, self.param_names(), auto_ls,
-                                    self.tracker if track else None)
+        return to_description(optimizer, self.param_names(), auto_ls,
+                              self.tracker if track else None)
 
     def check_mean_reduction_strategy(self, description, compiled: bool) -> bool:
         """S-41: float16 gradient accumulators (except SGD's combined variant) need the
@@ -112,18 +108,18 @@ class OptimizerBinding:
                 "the first compilation, or call destroy() and compile again.")
         return True
 
-    def bind(self, executor: Any, optimizer: torch.optim.Optimizer) -> None:
-        """``executor.setOptimizer(optimizer)`` of a training executor: check
-        everything, then commit (see ``PoplarExecutor.setOptimizer``)."""
-        optim_class = _optimizer_class()
-        session = executor._session
+    def bind(self, optimizer: torch.optim.Optimizer, session: Any, compiled: bool,
+             attached: bool) -> None:
+        """``setOptimizer(optimizer)`` of a training executor (its ``session``, if
+        compiled, and whether it is attached): check everything, then commit (see
+        ``PoplarExecutor.setOptimizer``)."""
+        optim_class = optim.Optimizer
         self.check_parameters(optimizer)
         known = self.tracker.known
         try:
             if optimizer is not self.optimizer:
                 self.tracker.reset()  # a new object: its attributes are the baseline
             description = self.describe(optimizer, track=True)
-            compiled = executor.isCompiled()
             switch = self.check_mean_reduction_strategy(description, compiled)
             new_object = compiled and self.optimizer is not None and \
                 optimizer is not self.optimizer
@@ -145,21 +141,21 @@ class OptimizerBinding:
             self._options._freeze()
         if new_object:
             if isinstance(self.optimizer, optim_class):
-                executor._syncOptimizerStateToHost()
-                self.optimizer._executor_ref = None
+                self.sync_state_to_host(session)
+                optim.link_device(self.optimizer, None)
             if carries_state:
-                optimizer._state_pending = True
+                optim.mark_state_pending(optimizer)
         self.optimizer = optimizer
         if isinstance(optimizer, optim_class):
-            optimizer._executor_ref = weakref.ref(executor)
+            optim.link_device(optimizer, self._link)
         changed = description != self.description
         self.description = description
         if session is None:
             return
-        if executor._attached:
+        if attached:
             if changed:
                 session.setOptimizer(description)
-            if getattr(optimizer, "_state_pending", False):
+            if self.state_pending():
                 self.write_pending_state(session)
         elif changed:
             self.pending = True
@@ -167,8 +163,13 @@ class OptimizerBinding:
     def mark_state_pending(self) -> None:
         """A device state stored on the host optimizer is uploaded with the weights
         (at compile and attach)."""
-        if isinstance(self.optimizer, _optimizer_class()) and self.optimizer.has_state():
-            self.optimizer._state_pending = True
+        if isinstance(self.optimizer, optim.Optimizer) and self.optimizer.has_state():
+            optim.mark_state_pending(self.optimizer)
+
+    def state_pending(self) -> bool:
+        """A state loaded on the host optimizer waits to be written to the device."""
+        return isinstance(self.optimizer, optim.Optimizer) and \
+            optim.state_pending(self.optimizer)
 
     def upload(self, session: Any) -> None:
         """Host → device at compile / attach: the description and a pending state."""
@@ -194,16 +195,16 @@ class OptimizerBinding:
         state dict (``ipu_state`` / ``ipu_param``, S-56), unless the host copy is
         current."""
         opt = self.optimizer
-        if not isinstance(opt, _optimizer_class()) or session is None:
+        if not isinstance(opt, optim.Optimizer) or session is None:
             return
-        if not self.state_stale and opt._state_dict.get("ipu_state") is not None:
+        if not self.state_stale and opt.has_state():
             logger.debug("Using cached optimiser state dict")
             return
-        if opt._state_pending:  # a loaded state not written yet is the latest one
+        if optim.state_pending(opt):  # a loaded state not written yet is the latest one
             return
         logger.info("Writing optimiser state tensors from IPU to host.")
-        opt._state_dict = {"ipu_state": session.readOptimizerState(),
-                           "ipu_param": session.readOptimizerParams()}
+        optim.store_device_state(opt, session.readOptimizerState(),
+                                 session.readOptimizerParams())
         self.state_stale = False
 
     def write_pending_state(self, session: Any) -> None:
@@ -215,20 +216,19 @@ class OptimizerBinding:
                 state) so that the model stays usable.
         """
         opt = self.optimizer
-        if not isinstance(opt, _optimizer_class()) or session is None:
+        if not isinstance(opt, optim.Optimizer) or session is None:
             return
-        if not opt._state_pending:
-            if opt._state_dict.get("ipu_state") is None:
+        if not optim.state_pending(opt):
+            if not opt.has_state():
                 self.state_stale = True
             return
-        state = opt._state_dict
+        state = opt.get_state_dict()
         try:
             session.checkOptimizerState(state["ipu_state"])
             description = self.describe(opt)
             session.checkOptimizer(description)
         except BaseException:
-            opt._state_pending = False  # dropped: a recompile does not retry it
-            opt._state_dict = dict(opt._state_dict, ipu_state=None, ipu_param=None)
+            optim.drop_pending_state(opt)  # dropped: a recompile does not retry it
             raise
         logger.info("Writing optimiser state tensors from host to IPU memory.")
         session.writeOptimizerState(state["ipu_state"])
@@ -240,5 +240,5 @@ class OptimizerBinding:
         if description != self.description:
             self.description = description
             session.setOptimizer(description)
-        opt._state_pending = False
+        optim.written_to_device(opt)
         self.state_stale = True

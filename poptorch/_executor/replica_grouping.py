@@ -9,9 +9,8 @@ from typing import Any, Dict
 import torch
 
 from popart_compiler.errors import backend_error, py_error
-
-from poptorch._executor import instrument
 from poptorch import enums
+from poptorch._executor import instrument
 
 __all__ = ["ReplicaGroupingProxy", "one_replica_slices", "check_per_replica_params"]
 

@@ -43,14 +43,13 @@ import torch
 from filelock import FileLock
 
 from popart_compiler.errors import Error
-
 from poptorch._executor import instrument
+from poptorch._files.container import (FORMAT_VERSION, encode, read_container,
+                                       write_container)
+from poptorch._files.program import Program, encode_spec, from_blobs, to_blobs
 from poptorch._logging import logger
-from poptorch._files.program import Program, capture_program, encode_spec, from_blobs, to_blobs
-from poptorch._files.proto_export import export_proto_if_requested
-from poptorch._files.container import FORMAT_VERSION, encode, read_container, write_container
 
-__all__ = ["cache_directory", "cache_key", "obtain_program", "program_for"]
+__all__ = ["cache_directory", "cache_key", "obtain_program"]
 
 #: Options that do not change the compiled program.
 #: Options that do not change what is compiled: where the cache is, and which process of
@@ -134,29 +133,30 @@ def _model_description(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
     return {"modules": modules, "sources": sorted(hashes.values()), "state": state}
 
 
-def cache_key(executor, spec, names: List[str], num_positional: int,
-              device: str, backend: str) -> Optional[str]:
-    """The cache key of compiling ``executor`` for inputs of structure ``spec``, or
-    ``None`` when the model cannot be keyed (unreadable source, unencodable option or
-    input)."""
-    model = executor._model
+def cache_key(model: torch.nn.Module, options: Any, training: bool,
+              groupings: Dict[str, Any], spec, names: List[str], num_positional: int,
+              device: str, backend: str, version: str) -> Optional[str]:
+    """The cache key of compiling ``model`` (training or not, with these options and
+    replica groupings, by PopTorch ``version``) for inputs of structure ``spec``
+    bound to argument ``names``, or ``None`` when the model cannot be keyed
+    (unreadable source, unencodable option or input)."""
     described = _model_description(model)
     if described is None:
         return None
     try:
-        options = encode(executor._options)
+        options = encode(options)
         inputs = encode_spec(spec, "the inputs")
-        groupings = encode(dict(executor.per_replica_params))
+        groupings = encode(dict(groupings))
     except Error as exc:
         logger.info("Executable cache not used: %s", exc.message)
         return None
     options = _drop_keys(options, _NOT_IN_KEY)
     parts = {
         "format_version": FORMAT_VERSION,
-        "versions": [executor._poptorch_version, torch.__version__,
+        "versions": [version, torch.__version__,
                      f"{sys.version_info[0]}.{sys.version_info[1]}"],
         "backend": {"name": backend, "device": device},
-        "training": executor._training,
+        "training": training,
         "model": described,
         "options": options,
         "replica_groupings": groupings,
@@ -191,7 +191,7 @@ def _load_entry(path: str) -> Optional[Program]:
     return program
 
 
-def obtain_program(executor, directory: Optional[str], key: Optional[str],
+def obtain_program(directory: Optional[str], key: Optional[str],
                    capture: Callable[[], Program]) -> Program:
     """The program for this compilation: from the cache entry ``key`` in ``directory``
     when present and readable, else ``capture()`` (which then fills the entry).
@@ -229,26 +229,3 @@ def obtain_program(executor, directory: Optional[str], key: Optional[str],
         return program
     finally:
         lock.release()
-
-
-def program_for(executor, bound, tensors: List[torch.Tensor], spec, sess_opts) -> Program:
-    """The program ``executor`` compiles: the one ``loadExecutable`` read, else the
-    cache entry for these inputs, else a fresh capture of one micro-batch. Writes the
-    ONNX model-proto file when ``POPTORCH_EXPORT_PROTO_FILE`` is set."""
-    program = executor._loaded_program
-    if program is not None:
-        executor._loaded_program = None
-    else:
-        factor = executor._batch_factor()
-        micro = [t[: t.shape[0] // factor] if t.dim() else t
-                 for t in executor._device_inputs(tensors)]
-        executor._capture_args = (bound, spec, micro)
-        directory = cache_directory(executor._options)
-        key = cache_key(executor, spec, list(bound.names), bound.num_positional,
-                        sess_opts.device, sess_opts.backend) if directory else None
-        program = obtain_program(executor, directory, key, lambda: capture_program(
-            executor, bound, spec, micro, sess_opts.device))
-        if executor._serialize_program and program.blobs is None:
-            program.blobs = to_blobs(program)
-    export_proto_if_requested(program)
-    return program

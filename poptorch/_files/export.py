@@ -14,6 +14,8 @@ caller passes ``unpickle_model=True``.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import pickle
@@ -22,19 +24,19 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from popart_compiler.errors import backend_error, py_error
-
-from poptorch._executor import instrument
+from popart_compiler.stages import Executable
 from poptorch import enums
-from poptorch._logging import logger
-from poptorch._files.optimizer_record import (device_state_of, optimizer_record, rebuild_optimizer,
-                                write_device_state)
-from poptorch._files.program import (capture_program, decode_signature, encode_signature,
-                       from_blobs, structure_of, to_blobs)
+from poptorch._executor import instrument
 from poptorch._files.container import (decode, encode, read_container, tensors_from_bytes,
-                             tensors_to_bytes, write_container)
+                                       tensors_to_bytes, write_container)
+from poptorch._files.optimizer_record import (device_state_of, optimizer_record,
+                                              rebuild_optimizer, write_device_state)
+from poptorch._files.program import (Program, decode_signature, encode_signature,
+                                     from_blobs, structure_of, to_blobs)
+from poptorch._logging import logger
 
-__all__ = ["save", "load_executable", "load", "import_metadata",
-           "ExportedModel"]
+__all__ = ["Saved", "Expected", "Loaded", "save", "load_executable", "read_exported",
+           "import_metadata", "write_device_state", "ExportedModel"]
 
 #: Options that may differ between the saving and the loading executor (S-62: only
 #: run-time options matter after loading).
@@ -61,10 +63,45 @@ def _target_path(filename: str) -> str:
     return filename
 
 
-def _weights_record(executor) -> Tuple[Dict[str, Any], bytes]:
+@dataclasses.dataclass
+class Saved:
+    """What ``PoplarExecutor.save`` writes (the host weights and the optimizer state
+    already synchronised with the device).
+
+    Attributes:
+        program: the compiled program (its ``blobs``, if serialized before compiling).
+        recapture: captures the uncompiled program again when it has no blobs.
+        executable: the compiler's product (a program with no device work is refused).
+        options: the executor's ``Options``.
+        training: a training executable.
+        forward: the captured module's ``forward`` (its signature is stored).
+        groupings: replica groupings of weights (S-27).
+        version: the PopTorch version writing the file.
+        model: the user's model to export (weights, layout, pickle), or ``None``
+            (``export_model=False``).
+        optimizer: the training optimizer to export, or ``None``.
+        param_names: ``id(parameter) → name`` of the model's parameters.
+        session: the session (the device state of a ``torch.optim`` optimizer).
+        rng_state: the RNG state to store, or ``None``.
+    """
+    program: Program
+    recapture: Optional[Callable[[], Program]]
+    executable: Executable
+    options: Any
+    training: bool
+    forward: Callable
+    groupings: Dict[str, Any]
+    version: str
+    model: Optional[torch.nn.Module] = None
+    optimizer: Optional[torch.optim.Optimizer] = None
+    param_names: Dict[int, str] = dataclasses.field(default_factory=dict)
+    session: Any = None
+    rng_state: Optional[list] = None
+
+
+def _weights_record(model: torch.nn.Module) -> Tuple[Dict[str, Any], bytes]:
     """Host weights (one copy per tensor) and their layout."""
     with instrument.syncing():
-        model = executor._user_model
         kinds: Dict[str, str] = {}
         tensors: Dict[str, torch.Tensor] = {}
         aliases: Dict[str, str] = {}
@@ -88,46 +125,37 @@ def _weights_record(executor) -> Tuple[Dict[str, Any], bytes]:
     return {"kinds": kinds, "aliases": aliases}, tensors_to_bytes(tensors)
 
 
-def save(executor, filename: str, export_model: bool = True,
-         save_rng_state: bool = True) -> None:
+def save(filename: str, saved: Saved) -> None:
     """See :meth:`poptorch.PoplarExecutor.save`."""
-    from poptorch import __version__
-    executor._require_executable()
-    if not executor._executable.graph.has_device_work():
+    if not saved.executable.graph.has_device_work():
         raise backend_error("Nothing to export: the model's graph does no work on the "
                             "device (it only passes inputs or constants through).")
     path = _target_path(filename)
-    program = executor._program
+    program = saved.program
     if program.blobs is None:  # serialize the uncompiled program (captured again)
-        bound, spec, micro = executor._capture_args
-        program.blobs = to_blobs(capture_program(executor, bound, spec, micro,
-                                                 executor._executable.options.device))
+        program.blobs = to_blobs(saved.recapture())
     blobs = dict(program.blobs)
     meta: Dict[str, Any] = {
-        "kind": "executable", "poptorch_version": __version__,
-        "torch_version": torch.__version__, "training": executor._training,
-        "export_model": bool(export_model), "options": encode(executor._options),
-        "replica_groupings": encode(dict(executor.per_replica_params)),
-        "signature": encode_signature(executor._model.forward),
+        "kind": "executable", "poptorch_version": saved.version,
+        "torch_version": torch.__version__, "training": saved.training,
+        "export_model": saved.model is not None, "options": encode(saved.options),
+        "replica_groupings": encode(dict(saved.groupings)),
+        "signature": encode_signature(saved.forward),
     }
-    if export_model:
-        if executor._training:
-            executor.copyWeightsToHostIfNeeded()
-        meta["weights"], blobs["weights.safetensors"] = _weights_record(executor)
-        binding = executor._optimizer_binding
-        if executor._training and binding.optimizer is not None:
-            executor._syncOptimizerStateToHost()
+    if saved.model is not None:
+        meta["weights"], blobs["weights.safetensors"] = _weights_record(saved.model)
+        if saved.optimizer is not None:
             meta["optimizer"], blobs["optimizer.safetensors"] = optimizer_record(
-                binding.optimizer, binding.param_names(),
-                device_state_of(binding.optimizer, executor._session))
+                saved.optimizer, saved.param_names,
+                device_state_of(saved.optimizer, saved.session))
         try:
             with instrument.syncing():
-                blobs["model.pkl"] = pickle.dumps(executor._user_model)
+                blobs["model.pkl"] = pickle.dumps(saved.model)
         except Exception as exc:  # unpicklable models are still loadable from the program
             logger.warning("The Python model is not stored in %s (it cannot be pickled: "
                            "%s); poptorch.load rebuilds it from the program.", path, exc)
-    if save_rng_state:
-        meta["rng_state"] = executor.rng_state
+    if saved.rng_state is not None:
+        meta["rng_state"] = saved.rng_state
     blobs["metadata.json"] = json.dumps(meta).encode()
     write_container(path, blobs)
     logger.info("Saved the executable to %s", path)
@@ -162,10 +190,31 @@ def _options_difference(current, stored) -> Optional[str]:
     return None
 
 
-def _check_fits(executor, filename: str, meta: Dict[str, Any],
+@dataclasses.dataclass
+class Expected:
+    """The wrapper a stored executable is loaded into (S-62: the file must hold an
+    executable for this kind of model, weights and ``forward``, with the same
+    compile-time options).
+
+    Attributes:
+        training: a training wrapper.
+        tensors: the captured model's parameters and buffers by name.
+        groupings: its replica groupings (their weights' shapes are not compared).
+        signature: ``forward``'s signature (``None``: not inspectable).
+        options: the wrapper's ``Options``.
+        version: this PopTorch's version.
+    """
+    training: bool
+    tensors: Dict[str, torch.Tensor]
+    groupings: Dict[str, Any]
+    signature: Optional[inspect.Signature]
+    options: Any
+    version: str
+
+
+def _check_fits(expected: Expected, filename: str, meta: Dict[str, Any],
                 structure: Dict[str, Any]) -> None:
-    """S-62: the file must hold an executable for this wrapper's kind of model,
-    weights and ``forward`` signature, compiled with the same compile-time options.
+    """Raise unless the file's executable fits ``expected``.
 
     Raises:
         poptorch.Error: naming the first difference.
@@ -176,18 +225,16 @@ def _check_fits(executor, filename: str, meta: Dict[str, Any],
                             "options.")
 
     kind = {True: "training", False: "inference"}
-    if bool(meta["training"]) != executor._training:
+    if bool(meta["training"]) != expected.training:
         fail(f"it holds a {kind[bool(meta['training'])]} executable but this is an "
-             f"{kind[executor._training]} model")
-    with instrument.syncing():
-        host = dict(executor._model.named_parameters(remove_duplicate=False))
-        host.update(executor._model.named_buffers(remove_duplicate=False))
+             f"{kind[expected.training]} model")
+    host = expected.tensors
     for entry in structure["state"]:
         tensor = host.get(entry["name"])
         if tensor is None:
             fail(f"the executable was compiled for a model with a weight "
                  f"{entry['name']} that this model does not have")
-        if entry["name"] not in executor.per_replica_params and \
+        if entry["name"] not in expected.groupings and \
                 list(tensor.shape) != entry["shape"]:
             fail(f"weight {entry['name']} has shape {list(tensor.shape)} here but "
                  f"{entry['shape']} in the executable")
@@ -197,27 +244,30 @@ def _check_fits(executor, filename: str, meta: Dict[str, Any],
     if extra:
         fail(f"this model has parameters {extra[:5]} that the executable does not use")
     stored_sig = decode_signature(meta.get("signature"))
-    here = executor._parser._sig
+    here = expected.signature
     if here is not None and meta.get("signature") is not None and \
             list(here.parameters) != list(stored_sig.parameters):
         fail(f"forward takes {list(here.parameters)} here but "
              f"{list(stored_sig.parameters)} in the executable")
-    difference = _options_difference(executor._options, decode(meta["options"]))
+    difference = _options_difference(expected.options, decode(meta["options"]))
     if difference is not None:
         fail(f"compile-time option {difference}")
 
 
-def load_executable(executor, filename: str) -> None:
-    """See :meth:`poptorch.PoplarExecutor.loadExecutable`."""
-    from poptorch import __version__
+def load_executable(filename: str, expected: Expected) -> Program:
+    """See :meth:`poptorch.PoplarExecutor.loadExecutable`: the stored program, once
+    the file is found to fit ``expected``.
+
+    Raises:
+        poptorch.Error: "Invalid file <f>: <reason>".
+    """
     blobs, meta = _read(filename)
-    if meta.get("poptorch_version") != __version__:
+    if meta.get("poptorch_version") != expected.version:
         raise backend_error(f"Invalid file {filename}: PopTorch version mismatch (the file "
                             f"was written by {meta.get('poptorch_version')}, this is "
-                            f"{__version__}).")
-    _check_fits(executor, filename, meta, structure_of(blobs))
-    program = from_blobs(blobs)
-    executor._loadProgram(program)
+                            f"{expected.version}).")
+    _check_fits(expected, filename, meta, structure_of(blobs))
+    return from_blobs(blobs)
 
 
 class ExportedModel(torch.nn.Module):
@@ -277,15 +327,58 @@ def _loaded_model(filename: str, blobs, meta, unpickle_model: bool) -> torch.nn.
                          meta.get("signature"))
 
 
-def load(filename: str, edit_opts_fn: Optional[Callable] = None,
-         unpickle_model: bool = False):
-    """See :func:`poptorch.load`."""
-    import poptorch
+@dataclasses.dataclass
+class Loaded:
+    """An exported file, read: what ``poptorch.load`` wraps
+    (:func:`poptorch._executor.executor.wrap_loaded`).
+
+    Attributes:
+        filename: the file.
+        options: the stored ``Options`` (unfrozen, edited by ``edit_opts_fn``).
+        model: the rebuilt model (:class:`ExportedModel`, or the unpickled one).
+        training: a training executable.
+        optimizer: the rebuilt optimizer (training), or ``None``.
+        optimizer_state: the stored device state of a ``torch.optim`` optimizer.
+        program: the stored program.
+        groupings: replica groupings of weights (S-27).
+        rng_state: the stored RNG state, or ``None``.
+        version: the PopTorch version that wrote it (this one).
+    """
+    filename: str
+    options: Any
+    model: torch.nn.Module
+    training: bool
+    optimizer: Optional[torch.optim.Optimizer]
+    optimizer_state: bytes
+    program: Program
+    groupings: Dict[str, Any]
+    rng_state: Optional[list]
+    version: str
+    meta: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    structure: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def check(self, expected: Expected) -> None:
+        """Raise unless the stored program fits the wrapper built for it.
+
+        Raises:
+            poptorch.Error: "Invalid file <f>: <reason>".
+        """
+        _check_fits(expected, self.filename, self.meta, self.structure)
+
+
+def read_exported(filename: str, version: str, edit_opts_fn: Optional[Callable] = None,
+                  unpickle_model: bool = False) -> Loaded:
+    """See :func:`poptorch.load`: read everything an exported file holds.
+
+    Raises:
+        poptorch.Error: an unreadable file.
+        AssertionError: another PopTorch version; no model in the file.
+    """
     blobs, meta = _read(filename)
-    if meta.get("poptorch_version") != poptorch.__version__:
+    if meta.get("poptorch_version") != version:
         raise AssertionError(f"Invalid file {filename}: PopTorch version mismatch (the file "
                              f"was written by {meta.get('poptorch_version')}, this is "
-                             f"{poptorch.__version__}).")
+                             f"{version}).")
     if not meta.get("export_model"):
         raise AssertionError(
             f"Invalid file {filename}: it was saved with export_model=False and holds no "
@@ -300,23 +393,13 @@ def load(filename: str, edit_opts_fn: Optional[Callable] = None,
     if edit_opts_fn is not None:
         edit_opts_fn(options)
     model = _loaded_model(filename, blobs, meta, unpickle_model)
-    if meta["training"]:
-        optimizer = None
-        if "optimizer" in meta:
-            with instrument.syncing():
-                params = dict(model.named_parameters())
-            optimizer = rebuild_optimizer(meta["optimizer"],
-                                          blobs.get("optimizer.safetensors", b""), params)
-        executor = poptorch.trainingModel(model, options, optimizer)
-    else:
-        executor = poptorch.inferenceModel(model, options)
-    for name, grouping in decode(meta.get("replica_groupings") or {"__dict__": []}).items():
-        executor.per_replica_params[name] = grouping
-    _check_fits(executor, filename, meta, structure_of(blobs))
-    executor._loadProgram(from_blobs(blobs))
-    if meta["training"] and executor._session is not None:
-        write_device_state(executor._optimizer_binding.optimizer, executor._session,
-                           blobs.get("optimizer.safetensors", b""))
-    if meta.get("rng_state") is not None:
-        executor.rng_state = meta["rng_state"]
-    return executor
+    optimizer = None
+    if meta["training"] and "optimizer" in meta:
+        with instrument.syncing():
+            params = dict(model.named_parameters())
+        optimizer = rebuild_optimizer(meta["optimizer"],
+                                      blobs.get("optimizer.safetensors", b""), params)
+    return Loaded(os.fspath(filename), options, model, bool(meta["training"]), optimizer,
+                  blobs.get("optimizer.safetensors", b""), from_blobs(blobs),
+                  decode(meta.get("replica_groupings") or {"__dict__": []}),
+                  meta.get("rng_state"), version, meta, structure_of(blobs))

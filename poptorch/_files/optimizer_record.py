@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from popart_compiler.errors import backend_error
-
 from poptorch import optim
 from poptorch._files.container import decode, encode, tensors_from_bytes, tensors_to_bytes
 
@@ -27,8 +26,7 @@ _CLASSES.update({f"torch.optim.{c.__name__}": c for c in (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)})
 _KEY_OF = {cls: key for key, cls in _CLASSES.items()}
 #: PopTorch attributes restored on the rebuilt optimizer.
-_ATTRIBUTES = tuple(a for a in optim.Optimizer._PICKLED
-                    if a not in ("_state_dict", "_state_pending"))
+_ATTRIBUTES = optim.ATTRIBUTES
 
 
 def device_state_of(optimizer: torch.optim.Optimizer, session: Any

@@ -22,21 +22,20 @@ import typing
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
+from torch._export.serde import serialize as serde
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import Placement
-
-from poptorch._executor import instrument
 from poptorch._capture.args import Spec
-from poptorch._capture.capture import Captured, capture
-from poptorch._files.container import (decode, dtype_name, dtype_of, encode, tensors_from_bytes,
-                             tensors_to_bytes)
+from poptorch._capture.capture import Captured
+from poptorch._files.container import (decode, dtype_name, dtype_of, encode,
+                                       tensors_from_bytes, tensors_to_bytes)
 
-__all__ = ["Program", "capture_program", "to_blobs", "from_blobs", "encode_spec", "decode_spec",
-           "state_signature", "encode_signature", "decode_signature"]
+__all__ = ["Program", "to_blobs", "from_blobs", "encode_spec", "decode_spec",
+           "state_signature", "encode_signature", "decode_signature", "structure_of"]
 
 
 @dataclasses.dataclass
@@ -58,29 +57,6 @@ class Program:
     blobs: Optional[Dict[str, bytes]] = None
 
 
-# -- capture --------------------------------------------------------------------------
-
-def capture_program(executor, bound, spec, micro: List[torch.Tensor],
-                    device: str) -> Program:
-    """Capture ``executor``'s model for one micro-batch ``micro`` of the bound inputs
-    (training models with their instrumentation suspended, replica-grouped weights
-    as one group's slice, S-27)."""
-    from poptorch._executor.executor import _forward_of
-    from poptorch._executor.replica_grouping import one_replica_slices
-    model = executor._model
-    # Capture reads shapes, not values: no implicit device → host copy for a model
-    # trained by another executor (it could wait on that executor from inside the
-    # process-wide capture lock).
-    suspend = instrument.suspended(executor._user_model) if executor._training \
-        else instrument.syncing()
-    with suspend, one_replica_slices(executor._user_model, executor.per_replica_params):
-        captured = capture(model, _forward_of(model), bound, spec, micro,
-                           executor._training, device,
-                           strategy=executor._options._execution_strategy,
-                           module_namescope=executor._options._module_namescope_enabled)
-    return Program(captured, spec, list(bound.names), bound.num_positional)
-
-
 # -- torch.export (de)serialization ------------------------------------------------------
 
 @contextlib.contextmanager
@@ -88,7 +64,6 @@ def _memoized_type_hints() -> Iterator[None]:
     """``torch._export.serde`` resolves the type hints of its schema dataclasses once
     per JSON object; they never change, so remember them while (de)serializing (halves
     the time for transformer-size programs)."""
-    from torch._export.serde import serialize as serde
     original = serde.typing
     memo: Dict[Any, Any] = {}
 
@@ -110,7 +85,6 @@ def _memoized_type_hints() -> Iterator[None]:
 
 
 def _serialize_program(program: ExportedProgram) -> bytes:
-    from torch._export.serde import serialize as serde
     with _memoized_type_hints():
         artifact = serde.serialize(program, serialize_state_dict=False,
                                    serialize_constants=False,
@@ -120,7 +94,6 @@ def _serialize_program(program: ExportedProgram) -> bytes:
 
 def _deserialize_program(data: bytes, state: Dict[str, torch.Tensor],
                          constants: Dict[str, Any]) -> ExportedProgram:
-    from torch._export.serde import serialize as serde
     with _memoized_type_hints():
         return serde.deserialize(serde.SerializedArtifact(data, state, constants, ((), {})))
 

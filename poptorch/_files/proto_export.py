@@ -13,7 +13,6 @@ import importlib.util
 import os
 
 from popart_compiler.errors import backend_error
-
 from poptorch._logging import logger
 
 __all__ = ["export_proto_if_requested", "export_proto"]

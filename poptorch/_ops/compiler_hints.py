@@ -9,10 +9,9 @@ from typing import Any
 import torch
 
 from popart_compiler.errors import backend_error, py_error
-
-from poptorch._ops import library
 from poptorch import enums
 from poptorch._impl import isRunningOnIpu
+from poptorch._ops import library
 
 __all__ = ["recomputationCheckpoint", "serializedMatMul", "set_available_memory",
            "set_overlap_for_input", "set_overlap_for_output"]

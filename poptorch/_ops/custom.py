@@ -29,10 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from popart_compiler.errors import py_error
-
+from poptorch._impl import isRunningOnIpu
 from poptorch._ops import library as _ops_library
 from poptorch._ops.host import check_outputs, empty_outputs, encode_outputs
-from poptorch._impl import isRunningOnIpu
 
 __all__ = ["custom_op", "register_custom_op", "unregister_custom_op"]
 

@@ -18,7 +18,6 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from popart_compiler.errors import py_error
-
 from poptorch._impl import isRunningOnIpu
 
 __all__ = ["dynamic_slice", "dynamic_update", "OffsetTracker"]

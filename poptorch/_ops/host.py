@@ -17,9 +17,8 @@ from typing import Any, Callable, List, Sequence, Tuple
 import torch
 
 from popart_compiler.errors import py_error
-
-from poptorch._ops import library
 from poptorch._impl import isRunningOnIpu
+from poptorch._ops import library
 from poptorch._ops.print_format import FLOAT_FORMATS, PrintFormat, format_tensor
 
 __all__ = ["ipu_print_tensor", "CPU"]

@@ -28,7 +28,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-
 __all__ = ["opaque_functions", "redirect_for", "OPAQUE_OPS"]
 
 _LIB = torch.library.Library("poptorch", "FRAGMENT")  # noqa: TOR901

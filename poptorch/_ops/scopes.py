@@ -18,7 +18,6 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from popart_compiler.ir import module_path_parts
-
 from poptorch import enums
 
 __all__ = ["NameScope", "Attribute", "MultiConv"]

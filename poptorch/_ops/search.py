@@ -13,9 +13,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from popart_compiler.errors import py_error
-
-from poptorch._ops import library
 from poptorch._impl import isRunningOnIpu
+from poptorch._ops import library
 
 __all__ = ["ctc_beam_search_decoder", "fps", "nearest"]
 

@@ -19,14 +19,14 @@ import torch
 
 from popart_compiler.errors import py_error
 from popart_compiler.passes.placement import Placement
-
 from poptorch import enums
-from poptorch._ops.blocks import (NO_ACTIVE_BLOCK, BeginBlock, Block, BlockFunction,  # noqa: F401
-                      BlockInfo, _BeginBlockFn, _BeginBlockHook, _begin_block_hooks,
-                      _end_block, _next_auto_id, _NoActiveBlock, _reset_block_state,
-                      _start_block, _state, _stop_block_tracking, block_capture,
-                      block_history, current_block, is_tracking_blocks, no_active_block,
-                      removeBlocks)
+from poptorch._ops.blocks import (NO_ACTIVE_BLOCK, BeginBlock, Block,  # noqa: F401
+                                  BlockFunction, BlockInfo, _begin_block_hooks,
+                                  _BeginBlockFn, _BeginBlockHook, _end_block, _next_auto_id,
+                                  _NoActiveBlock, _reset_block_state, _start_block, _state,
+                                  _stop_block_tracking, block_capture, block_history,
+                                  current_block, is_tracking_blocks, no_active_block,
+                                  removeBlocks)
 
 __all__ = [
     "Block", "BeginBlock", "BlockFunction", "removeBlocks", "Stage", "Phase",

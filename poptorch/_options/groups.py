@@ -11,8 +11,8 @@ import torch
 
 from poptorch import enums
 from poptorch._logging import logger
-from poptorch._options.dict import (FROZEN_MESSAGE, OptionsDict, UnfrozenCopies, check_bool, check_int,
-                            check_type)
+from poptorch._options.dict import (FROZEN_MESSAGE, OptionsDict, UnfrozenCopies, check_bool,
+                                    check_int, check_type)
 
 __all__ = ["TensorLocationSettings"]
 

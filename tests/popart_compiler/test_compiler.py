@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from popart_compiler import compiler
 from popart_compiler.enums import OutputMode
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError
-from popart_compiler.cost.ipu_model import TARGETS, acquire_device
+from popart_compiler.cost.ipu_model import TARGETS
+from popart_compiler.runtime.device import acquire_device
 from popart_compiler.ir import Graph
 from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.optim.device_optimizer import DeviceOptimizer

@@ -102,7 +102,7 @@ def train(cfg, process_id, num_processes):
         outputs.append((h.clone(), loss.clone()))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     stats = None
-    session = training._session
+    session = training._state.session
     if session.process_group is not None:
         stats = dict(session.process_group.stats)
     training.destroy()

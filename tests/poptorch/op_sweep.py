@@ -159,7 +159,7 @@ def _compare(case: Case, outs: Sequence[torch.Tensor], refs: Sequence[torch.Tens
 def aten_ops(executor: poptorch.PoplarExecutor) -> Set[str]:
     """Qualified names of the ATen ops (overload packets) in a compiled executor."""
     found = set()
-    module = executor._executable.graph.module
+    module = executor._state.executable.graph.module
     for gm in module.modules():
         if isinstance(gm, torch.fx.GraphModule):
             for node in gm.graph.nodes:

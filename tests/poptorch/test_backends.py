@@ -221,7 +221,7 @@ def test_attention_inference_is_batched_without_fallback_warnings(capfd):
     x = torch.randn(4 * 2, 5, 16)
     out = model(x)
     torch.testing.assert_close(out, layer(x).detach(), rtol=1e-4, atol=1e-5)
-    assert model._executable.vectorized is not None
+    assert model._state.executable.vectorized is not None
     captured = capfd.readouterr()
     assert "BatchedFallback" not in captured.err + captured.out
     assert "performance drop" not in captured.err + captured.out

@@ -278,8 +278,8 @@ def test_vectorized_and_looped_execution_agree():
     plain = poptorch.inferenceModel(Linear6(), opts)
     out = stateful(x)
     plain(x)
-    assert stateful._executable.vectorized is None
-    assert plain._executable.vectorized is not None
+    assert stateful._state.executable.vectorized is None
+    assert plain._state.executable.vectorized is not None
     torch.testing.assert_close(out, m.fc(x).detach(), rtol=1e-5, atol=1e-6)
     stateful.copyWeightsToHost()
     assert m.n.item() == 16.0
@@ -562,7 +562,7 @@ def test_shallow_copy_shares_tensors_not_attributes():
     m = Linear6()
     model = poptorch.inferenceModel(m)
     m.foo = 2
-    assert not hasattr(model._model, "foo")
+    assert not hasattr(model._state.model, "foo")
     with torch.no_grad():
         m.fc.weight.fill_(0)
         m.fc.bias.fill_(1)

@@ -59,7 +59,7 @@ def compiled_training(model, opts):
 def layer_placements(wrapper):
     """Placement of each layer's linear op, in layer order."""
     found = {}
-    for node in wrapper._executable.module.graph.nodes:
+    for node in wrapper._state.executable.module.graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
         if node.op == "call_function" and "linear" in str(node.target) and stack:
             path = list(stack.values())[-1][0]
@@ -71,7 +71,7 @@ def layer_placements(wrapper):
 
 def test_without_annotations_everything_is_on_ipu_0():
     wrapper = compiled_inference(Chain(), options(replicas=2))
-    exe = wrapper._executable
+    exe = wrapper._state.executable
     assert all(n.meta["placement"] == Placement(0, 0, 0) for n in exe.module.graph.nodes)
     assert exe.num_ipus == 2
     assert not exe.staged
@@ -80,11 +80,11 @@ def test_without_annotations_everything_is_on_ipu_0():
 def test_begin_block_places_every_node_and_counts_ipus():
     wrapper = compiled_inference(annotate(Chain(), [0, 1, 2, 3]),
                                  options(iterations=4, replicas=2))
-    exe = wrapper._executable
+    exe = wrapper._state.executable
     assert layer_placements(wrapper) == [Placement(i, i, 0) for i in range(4)]
     assert all("placement" in n.meta for n in exe.module.graph.nodes)
     # S-64: 4 IPUs per replica × 2 replicas.
-    assert exe.num_ipus == 8 and wrapper._device.num_ipus == 8
+    assert exe.num_ipus == 8 and wrapper._state.compiled.device.num_ipus == 8
 
 
 def test_ops_before_the_first_block_go_to_ipu_0():
@@ -97,10 +97,10 @@ def test_ops_before_the_first_block_go_to_ipu_0():
                 return self.layers[1](x)
 
     wrapper = compiled_inference(Model(2), options(iterations=3))
-    ops = [n for n in wrapper._executable.module.graph.nodes if n.op == "call_function"]
+    ops = [n for n in wrapper._state.executable.module.graph.nodes if n.op == "call_function"]
     assert ops[0].meta["placement"] == Placement(0, 0, 0)
     assert layer_placements(wrapper) == [Placement(1, 1, 0), Placement(2, 2, 0)]
-    assert wrapper._executable.num_ipus == 3  # highest ipu_id + 1
+    assert wrapper._state.executable.num_ipus == 3  # highest ipu_id + 1
 
 
 def test_no_active_block_after_a_block_scope():
@@ -130,7 +130,7 @@ def test_block_start_auto_ids_and_block_function():
             return self.layers[1](x)
 
     wrapper = compiled_inference(Model(3), options(iterations=3))
-    assert list(wrapper._executable.graph.blocks) == ["0", "1", "2"]
+    assert list(wrapper._state.executable.graph.blocks) == ["0", "1", "2"]
     assert layer_placements(wrapper) == [Placement(i, i, 0) for i in range(3)]
 
 
@@ -139,7 +139,7 @@ def test_remove_blocks_puts_everything_back_on_one_ipu():
     poptorch.removeBlocks(model)
     wrapper = compiled_inference(model, options())
     assert layer_placements(wrapper) == [Placement()] * 4
-    assert wrapper._executable.num_ipus == 1
+    assert wrapper._state.executable.num_ipus == 1
 
 
 def test_explicit_stages_and_stage_ipu_override():
@@ -149,7 +149,7 @@ def test_explicit_stages_and_stage_ipu_override():
                                  options(iterations=2, strategy=strategy))
     assert layer_placements(wrapper) == [Placement(0, 0), Placement(0, 0),
                                          Placement(3, 1), Placement(3, 1)]
-    assert wrapper._executable.num_ipus == 4  # highest IPU + 1
+    assert wrapper._state.executable.num_ipus == 4  # highest IPU + 1
 
 
 def test_auto_increment_and_revisiting_an_ipu():
@@ -162,8 +162,8 @@ def test_auto_increment_and_revisiting_an_ipu():
     wrapper = compiled_training(annotate(Chain(3), [0, 1, 0]),
                                 options(accumulation=5, strategy=strategy))
     assert layer_placements(wrapper) == [Placement(0, 0), Placement(1, 1), Placement(0, 2)]
-    assert wrapper._executable.placement.forward_stages == 3
-    assert wrapper._executable.num_ipus == 2
+    assert wrapper._state.executable.placement.forward_stages == 3
+    assert wrapper._state.executable.num_ipus == 2
 
 
 def test_same_as_ipu_returning_to_an_earlier_ipu_breaks_stage_ordering():
@@ -283,7 +283,7 @@ def test_parallel_phased_parity():
                                  options(strategy=parallel_phases((1, 3))))
     assert layer_placements(wrapper) == [Placement(0, 0, 0), Placement(2, 1, 0),
                                          Placement(1, 2, 1), Placement(3, 3, 1)]
-    assert wrapper._executable.num_ipus == 4
+    assert wrapper._state.executable.num_ipus == 4
     with pytest.raises(poptorch.Error, match="When phases are executed in parallel: even "
                        "phases must run on even IPUs and odd phases on odd IPUs"):
         compiled_inference(annotate(Chain(), [0, 0, 0, 0]),
@@ -294,12 +294,12 @@ def test_serial_phased_backward_phases_mirror_forward():
     strategy = poptorch.SerialPhasedExecution(["b0"], ["b1"], ["b2"])
     wrapper = compiled_training(annotate(Chain(3), [0, 1, 0]),
                                 options(strategy=strategy))
-    plan = wrapper._executable.placement
+    plan = wrapper._state.executable.placement
     assert [p.phase for p in layer_placements(wrapper)] == [0, 1, 2]
     assert [plan.backward(Placement(0, 0, p)).phase for p in range(3)] == [4, 3, 2]
     strategy.useSeparateBackwardPhase()
     assert [plan.backward(Placement(0, 0, p)).phase for p in range(3)] == [4, 3, 2]
-    joint = wrapper._executable.joint_graph()
+    joint = wrapper._state.executable.joint_graph()
     phases = {n.meta["placement"].phase for n in joint.graph.nodes
               if n.meta.get("ipu_backward")}
     assert phases == {2, 3, 4}
@@ -345,7 +345,7 @@ def test_block_started_inside_an_annotate_scope_outlives_it():
     poptorch.BeginBlock(model.layers[0], "b0", ipu_id=1)
     poptorch.BeginBlock(model.layers[1], "b1", ipu_id=2)
     wrapper = compiled_inference(model, options(iterations=3))
-    mul = next(n for n in wrapper._executable.module.graph.nodes if "mul" in str(n.target))
+    mul = next(n for n in wrapper._state.executable.module.graph.nodes if "mul" in str(n.target))
     assert mul.meta["placement"] == Placement(1, 1, 0)
     assert layer_placements(wrapper) == [Placement(1, 1, 0), Placement(2, 2, 0)]
 

@@ -75,7 +75,7 @@ def test_four_ipu_bert_pipeline_trains_like_plain_pytorch():
     opts.Training.gradientAccumulation(7)
     batches = bert_batches(2, 7 * 2)
     wrapper = train_ipu(model, opts, batches, lr=0.05)
-    exe = wrapper._executable
+    exe = wrapper._state.executable
     assert exe.staged and exe.placement.pipelined and exe.placement.pipeline_stages == 7
     assert exe.num_ipus == 4
     train_plain(ref, batches, lr=0.05)
@@ -102,7 +102,7 @@ def test_two_ipu_named_block_pipeline_with_replication():
     opts.Training.gradientAccumulation(3)
     batches = [(torch.randn(3 * 2 * 4, 6), torch.randint(0, 3, (24,))) for _ in range(3)]
     wrapper = train_ipu(model, opts, batches, lr=0.1)
-    assert wrapper._executable.num_ipus == 4  # 2 IPUs per replica × 2 replicas
+    assert wrapper._state.executable.num_ipus == 4  # 2 IPUs per replica × 2 replicas
     train_plain(ref, batches, lr=0.1)
     assert_same_weights(model, ref)
 
@@ -134,7 +134,7 @@ def test_sharded_and_phased_training_with_replication(strategy):
     opts.Training.gradientAccumulation(2)
     batches = [(torch.randn(2 * 2 * 3, 6), torch.randn(12, 6)) for _ in range(2)]
     wrapper = train_ipu(model, opts, batches, lr=0.1)
-    assert wrapper._executable.staged and not wrapper._executable.placement.pipelined
+    assert wrapper._state.executable.staged and not wrapper._state.executable.placement.pipelined
     train_plain(ref, batches, lr=0.1)
     assert_same_weights(model, ref)
 
@@ -164,7 +164,7 @@ def test_micro_batches_flow_through_the_stages_in_pipeline_order(monkeypatch):
     wrapper = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(3))
     x = torch.randn(3, 4)
     wrapper.compile(x)
-    staged = wrapper._session._staged
+    staged = wrapper._state.session._staged
     visits = []
     run_stage = staged._run_stage
 

@@ -19,7 +19,7 @@ def quiet(opts=None):
 
 
 def targets_of(executor, prefix):
-    module = executor._executable.graph.module
+    module = executor._state.executable.graph.module
     return [n for n in module.graph.nodes if str(n.target).startswith(prefix)]
 
 
@@ -80,7 +80,7 @@ def test_serialized_matmul_batched_and_half_keep_precision(mode):
     executor = poptorch.inferenceModel(Model(), quiet(poptorch.Options().deviceIterations(3)))
     torch.testing.assert_close(executor(a, b.expand(3, 6, 8).reshape(18, 8)),
                                torch.matmul(a, b), rtol=1e-5, atol=1e-5)
-    assert executor._executable.vectorized is not None  # the op has a batching rule
+    assert executor._state.executable.vectorized is not None  # the op has a batching rule
     half = poptorch.inferenceModel(Model(), quiet())
     torch.testing.assert_close(half(a[:1].half(), b.half()),
                                torch.matmul(a[:1], b).half(), rtol=1e-2, atol=1e-2)

@@ -19,7 +19,7 @@ def quiet(opts=None):
 
 
 def call_functions(executor):
-    return [n for n in executor._executable.graph.module.graph.nodes
+    return [n for n in executor._state.executable.graph.module.graph.nodes
             if n.op == "call_function"]
 
 
@@ -78,7 +78,7 @@ def test_cond_reads_enclosing_scope_several_outputs_computed_arguments(iteration
     outs = executor(x, flags)
     assert capfd.readouterr().err == ""
     # micro-batches taking different branches still run as one vectorised call
-    assert (executor._executable.vectorized is not None) == (iterations > 1)
+    assert (executor._state.executable.vectorized is not None) == (iterations > 1)
     assert isinstance(outs, list) and len(outs) == 3
     for k in range(iterations):
         expected = reference_branches(model, x[2 * k:2 * k + 2], flags[k:k + 1])

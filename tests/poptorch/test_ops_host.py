@@ -38,7 +38,7 @@ def test_print_runs_once_per_micro_batch_and_replica_at_run_time(capfd):
     x = torch.randn(8, 2)
     executor.compile(x)
     assert print_lines(capfd.readouterr().err, "act") == []  # nothing at capture
-    assert executor._executable.vectorized is None  # runs micro-batch by micro-batch
+    assert executor._state.executable.vectorized is None  # runs micro-batch by micro-batch
     executor(x)
     assert len(print_lines(capfd.readouterr().err, "act")) == 8
     executor(x)

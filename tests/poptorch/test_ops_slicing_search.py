@@ -25,10 +25,10 @@ def test_runtime_offset_slice_wraps_and_new_offsets_need_no_recompile():
     t = torch.arange(8.0)
     executor = poptorch.inferenceModel(Window(), quiet())
     assert executor(t, torch.tensor(6)).tolist() == [6.0, 7.0, 0.0, 1.0]  # S-102 example
-    exe = executor._executable
+    exe = executor._state.executable
     assert executor(t, torch.tensor(1)).tolist() == [1.0, 2.0, 3.0, 4.0]
     assert executor(t, torch.tensor(3)).tolist() == [3.0, 4.0, 5.0, 6.0]
-    assert executor._executable is exe
+    assert executor._state.executable is exe
     assert torch.equal(Window()(t, torch.tensor(6)), torch.tensor([6.0, 7.0]))  # CPU
 
 
@@ -70,7 +70,7 @@ def test_runtime_offset_slice_trains_and_vectorises():
     # micro-batches t[0:8], t[8:16], t[16:24] with offsets 0, 5 (wraps) and 2
     assert out.tolist() == [0.0, 1.0, 2.0, 3.0, 13.0, 14.0, 15.0, 8.0, 18.0, 19.0, 20.0,
                             21.0]
-    assert inference._executable.vectorized is not None
+    assert inference._state.executable.vectorized is not None
 
 
 def test_runtime_offset_slice_errors():

@@ -32,8 +32,8 @@ def data(n, seed=0):
 
 
 def snapshot(training):
-    weights = {k: v.clone() for k, v in training._session.readWeights().items()}
-    state = {k: v.clone() for k, v in training._session.readOptimizerState().items()}
+    weights = {k: v.clone() for k, v in training._state.session.readWeights().items()}
+    state = {k: v.clone() for k, v in training._state.session.readOptimizerState().items()}
     return weights, state
 
 
@@ -158,7 +158,7 @@ def test_missing_entries_keep_their_device_values(poptorch_logs):
     assert "ignoring missing state Accl___fc1.bias" in poptorch_logs.text
     assert "ignoring missing parameter scaledLearningRate0___specific___fc1.bias" in \
         poptorch_logs.text
-    device = training._session.readOptimizerState()
+    device = training._state.session.readOptimizerState()
     assert torch.equal(device["Accl___fc1.bias"], kept)
     assert torch.equal(device["Accl___fc2.bias"], torch.zeros(4))
 
@@ -172,7 +172,7 @@ def test_new_optimizer_with_state_overwrites_device_state():
     fresh = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     fresh.load_state_dict({**fresh.state_dict(), "ipu_state": zeros, "ipu_param": {}})
     training.setOptimizer(fresh)
-    for k, v in training._session.readOptimizerState().items():
+    for k, v in training._state.session.readOptimizerState().items():
         assert torch.equal(v, zeros[k]), k
 
 
@@ -234,7 +234,7 @@ def test_bad_state_dicts_leave_device_and_host_untouched():
     for state, exc, phrase in bad:
         with pytest.raises(exc, match=phrase):
             opt.load_state_dict(state)
-        assert not opt._state_pending
+        assert not poptorch.optim.state_pending(opt)
         assert opt.param_groups[0]["lr"] == groups[0]["lr"]
         assert opt.param_groups[0]["eps"] == groups[0]["eps"]
         assert_snapshot_equal(before, snapshot(training))
@@ -254,7 +254,7 @@ def test_bad_state_loaded_before_compilation_is_dropped():
     x, t = data(2)
     with pytest.raises(poptorch.Error, match="Accl___fc1.weight has shape"):
         training(x, t)
-    assert not opt._state_pending
+    assert not poptorch.optim.state_pending(opt)
     assert not training.isCompiled()  # a failed upload commits nothing (issue 14)
     training(x, t)
     assert opt.state_dict()["ipu_state"]["Accl___fc1.weight"].shape == \
@@ -345,7 +345,7 @@ def test_pickled_optimizer_and_rewrapped_optimizer_upload_their_state():
     blob = pickle.dumps(opt)
     restored = pickle.loads(blob)
     assert restored.loss_scaling == 1.0 and restored.use_combined_accum is False
-    assert restored.has_state() and restored._state_pending
+    assert restored.has_state() and poptorch.optim.state_pending(restored)
     saved = opt.state_dict()["ipu_state"]
     again.destroy()
     model2 = Classifier()
@@ -353,5 +353,5 @@ def test_pickled_optimizer_and_rewrapped_optimizer_upload_their_state():
     restored.param_groups[0]["params"] = list(model2.parameters())
     third = poptorch.trainingModel(model2, optimizer=restored)
     third.compile(x, t)
-    for k, v in third._session.readOptimizerState().items():
+    for k, v in third._state.session.readOptimizerState().items():
         assert torch.equal(v, saved[k]), k

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-import poptorch._files.program as program_module  # where capture() is called
+import poptorch._executor.compile as program_module  # where capture() is called
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -63,11 +63,11 @@ def assert_same_weights(a, b, **tol):
 
 
 def device_weights(training):
-    return {k: v.clone() for k, v in training._session.readWeights().items()}
+    return {k: v.clone() for k, v in training._state.session.readWeights().items()}
 
 
 def device_state(training):
-    return {k: v.clone() for k, v in training._session.readOptimizerState().items()}
+    return {k: v.clone() for k, v in training._state.session.readOptimizerState().items()}
 
 
 def assert_unchanged(before, after):
@@ -306,9 +306,9 @@ def test_automatic_loss_scaling_ignores_float32_gradients():
                                                                       lr=0.1))
     for _ in range(3):
         training(*data(2))
-    state = training._optimizer_binding.optimizer.state_dict()["ipu_state"]
+    state = training._state.binding.optimizer.state_dict()["ipu_state"]
     assert state["lossScaleUpdateFactor"].item() == 1.0
-    assert "loss_scaling" not in training._optimizer_binding.description.constant
+    assert "loss_scaling" not in training._state.binding.description.constant
 
 
 # -- constant and variable attributes (S-52, S-53, S-58) ---------------------------------
@@ -353,14 +353,14 @@ def test_scheduler_drives_set_optimizer_without_recompiling(count_captures, popt
     for epoch in range(5):
         x, t = data(4, epoch)
         training(x, t)
-        executable = executable or training._executable
+        executable = executable or training._state.executable
         scheduler.step()
         training.setOptimizer(opt)
         reference_steps(ref, ref_opt, x, t, 2, 1, 1)
         ref_scheduler.step()
     assert len(count_captures) == 1
     assert len(model.calls) == 1
-    assert training._executable is executable
+    assert training._state.executable is executable
     assert_same_weights(model, ref)
     params = opt.state_dict()["ipu_param"]
     torch.testing.assert_close(params["scaledLearningRate0___specific___fc2.bias"].item(),
@@ -383,7 +383,7 @@ def test_relaxed_attribute_checks_log_at_debug(poptorch_logs):
     training.setOptimizer(opt)
     record = [r for r in poptorch_logs.records if "Ignoring unexpected" in r.getMessage()]
     assert record and record[0].levelno == logging.DEBUG
-    assert training._optimizer_binding.description.loss_scaling == 1.0  # group value ignored
+    assert training._state.binding.description.loss_scaling == 1.0  # group value ignored
 
 
 def test_group_loss_scaling_is_ignored_with_a_warning(poptorch_logs):
@@ -426,7 +426,7 @@ def test_unpassed_attributes_are_constant():
     training(x, t)
     opt.param_groups[0]["lr"] = 1e-4
     training.setOptimizer(opt)
-    assert training._optimizer_binding.description.groups[0]["lr"] == 1e-4
+    assert training._state.binding.description.groups[0]["lr"] == 1e-4
 
 
 def test_mark_as_constant_and_variable():
@@ -458,7 +458,7 @@ def test_torch_optimizer_constant_rules():
     def constants(cls, **kw):
         model = Classifier()
         training = poptorch.trainingModel(model, optimizer=cls(model.parameters(), **kw))
-        return training._optimizer_binding.description.constant
+        return training._state.binding.description.constant
 
     assert constants(torch.optim.SGD, lr=0.1) >= {"momentum", "dampening", "weight_decay",
                                                   "nesterov", "loss_scaling"}
@@ -503,7 +503,7 @@ def test_new_optimizer_object_keeps_device_state_and_swaps_hyper_parameters():
     second = poptorch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     training.setOptimizer(second)
     training(x, t)
-    assert first._executor_ref is None and first.state_dict()["ipu_state"] is not None
+    assert first._device is None and first.state_dict()["ipu_state"] is not None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     reference_steps(ref, ref_opt, x, t, 5, 1, 1)
     ref_opt.param_groups[0]["lr"] = 0.05
@@ -568,7 +568,7 @@ def test_invalid_optimizers_leave_weights_and_state_untouched():
     for make, exc, phrase in cases:
         with pytest.raises(exc, match=phrase):
             training.setOptimizer(make())
-        assert training._optimizer_binding.optimizer is opt
+        assert training._state.binding.optimizer is opt
         assert_unchanged(weights, device_weights(training))
         assert_unchanged(state, device_state(training))
     for k, v in model.state_dict().items():

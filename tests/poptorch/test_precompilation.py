@@ -82,8 +82,8 @@ def test_training_continues_bit_identically_after_load(tmp_path):
     weights = loaded.model.state_dict()
     for name, value in expected_weights.items():
         assert torch.equal(weights[name], value), name
-    assert isinstance(loaded._optimizer_binding.optimizer, poptorch.optim.Adam)
-    assert loaded._optimizer_binding.optimizer.loss_scaling == 2.0
+    assert isinstance(loaded._state.binding.optimizer, poptorch.optim.Adam)
+    assert loaded._state.binding.optimizer.loss_scaling == 2.0
 
 
 def test_load_executable_uses_the_wrappers_weights_without_capturing(tmp_path,

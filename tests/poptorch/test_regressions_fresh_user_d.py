@@ -56,7 +56,7 @@ def test_compiling_holds_the_trace_lock_and_running_does_not():
     waits for the trace lock, which captures hold too; a call of compiled code runs
     while another thread holds it, without Dynamo."""
     from poptorch._capture import guard
-    assert guard._CAPTURE_LOCK is TRACE_LOCK
+    assert guard.TRACE_LOCK is TRACE_LOCK
     compiled = inductor_backend.compile_graph(make_fx(_add_one)(torch.zeros(3)))
     torch.testing.assert_close(compiled(torch.zeros(3))[0], torch.ones(3))  # compiled
     done = {}

@@ -42,7 +42,7 @@ class DeepMLP(nn.Module):
 
 
 def device_state(training):
-    session = training._session
+    session = training._state.session
     weights = {k: v.clone() for k, v in session.readWeights().items()}
     state = {k: v.clone() for k, v in session.readOptimizerState().items()}
     return weights, state
@@ -117,9 +117,9 @@ def test_inference_error_leaves_buffers_and_rng():
     with pytest.raises(IndexError):
         inference(x, torch.tensor([0, 1, 9]))
     assert inference.rng_state == rng
-    assert torch.equal(inference._session.readWeights()["count"], torch.tensor([1.0]))
+    assert torch.equal(inference._state.session.readWeights()["count"], torch.tensor([1.0]))
     second = inference(x, torch.tensor([0, 1, 2]))
-    assert torch.equal(inference._session.readWeights()["count"], torch.tensor([2.0]))
+    assert torch.equal(inference._state.session.readWeights()["count"], torch.tensor([2.0]))
     assert not torch.equal(first, second)
 
 
@@ -199,7 +199,7 @@ def test_keyboard_interrupt_in_run_rolls_back(monkeypatch):
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     training(x, y)
     before = device_state(training)
-    device_opt = training._session.optimizer
+    device_opt = training._state.session.optimizer
     real_step = type(device_opt).finish_step
     calls = []
 

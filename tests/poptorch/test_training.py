@@ -309,10 +309,10 @@ def test_training_model_is_instrumented_and_syncs_lazily(poptorch_logs):
     assert type(m).__name__ == "PoptorchClassifier" and isinstance(m, Classifier)
     x, t = torch.randn(4, 6), torch.randint(0, 4, (4,))
     training(x, t)
-    assert training._host_weights_stale
+    assert training._state.host.stale
     poptorch_logs.clear()
     assert not torch.equal(m.fc1.weight, initial)  # triggers the device → host copy
-    assert not training._host_weights_stale
+    assert not training._state.host.stale
     assert poptorch_logs.text.count("Implicit copyWeightsToHost()") == 1
     m.fc1.weight.sum()
     m.state_dict()
@@ -508,7 +508,7 @@ def test_detach_copies_back_and_reattach_continues():
     x, t = torch.randn(4, 6), torch.randint(0, 4, (4,))
     training(x, t)
     training.detachFromDevice()
-    assert not training._host_weights_stale
+    assert not training._state.host.stale
     inference = poptorch.inferenceModel(m)
     inference(x)
     training(x, t)  # re-attaches, re-uploads weights
@@ -524,7 +524,7 @@ def test_errors_leave_device_and_host_weights_unchanged():
     x, t = torch.randn(4, 6), torch.randint(0, 4, (4,))
     training(x, t)
     host = copy.deepcopy(m.state_dict())
-    device = training._session.readWeights()
+    device = training._state.session.readWeights()
     bad_calls = [
         lambda: training(torch.randn(4, 7), t),                  # shape
         lambda: training(x.double(), t),                         # dtype
@@ -539,7 +539,7 @@ def test_errors_leave_device_and_host_weights_unchanged():
         poptorch.trainingModel(Classifier(), opts)(torch.randn(6, 6), torch.zeros(6).long())
     for k, v in m.state_dict().items():
         assert torch.equal(v, host[k])
-    for k, v in training._session.readWeights().items():
+    for k, v in training._state.session.readWeights().items():
         assert torch.equal(v, device[k])
     training(x, t)  # still usable
 
@@ -561,12 +561,12 @@ def test_set_optimizer_changes_variable_learning_rate_without_recompiling():
     training = poptorch.trainingModel(m, optimizer=opt)
     x, t = torch.randn(4, 6), torch.randint(0, 4, (4,))
     training(x, t)
-    executable = training._executable
+    executable = training._state.executable
     for group in opt.param_groups:
         group["lr"] = 0.01
     training.setOptimizer(opt)
     training(x, t)
-    assert training._executable is executable
+    assert training._state.executable is executable
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     reference_training(ref, ref_opt, x, t, 1, 1, 1)
     for group in ref_opt.param_groups:
@@ -637,7 +637,7 @@ def test_printing_instrumented_tensors_looks_like_plain_ones():
     text = repr(m.fc2.bias)
     assert text.startswith("Parameter containing:\ntensor(") and "_Instrumented" not in text
     assert repr(m.steps) == "tensor([0., 0.])"
-    assert torch.equal(m.fc2.bias, training._session.readWeights()["fc2.bias"])
+    assert torch.equal(m.fc2.bias, training._state.session.readWeights()["fc2.bias"])
 
 
 def test_optimizer_is_logged_once_per_compile(poptorch_logs):

@@ -28,7 +28,7 @@ def test_gradients_of_an_update_are_freed_before_the_next_backward():
                                       torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = torch.randn(6, 16), torch.randint(0, 4, (6,))
     training.compile(x, y)
-    session = training._session
+    session = training._state.session
     previous = []
     alive_at_backward = []
     finish_step, gradients = session.optimizer.finish_step, session._gradients
