@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 __all__ = [
@@ -105,7 +106,6 @@ def backend_error(message: str, type: str = "poptorch_cpp_error",  # noqa: A002
                   location: str = "") -> Error:
     """An :class:`Error` raised by the compiler/runtime, rendered as
     ``In <file>:<line>: '<type>': <message>``."""
-    import inspect
     frame = inspect.currentframe()
     caller = frame.f_back if frame is not None else None
     file = os.path.basename(caller.f_code.co_filename) if caller else "popart_compiler"

@@ -6,9 +6,6 @@ it with :class:`DataLoader`. Programs run unchanged on any machine: the "device"
 IPU Model that executes the captured graph with PyTorch kernels.
 """
 import faulthandler as _faulthandler
-import os as _os
-
-_os.environ.setdefault("RDMAV_FORK_SAFE", "1")
 
 __version__ = "3.4.0"
 
@@ -17,6 +14,9 @@ import torch as _torch  # noqa: E402
 from popart_compiler.cost.ipu_model import MAX_IPUS as _MAX_IPUS  # noqa: E402
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError  # noqa: E402
 
+from poptorch import _config  # noqa: E402
+
+_config.set_process_defaults()
 from poptorch import enums  # noqa: E402
 from poptorch.enums import *  # noqa: E402,F401,F403
 from poptorch._logging import logger, setLogLevel  # noqa: E402,F401
@@ -122,16 +122,8 @@ def importPoptorchMetadataFromFile(filename: str) -> bytes:
     return _export.import_metadata(filename)
 
 
-#: Opt-in: report the IPU Model's IPUs as hardware (see :func:`ipuHardwareIsAvailable`).
-_IPU_MODEL_AS_HARDWARE = "POPTORCH_IPU_MODEL_AS_HARDWARE"
-
 #: IPU architecture version of each IPU Model version (``POPTORCH_IPU_MODEL_VERSION``).
 _ARCH_VERSIONS = {"ipu1": 1, "ipu2": 2, "ipu21": 21}
-
-
-def _model_as_hardware() -> bool:
-    return (_os.environ.get(_IPU_MODEL_AS_HARDWARE, "0") or "0").strip().lower() not in (
-        "0", "", "false", "no", "off")
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
@@ -146,7 +138,7 @@ def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
     Args:
         num_ipus: IPUs needed.
     """
-    if not _model_as_hardware():
+    if not _config.ipu_model_as_hardware():
         return False
     return 1 <= num_ipus <= _MAX_IPUS
 
@@ -162,9 +154,9 @@ def ipuHardwareVersion() -> int:
         AssertionError: "No IPU hardware available on this system" (without the
             opt-in: there is no physical IPU).
     """
-    if not _model_as_hardware():
+    if not _config.ipu_model_as_hardware():
         raise AssertionError("No IPU hardware available on this system")
-    name = _os.environ.get("POPTORCH_IPU_MODEL_VERSION", "ipu2") or "ipu2"
+    name = _config.ipu_model_version()
     if name not in _ARCH_VERSIONS:
         logger.warning("Unknown IPU architecture %s", name)
         return -1

@@ -1,14 +1,15 @@
 """The ``poptorch::python`` logger and :func:`setLogLevel` (spec api §2.7, S-90)."""
 from __future__ import annotations
 
-import os
 from typing import Union
 
-from popart_compiler import logging
+from popart_compiler import logging as compiler_logging
+
+from poptorch import _config as config
 
 __all__ = ["logger", "setLogLevel"]
 
-logger = logging.make_logger("poptorch::python", lowercase=True)
+logger = compiler_logging.make_logger("poptorch::python", lowercase=True)
 
 _LEGACY_INTS = {0: "TRACE", 1: "DEBUG", 2: "INFO", 3: "WARN", 4: "ERR", 6: "OFF"}
 
@@ -30,9 +31,9 @@ def setLogLevel(level: Union[str, int]) -> None:
         if level not in _LEGACY_INTS:
             raise ValueError("Invalid log level integer")
         level = _LEGACY_INTS[level]
-    py_level = logging.level_from_name(str(level))
-    logging.set_level(str(level))
+    py_level = compiler_logging.level_from_name(str(level))
+    compiler_logging.set_level(str(level))
     logger.setLevel(py_level)
 
 
-setLogLevel(os.environ.get("POPTORCH_LOG_LEVEL", "WARN") or "WARN")
+setLogLevel(config.log_level())

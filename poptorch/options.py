@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from poptorch import enums
+from poptorch import _config
 from poptorch._options.backend import _BackendOptions
 from poptorch._options.execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
                                   SerialPhasedExecution, ShardedExecution)
@@ -114,12 +115,12 @@ class Options(OptionsDict):
             max_repeat_logs=4,
         )
         # 5. Executable cache from the environment.
-        cache_dir = os.environ.get("POPTORCH_CACHE_DIR", "")
+        cache_dir = _config.cache_dir()
         if cache_dir:
             logger.info("POPTORCH_CACHE_DIR is set: setting cache path to %s", cache_dir)
             self.enableExecutableCaching(cache_dir)
         # 6. Default options from the environment.
-        defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS", "{}") or "{}"
+        defaults = _config.default_options()
         try:
             self.from_json(defaults)
         except (AssertionError, ValueError, AttributeError, TypeError) as err:
@@ -499,7 +500,7 @@ class Options(OptionsDict):
         Warns if ``POPLAR_ENGINE_OPTIONS`` already sets one of them (the environment
         wins). Returns self. S-85. ``AssertionError`` unless a str, path or None."""
         check_type("enableProfiling", profile_dir, (str, os.PathLike, type(None)))
-        env = os.environ.get("POPLAR_ENGINE_OPTIONS", "")
+        env = _config.engine_options_text()
         for key in ("debug.allowOutOfMemory", "autoReport.directory", "autoReport.all"):
             if key in env:
                 logger.warning("%s is already set in POPLAR_ENGINE_OPTIONS: the value from "

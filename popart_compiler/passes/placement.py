@@ -26,12 +26,14 @@ graph built for reports.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from popart_compiler.cost.ipu_model import MAX_IPUS
 from popart_compiler.enums import ExecutionMode, Liveness
@@ -353,9 +355,6 @@ def joint_graph(graph, plan: PlacementPlan) -> Optional[fx.GraphModule]:
     ``aot_export_joint_with_descriptors`` and placed with :func:`place_joint_graph`;
     ``None`` when AOTAutograd cannot trace it (the report then shows no backward
     op counts)."""
-    import contextlib
-
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     values = graph.state_values()
     names = graph.parameters + graph.buffers + graph.constants
     try:

@@ -385,13 +385,10 @@ def _block_tags(strategy) -> Iterator[None]:
     their block through preserved node metadata."""
     if strategy is not None:
         strategy._onStartCapture()
-    previous = _blocks._state.on_change
-    with _blocks.block_capture(), torch.fx.traceback.preserve_node_meta():
-        _blocks._state.on_change = _tag_ops
+    with _blocks.block_capture(on_change=_tag_ops), torch.fx.traceback.preserve_node_meta():
         try:
             yield
         finally:
-            _blocks._state.on_change = previous
             _tagging[0] = False
 
 

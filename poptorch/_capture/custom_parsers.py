@@ -47,6 +47,11 @@ def registerCustomArgParser(arg_data_type: type,
     _PARSERS[arg_data_type] = arg_parser
 
 
+def registered_parsers() -> Dict[type, ICustomArgParser]:
+    """A copy of the registry: type → parser (the accessor hands them to its worker)."""
+    return dict(_PARSERS)
+
+
 def getCustomArgParser(obj: Any) -> Optional[ICustomArgParser]:
     """The parser registered for ``type(obj)`` (exact type first, then ``isinstance``)."""
     if not _PARSERS:

@@ -12,6 +12,9 @@ import traceback
 from typing import List, Optional
 
 import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 import popart_compiler
 from popart_compiler.errors import Error, py_error
@@ -83,9 +86,6 @@ def _alternative(op: str) -> str:
 
 
 def is_data_dependent(exc: BaseException) -> bool:
-    from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                               DynamicOutputShapeException)
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     if isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException,
                         DynamicOutputShapeException)):
         return True

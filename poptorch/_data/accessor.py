@@ -1,6 +1,6 @@
 """``AsynchronousDataAccessor`` (spec api §7): loads data in a worker process into a ring
 buffer in shared memory. Follows PopTorch 3.x. The worker and the protocol it shares with
-this class are in ``_async_worker.py``.
+this class are in ``worker.py`` and ``protocol.py``.
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pickle
 import tempfile
 import time
 import weakref
+from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.multiprocessing as torch_mp  # noqa: F401  registers torch's tensor reductions
@@ -21,15 +22,12 @@ import torch.utils.data
 from popart_compiler.errors import py_error
 from poptorch._capture import custom_parsers
 from poptorch._capture.custom_parsers import getCustomArgParser
-from poptorch._data import worker as _async_worker
-from poptorch._data.worker import (_CTRL_SIZE, _END, _FREE, _JOIN_TIMEOUT_S,
-                                   _LIVENESS_PERIOD_S, _MAX_BACKOFF_S, _REQ, _STATE, _STOP,
-                                   _TAG, _DatasetPayload, _RemoteTraceback,
-                                   _unpack_exception, _worker_main)
+from poptorch._data import protocol, worker
+from poptorch._data.protocol import (CTRL_SIZE, END, FREE, JOIN_TIMEOUT_S, LIVENESS_PERIOD_S,
+                                     MAX_BACKOFF_S, REQ, STATE, STOP, TAG, DatasetPayload,
+                                     RemoteTraceback, unpack_exception)
 from poptorch.enums import SharingStrategy
 
-if TYPE_CHECKING:
-    from poptorch._data.dataloader import DataLoader
 
 __all__ = ["AsynchronousDataAccessor"]
 
@@ -38,13 +36,6 @@ __all__ = ["AsynchronousDataAccessor"]
 # AsynchronousDataAccessor
 # --------------------------------------------------------------------------------------
 _LIVE_ACCESSORS: "weakref.WeakSet[AsynchronousDataAccessor]" = weakref.WeakSet()
-
-
-def _dataloader_class() -> type:
-    """``poptorch.DataLoader`` (imported late: its module imports this one)."""
-    from poptorch._data.dataloader import \
-        DataLoader  # pylint: disable=import-outside-toplevel
-    return DataLoader
 
 
 def _terminate_all() -> None:
@@ -67,12 +58,11 @@ def _prepare_forkserver() -> None:
     """Preload torch and this module in the fork server (once, before it starts), so that
     each worker forked from it does not import them again."""
     with contextlib.suppress(Exception):
-        from multiprocessing import forkserver  # pylint: disable=import-outside-toplevel
         server = forkserver._forkserver  # pylint: disable=protected-access
         if getattr(server, "_forkserver_pid", None) is not None:
             return
         modules = list(getattr(server, "_preload_modules", ["__main__"]))
-        for name in ("torch", _async_worker.__name__):
+        for name in ("torch", worker.__name__):
             if name not in modules:
                 modules.append(name)
         server.set_forkserver_preload(modules)
@@ -143,13 +133,14 @@ class AsynchronousDataAccessor:
         self._process = None
         self._owner_pid = os.getpid()
         self._owner_ref = None
-        if isinstance(dataset, _dataloader_class()):
-            if dataset._accessor is not None:  # pylint: disable=protected-access
+        loader = dataset if isinstance(dataset, protocol.CombinedBatches) else None
+        if loader is not None:
+            if loader.uses_async_accessor:
                 raise py_error(
                     "This poptorch.DataLoader already uses an AsynchronousDataAccessor "
                     "internally (mode=DataLoaderMode.Async): either iterate the DataLoader "
                     "directly or create it with mode=poptorch.DataLoaderMode.Sync.")
-            if (not dataset._user_batch_sampler  # pylint: disable=protected-access
+            if (not loader.user_batch_sampler
                     and not dataset.drop_last and rebatched_size is None):
                 assert dataset.combinedBatchSize in (None, 1), (
                     "AsynchronousDataAccessor doesn't support a poptorch.DataLoader with "
@@ -167,8 +158,8 @@ class AsynchronousDataAccessor:
         self._early_preload = bool(early_preload)
         self._sharing_strategy = SharingStrategy(sharing_strategy)
         self._rebatched_size = rebatched_size
-        if isinstance(dataset, _dataloader_class()):
-            self._rebatch_drop_last = dataset._user_drop_last  # pylint: disable=protected-access
+        if loader is not None:
+            self._rebatch_drop_last = loader.user_drop_last
         else:
             self._rebatch_drop_last = bool(getattr(dataset, "drop_last", False))
         self._reset_state()
@@ -201,8 +192,9 @@ class AsynchronousDataAccessor:
             return owner
         return self._dataset
 
-    def _set_owner(self, loader: "DataLoader") -> None:
-        """Used by :class:`DataLoader`: hold the owner weakly (no reference cycle)."""
+    def hold_owner_weakly(self, loader: "protocol.CombinedBatches") -> None:
+        """The :class:`poptorch.DataLoader` that created this accessor for itself is held
+        weakly (no reference cycle)."""
         self._owner_ref = weakref.ref(loader)
         self._dataset = None
 
@@ -213,7 +205,7 @@ class AsynchronousDataAccessor:
             _prepare_forkserver()
         ctx = torch_mp.get_context(method)
         dataset = self._get_dataset()
-        self._ctrl = torch.zeros(_CTRL_SIZE, dtype=torch.int64).share_memory_()
+        self._ctrl = torch.zeros(CTRL_SIZE, dtype=torch.int64).share_memory_()
         self._slots = torch.zeros((self._buffer_size, 2), dtype=torch.int64).share_memory_()
         self._ctrl_np = self._ctrl.numpy()
         self._slots_np = self._slots.numpy()
@@ -221,18 +213,18 @@ class AsynchronousDataAccessor:
         parsers: Dict[type, Any] = {}
         try:
             if self._sharing_strategy == SharingStrategy.Fork:
-                payload = _DatasetPayload(obj=dataset)
+                payload = DatasetPayload(obj=dataset)
             elif self._sharing_strategy == SharingStrategy.FileSystem:
                 fd, path = tempfile.mkstemp(prefix="poptorch_dataset_", suffix=".pkl")
                 self._temp_file = path
                 with os.fdopen(fd, "wb") as f:
                     pickle.dump(dataset, f, protocol=pickle.HIGHEST_PROTOCOL)
-                payload = _DatasetPayload(path=path)
+                payload = DatasetPayload(path=path)
             else:
-                payload = _DatasetPayload(data=bytes(ForkingPickler.dumps(dataset)))
+                payload = DatasetPayload(data=bytes(ForkingPickler.dumps(dataset)))
             if method != "fork":
                 # User parsers registered at run time do not exist in a fresh interpreter.
-                for arg_type, parser in custom_parsers._PARSERS.items():  # pylint: disable=protected-access
+                for arg_type, parser in custom_parsers.registered_parsers().items():
                     with contextlib.suppress(Exception):
                         pickle.dumps((arg_type, parser))
                         parsers[arg_type] = parser
@@ -243,7 +235,7 @@ class AsynchronousDataAccessor:
                             rebatch_drop_last=self._rebatch_drop_last,
                             parsers=parsers)
             process = ctx.Process(
-                target=_worker_main,
+                target=worker.worker_main,
                 args=(child_conn, parent_conn if method == "fork" else None, self._ctrl,
                       self._slots, payload, settings),
                 name="PopTorchAsyncDataWorker",
@@ -268,7 +260,7 @@ class AsynchronousDataAccessor:
 
     def _wait_started(self) -> None:
         while True:
-            if self._conn.poll(_LIVENESS_PERIOD_S):
+            if self._conn.poll(LIVENESS_PERIOD_S):
                 try:
                     msg = self._conn.recv()
                 except (EOFError, OSError):
@@ -280,7 +272,7 @@ class AsynchronousDataAccessor:
                     self._shutdown_worker()
                     raise py_error(
                         "The AsynchronousDataAccessor worker thread failed to start: "
-                        f"{type_name}: {message}") from _RemoteTraceback(tb)
+                        f"{type_name}: {message}") from RemoteTraceback(tb)
                 if msg is None:
                     self._process.join(1.0)
             if not self._process.is_alive():
@@ -295,11 +287,11 @@ class AsynchronousDataAccessor:
         if process is not None:
             with contextlib.suppress(Exception):
                 if self._ctrl_np is not None:
-                    self._ctrl_np[_STOP] = 1
-                process.join(_JOIN_TIMEOUT_S)
+                    self._ctrl_np[STOP] = 1
+                process.join(JOIN_TIMEOUT_S)
                 if process.is_alive():
                     process.terminate()
-                    process.join(_JOIN_TIMEOUT_S)
+                    process.join(JOIN_TIMEOUT_S)
                 if process.is_alive():
                     process.kill()
                     process.join()
@@ -352,7 +344,7 @@ class AsynchronousDataAccessor:
     def _begin_pass(self) -> None:
         self._release_held()
         self._expected_pass += 1
-        self._ctrl_np[_REQ] = self._expected_pass
+        self._ctrl_np[REQ] = self._expected_pass
         self._pass_state = "active"
         self._consumed = 0
 
@@ -389,7 +381,7 @@ class AsynchronousDataAccessor:
 
     def _release_held(self) -> None:
         if self._held is not None:
-            self._slots_np[self._held, _STATE] = _FREE
+            self._slots_np[self._held, STATE] = FREE
             self._held = None
 
     def _next_element(self):
@@ -399,13 +391,13 @@ class AsynchronousDataAccessor:
         while True:
             r = self._read
             state = self._wait_filled(r)
-            tag = slots[r, _TAG]
+            tag = slots[r, TAG]
             if tag < self._expected_pass:  # left over from an abandoned pass
-                slots[r, _STATE] = _FREE
+                slots[r, STATE] = FREE
                 self._read = (r + 1) % n
                 continue
-            if state == _END:
-                slots[r, _STATE] = _FREE
+            if state == END:
+                slots[r, STATE] = FREE
                 self._read = (r + 1) % n
                 self._pass_state = "done"
                 raise StopIteration
@@ -418,22 +410,22 @@ class AsynchronousDataAccessor:
 
     def _wait_filled(self, r: int) -> int:
         slots = self._slots_np
-        state = slots[r, _STATE]
-        if state != _FREE:
+        state = slots[r, STATE]
+        if state != FREE:
             return state
         delay = 1e-5
         spins = 0
         last_check = time.monotonic()
         while True:
-            state = slots[r, _STATE]
-            if state != _FREE:
+            state = slots[r, STATE]
+            if state != FREE:
                 return state
             spins += 1
             if spins > 64:
                 time.sleep(delay)
-                delay = min(delay * 2, _MAX_BACKOFF_S)
+                delay = min(delay * 2, MAX_BACKOFF_S)
             now = time.monotonic()
-            if now - last_check > _LIVENESS_PERIOD_S:
+            if now - last_check > LIVENESS_PERIOD_S:
                 last_check = now
                 self._check_worker()
 
@@ -468,14 +460,14 @@ class AsynchronousDataAccessor:
             self._kind, self._keys, self._template = kind, keys, template
         elif msg[0] == "error":
             _, data, type_name, message, tb = msg
-            exc = _unpack_exception(data, type_name, message)
+            exc = unpack_exception(data, type_name, message)
             self._shutdown_worker()
             self._pass_state = "done"
-            raise exc from _RemoteTraceback(tb)
+            raise exc from RemoteTraceback(tb)
 
     def _wait_for_buffers(self) -> None:
         while self._buffers is None:
-            if self._conn.poll(_LIVENESS_PERIOD_S):
+            if self._conn.poll(LIVENESS_PERIOD_S):
                 with contextlib.suppress(EOFError, OSError):
                     self._handle_message(self._conn.recv())
                     continue

@@ -11,12 +11,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.utils.data
+from tqdm import tqdm
 
 from popart_compiler.errors import py_error
 from poptorch._capture.custom_parsers import getCustomArgParser
 from poptorch._data.accessor import AsynchronousDataAccessor
 from poptorch._logging import logger
 from poptorch.enums import DataLoaderMode
+from poptorch.options import Options
 
 __all__ = ["DataLoader", "AsynchronousDataAccessor"]
 
@@ -140,7 +142,6 @@ class _ProgressIterator:
     """Wraps an epoch iterator with a tqdm progress bar (closed at the end of the epoch)."""
 
     def __init__(self, iterator, total: Optional[int], tqdm_kwargs: Dict[str, Any]):
-        from tqdm import tqdm  # pylint: disable=import-outside-toplevel
         self._iterator = iterator
         self._bar = tqdm(total=total, **tqdm_kwargs)
 
@@ -257,7 +258,6 @@ class DataLoader(torch.utils.data.DataLoader):
         if shuffle is None:
             shuffle = False
         # Rule 2.
-        from poptorch.options import Options  # pylint: disable=import-outside-toplevel
         assert isinstance(options, Options), (
             f"Invalid type for 'options': expected poptorch.Options, got {type(options)}")
         options._freeze()  # pylint: disable=protected-access
@@ -374,7 +374,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 "mode=DataLoaderMode.AsyncRebatched (and rebatched_worker_size) instead")
             accessor = AsynchronousDataAccessor(self, **async_options,
                                                 rebatched_size=self._rebatched_size)
-            accessor._set_owner(self)  # pylint: disable=protected-access
+            accessor.hold_owner_weakly(self)
             self._accessor = accessor
 
     # ------------------------------------------------------------------ construction
@@ -457,7 +457,24 @@ class DataLoader(torch.utils.data.DataLoader):
             return length
         return super().__len__()
 
-    def _sync_iter(self):
+    # -- what the AsynchronousDataAccessor wrapping it reads (protocol.CombinedBatches) --
+
+    @property
+    def uses_async_accessor(self) -> bool:
+        """It runs its own :class:`AsynchronousDataAccessor` (``DataLoaderMode.Async``)."""
+        return self._accessor is not None
+
+    @property
+    def user_batch_sampler(self) -> bool:
+        """The user passed a ``batch_sampler``."""
+        return self._user_batch_sampler
+
+    @property
+    def user_drop_last(self) -> bool:
+        """The ``drop_last`` the user asked for."""
+        return self._user_drop_last
+
+    def sync_iter(self):
         """One epoch of the synchronous pipeline (runs in the asynchronous worker in
         Async mode)."""
         if isinstance(self.dataset, _DistributedSubset):
@@ -489,7 +506,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._accessor is not None:
             iterator = _OwnedIterator(self, iter(self._accessor))
         else:
-            iterator = self._sync_iter()
+            iterator = self.sync_iter()
         if self._progress_bar is not None:
             try:
                 total = len(self)

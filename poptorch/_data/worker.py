@@ -1,48 +1,12 @@
-"""The worker process of :class:`AsynchronousDataAccessor` and its shared-memory protocol
-(spec api §7).
-
-The asynchronous accessor (``_async_accessor.py``) runs the data pipeline in a separate
-worker **process** that writes elements into a ring buffer of ``buffer_size`` slots living
-in shared memory (torch shared storages).
-
-Worker / shared-memory protocol (see :class:`AsynchronousDataAccessor`):
-
-* ``ctrl`` (shared ``int64[4]``, written by the training process): ``REQ`` = id of the
-  pass (epoch) the training process wants, ``STOP`` = 1 asks the worker to exit.
-* ``slots`` (shared ``int64[buffer_size, 2]``): per slot ``STATE`` (0 free, 1 full,
-  2 end-of-pass marker, written by the worker to publish and by the training process to
-  release) and ``TAG`` (the pass id the slot belongs to).
-* ``buffers`` (one shared tensor ``[buffer_size, *shape]`` per tensor of an element) and
-  ``rows`` (``int64[buffer_size, n_tensors]``, valid rows of each slot), allocated by the
-  worker when it sees the first element and sent once through a ``multiprocessing`` pipe.
-* The pipe also carries ``started`` / ``start_failed`` / ``error`` messages (the latter
-  with the pickled exception and its formatted traceback) from the worker. The training
-  process checks the pipe and the liveness of the worker while it waits, so a failure is
-  re-raised instead of hanging. The worker exits when ``STOP`` is set or when the pipe
-  reports that the training process went away.
-
-The worker fills slots in ring order (single producer, single consumer); the training
-process reads them in the same order, releases the previous slot on each ``__next__`` and
-skips slots whose ``TAG`` belongs to an abandoned pass. Each ``iter()`` requests the next
-pass id (unless nothing of the current pass was consumed yet); the worker abandons an
-older pass as soon as it sees the request, and with ``load_indefinitely`` it starts the
-following pass on its own. Slots are published by writing the data, then ``TAG``, then
-``STATE`` (stores are not reordered on x86-64's TSO memory model, which the IPU Model
-hosts use).
-
-With torch's default ``file_descriptor`` sharing strategy the shared segments are
-unlinked from ``/dev/shm`` at creation and freed when the last process releases them, so
-neither a crash nor ``KeyboardInterrupt`` can leave a segment behind.
-"""
+"""The worker process of :class:`AsynchronousDataAccessor` (spec api §7): it runs the
+data pipeline and publishes elements in the shared-memory ring buffer described in
+:mod:`poptorch._data.protocol`."""
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import os
-import pickle
 import signal
 import time
-import traceback
 from typing import List, Optional
 
 import torch
@@ -50,133 +14,12 @@ import torch.utils.data
 
 from popart_compiler.errors import py_error
 from poptorch._capture import custom_parsers
-from poptorch._capture.custom_parsers import getCustomArgParser
+from poptorch._data import protocol
+from poptorch._data.protocol import (END, FREE, FULL, PARENT_CHECK_PERIOD_S, REQ,
+                                     STATE, STOP, TAG, Abandon, Stop, flatten_element,
+                                     pack_exception)
 
-# --------------------------------------------------------------------------------------
-# Shared-memory protocol constants
-# --------------------------------------------------------------------------------------
-_REQ = 0  # ctrl: pass requested by the training process
-_STOP = 1  # ctrl: 1 = the worker must exit
-_CTRL_SIZE = 4
-
-_STATE = 0  # slots[:, _STATE]
-_TAG = 1  # slots[:, _TAG]
-_FREE = 0
-_FULL = 1
-_END = 2
-
-#: How often (seconds) the training process checks the worker while it waits.
-_LIVENESS_PERIOD_S = 0.02
-#: How often (seconds) the worker checks that the training process is still there.
-_PARENT_CHECK_PERIOD_S = 0.05
-#: Longest sleep (seconds) of the training process while it waits for a slot.
-_MAX_BACKOFF_S = 0.0005
-#: How long terminate() waits for a clean exit before SIGTERM, then SIGKILL.
-_JOIN_TIMEOUT_S = 2.0
-
-_FLAT_ERROR = ("AsynchronousDataAccessor expects data to be organised as a flat 1D "
-               "container of tensors (a tensor, a list/tuple of tensors, a dict of "
-               "tensors or an object with a registered custom arg parser)")
-
-
-class _Stop(Exception):
-    """Raised inside the worker to exit its loop."""
-
-
-class _Abandon(Exception):
-    """Raised inside the worker when the training process requested a newer pass."""
-
-
-class _RemoteTraceback(Exception):
-    """Carries the formatted traceback of an exception raised in the worker process.
-
-    It is attached as ``__cause__`` of the re-raised exception, so the original traceback
-    text is printed above the training process's own traceback.
-    """
-
-    def __init__(self, tb: str):
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return "\n\nTraceback in the AsynchronousDataAccessor worker process:\n" + self.tb
-
-
-def _pack_exception(exc: BaseException):
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        data = pickle.dumps(exc)
-        pickle.loads(data)
-    except Exception:  # pylint: disable=broad-except
-        data = None
-    return data, type(exc).__qualname__, str(exc), tb
-
-
-def _unpack_exception(data, type_name, message) -> BaseException:
-    if data is not None:
-        with contextlib.suppress(Exception):
-            exc = pickle.loads(data)
-            if isinstance(exc, BaseException):
-                return exc
-    return RuntimeError(f"{type_name}: {message}")
-
-
-# --------------------------------------------------------------------------------------
-# Element structure helpers (shared by the worker and the training process)
-# --------------------------------------------------------------------------------------
-def _flatten(element) -> tuple:
-    """``(kind, leaves, keys)`` of an element; ``AssertionError`` if not flat tensors."""
-    if isinstance(element, torch.Tensor):
-        return "tensor", [element], None
-    parser = getCustomArgParser(element)
-    if parser is not None:
-        leaves = list(parser.yieldTensors(element))
-        kind, keys = "custom", None
-    elif isinstance(element, (list, tuple)):
-        leaves, kind, keys = list(element), "list", None
-    elif isinstance(element, collections.abc.Mapping):
-        keys = list(element.keys())
-        leaves, kind = [element[k] for k in keys], "dict"
-    else:
-        raise AssertionError(f"{_FLAT_ERROR}: got {type(element).__name__}")
-    for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
-            raise AssertionError(f"{_FLAT_ERROR}: found an element of type "
-                                 f"{type(leaf).__name__} inside a {type(element).__name__}")
-    return kind, leaves, keys
-
-
-class _DatasetPayload:
-    """Carries the dataset to the worker according to the sharing strategy.
-
-    ``obj``: the object itself (fork: inherited, never pickled). ``data``: bytes produced
-    by ``ForkingPickler`` in the training process *before* the worker starts (tensors move
-    to shared memory; their file descriptors are duplicated by multiprocessing's resource
-    sharer, so tensors created only while pickling stay valid), unpickled by the worker
-    inside a ``try`` so failures are reported. ``path``: a temporary file holding the
-    dataset pickled by value, loaded and deleted by the worker.
-    """
-
-    def __init__(self, obj=None, data: Optional[bytes] = None, path: Optional[str] = None):
-        self.obj = obj
-        self.data = data
-        self.path = path
-
-    def __reduce__(self):
-        assert self.obj is None, "only a 'data' or 'path' payload can be pickled"
-        return (_DatasetPayload, (None, self.data, self.path))
-
-    def load(self):
-        if self.path is not None:
-            try:
-                with open(self.path, "rb") as f:
-                    return pickle.load(f)
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
-        if self.data is not None:
-            return pickle.loads(self.data)
-        return self.obj
+__all__ = ["worker_main"]
 
 
 # --------------------------------------------------------------------------------------
@@ -208,36 +51,36 @@ class _Fetcher:
 
     # -- control -------------------------------------------------------------------
     def check(self, pass_id: Optional[int]) -> None:
-        if self.ctrl[_STOP]:
-            raise _Stop()
-        if pass_id is not None and self.ctrl[_REQ] > pass_id:
-            raise _Abandon()
+        if self.ctrl[STOP]:
+            raise Stop()
+        if pass_id is not None and self.ctrl[REQ] > pass_id:
+            raise Abandon()
         now = time.monotonic()
-        if now - self.last_parent_check > _PARENT_CHECK_PERIOD_S:
+        if now - self.last_parent_check > PARENT_CHECK_PERIOD_S:
             self.last_parent_check = now
             # The training process never writes to the pipe: readable means EOF.
             if self.conn.poll():
-                raise _Stop()
+                raise Stop()
 
     def linger(self) -> None:
         """After reporting an error: stay alive until told to stop, so that the training
         process can still receive the shared buffers and consume the batches loaded
         before the error (they are delivered first, as in Sync mode)."""
-        with contextlib.suppress(_Stop):
+        with contextlib.suppress(Stop):
             while True:
                 self.check(None)
                 time.sleep(0.005)
 
     def acquire(self, pass_id: int) -> None:
         """Wait until slot ``w`` is free."""
-        while self.slots[self.w, _STATE] != _FREE:
+        while self.slots[self.w, STATE] != FREE:
             self.check(pass_id)
             if self.miss_sleep:
                 time.sleep(self.miss_sleep)
 
     def publish(self, state: int, pass_id: int) -> None:
-        self.slots[self.w, _TAG] = pass_id
-        self.slots[self.w, _STATE] = state  # written last: publishes the slot
+        self.slots[self.w, TAG] = pass_id
+        self.slots[self.w, STATE] = state  # written last: publishes the slot
         self.w = (self.w + 1) % self.num_slots
 
     # -- main loop -----------------------------------------------------------------
@@ -245,7 +88,7 @@ class _Fetcher:
         current = 0
         while True:
             self.check(None)
-            requested = int(self.ctrl[_REQ])
+            requested = int(self.ctrl[REQ])
             if requested > current:
                 current = requested
             elif self.load_indefinitely and current > 0:
@@ -253,7 +96,7 @@ class _Fetcher:
             else:
                 time.sleep(max(self.miss_sleep, 0.0005))
                 continue
-            with contextlib.suppress(_Abandon):
+            with contextlib.suppress(Abandon):
                 self.run_pass(current)
 
     def source(self):
@@ -275,20 +118,20 @@ class _Fetcher:
                 else:
                     self.acquire(pass_id)
                     self.write(leaves)
-                    self.publish(_FULL, pass_id)
+                    self.publish(FULL, pass_id)
         finally:
             self.iterator = None
         if self.buffers is None:
             raise py_error("The Dataset is empty")
         if fill > 0 and not self.rebatch_drop_last:
             self.rows[self.w, :] = fill
-            self.publish(_FULL, pass_id)
+            self.publish(FULL, pass_id)
         self.acquire(pass_id)
-        self.publish(_END, pass_id)
+        self.publish(END, pass_id)
 
     # -- data ----------------------------------------------------------------------
     def leaves_of(self, element) -> List[torch.Tensor]:
-        kind, leaves, keys = _flatten(element)
+        kind, leaves, keys = flatten_element(element)
         if self.buffers is None:
             self.allocate(element, kind, leaves, keys)
             return leaves
@@ -375,7 +218,7 @@ class _Fetcher:
                 pos += k
                 if fill == size:
                     self.rows[self.w, :] = size
-                    self.publish(_FULL, pass_id)
+                    self.publish(FULL, pass_id)
                     fill = 0
         return fill
 
@@ -384,10 +227,8 @@ def _iterate_source(dataset):
     """One pass over what the accessor wraps: a poptorch DataLoader's synchronous
     pipeline, a map-style dataset with a length but no ``__iter__`` (indices
     ``0..len-1``), or any other iterable."""
-    from poptorch._data.dataloader import \
-        DataLoader  # pylint: disable=import-outside-toplevel
-    if isinstance(dataset, DataLoader):
-        return dataset._sync_iter()  # pylint: disable=protected-access
+    if isinstance(dataset, protocol.CombinedBatches):
+        return dataset.sync_iter()
     if (not hasattr(type(dataset), "__iter__") and hasattr(dataset, "__getitem__")
             and hasattr(dataset, "__len__")):
         return (dataset[i] for i in range(len(dataset)))
@@ -400,10 +241,10 @@ def _safe_send(conn, msg) -> None:
 
 
 def _on_sigterm(signum, frame):  # pragma: no cover - runs in the worker
-    raise _Stop()
+    raise Stop()
 
 
-def _worker_main(conn, inherited_parent_conn, ctrl, slots, payload, settings) -> None:
+def worker_main(conn, inherited_parent_conn, ctrl, slots, payload, settings) -> None:
     """Entry point of the worker process (module-level so that it can be pickled)."""
     # Ctrl-C goes to the whole process group: the training process handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -418,15 +259,15 @@ def _worker_main(conn, inherited_parent_conn, ctrl, slots, payload, settings) ->
         dataset = payload.load()
         fetcher = _Fetcher(conn, ctrl, slots, dataset, settings)
     except BaseException as exc:  # pylint: disable=broad-except
-        _safe_send(conn, ("start_failed", ) + _pack_exception(exc))
+        _safe_send(conn, ("start_failed", ) + pack_exception(exc))
         return
     _safe_send(conn, ("started", os.getpid()))
     try:
         fetcher.run()
-    except _Stop:
+    except Stop:
         return  # told to stop, or the training process is gone: a normal exit
     except BaseException as exc:  # pylint: disable=broad-except
-        _safe_send(conn, ("error", ) + _pack_exception(exc))
+        _safe_send(conn, ("error", ) + pack_exception(exc))
         fetcher.linger()
     finally:
         fetcher.iterator = None

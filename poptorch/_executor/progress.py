@@ -5,6 +5,8 @@ import sys
 import time
 from typing import Optional
 
+from tqdm import tqdm
+
 __all__ = ["ProgressBar"]
 
 _TITLE = "Graph compilation"
@@ -31,7 +33,6 @@ class ProgressBar:
     def __call__(self, progress: int, total: int) -> None:
         self._total, self._n = total, progress
         if self.show and self._bar is None and self.elapsed is None and _interactive():
-            from tqdm import tqdm
             self._bar = tqdm(desc=_TITLE, total=total, file=sys.stderr,
                              bar_format=_FORMAT)
         if self._bar is not None and progress != self._bar.n:
@@ -47,7 +48,6 @@ class ProgressBar:
         if self.elapsed is None:
             self.elapsed = time.perf_counter() - self.start
             if self.show and self._bar is None and self._total:
-                from tqdm import tqdm
                 line = tqdm.format_meter(self._n, self._total, self.elapsed,
                                          prefix=_TITLE, bar_format=_FORMAT, ncols=80)
                 sys.stderr.write(line + "\n")

@@ -12,7 +12,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 from popart_compiler.errors import backend_error
+from poptorch import _config as config
 from poptorch._logging import logger
 
 __all__ = ["export_proto_if_requested", "export_proto"]
@@ -34,7 +37,6 @@ def export_proto(program, path: str, binary: bool) -> None:
         raise backend_error(f"{_FILE_VARIABLE} needs the onnx and onnxscript packages "
                             f"(missing: {', '.join(missing)}): pip install "
                             "'poptorch[onnx]'.")
-    import torch
     try:
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False)
     except Exception as exc:
@@ -58,8 +60,7 @@ def export_proto(program, path: str, binary: bool) -> None:
 def export_proto_if_requested(program) -> None:
     """Export ``program`` (a :class:`~poptorch._files.program.Program`) when
     ``POPTORCH_EXPORT_PROTO_FILE`` is set."""
-    path = os.environ.get(_FILE_VARIABLE, "")
+    path, binary = config.proto_export()
     if not path:
         return
-    binary = os.environ.get(_BINARY_VARIABLE, "0").strip().lower() in ("1", "true", "yes")
     export_proto(program.captured.graph.program, path, binary)

@@ -89,15 +89,27 @@ def _stop_block_tracking() -> None:
 
 class block_capture:  # noqa: N801 - used like a function
     """Context manager: ``_reset_block_state()`` on entry, ``_stop_block_tracking()``
-    on exit (the previous tracking flag is restored)."""
+    on exit (the previous tracking flag is restored).
+
+    Args:
+        on_change: called after every block change while inside (the capture tags the
+            ops created since the last change); the previous callback is restored on
+            exit.
+    """
+
+    def __init__(self, on_change: Optional[Callable[[], None]] = None):
+        self._on_change = on_change
 
     def __enter__(self) -> "block_capture":
         self._previous = _state.tracking
+        self._previous_callback = _state.on_change
         _reset_block_state(True)
+        _state.on_change = self._on_change
         return self
 
     def __exit__(self, *exc) -> bool:
         _state.tracking = self._previous
+        _state.on_change = self._previous_callback
         return False
 
 

@@ -15,6 +15,8 @@ import weakref
 from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from popart_compiler.errors import py_error
 from poptorch._impl import isRunningOnIpu
@@ -146,8 +148,6 @@ def check_outputs(what: str, values: Any, spec: str, device) -> List[torch.Tenso
 def run_on_examples(fn: Callable, inputs: Sequence[torch.Tensor]) -> Any:
     """Call ``fn`` on zero host tensors shaped like ``inputs`` (fake tensors during a
     capture), outside the capture's tracing, to learn its output shapes."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
     with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch.no_grad():
         examples = [torch.zeros(tuple(t.shape), dtype=t.dtype, device="cpu")
                     for t in inputs]

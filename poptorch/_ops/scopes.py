@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from popart_compiler.ir import module_path_parts
 from poptorch import enums
@@ -31,7 +32,6 @@ _multi_conv_stack: List[int] = []
 def _module_depth() -> int:
     """Sub-module depth of the ``forward`` being captured (0: the model's own), read
     from the capture's module stack; 0 outside a capture."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
     stack = getattr(getattr(get_proxy_mode(), "tracer", None), "module_stack", None)
     if not stack:
         return 0

@@ -14,9 +14,9 @@ The values travel through ``Options.toDict()`` under the keys ``execution_device
 """
 from __future__ import annotations
 
-import os
 
 import torch
+from poptorch import _config as config
 
 from poptorch._options.dict import OptionsDict
 
@@ -47,8 +47,8 @@ class _BackendOptions(OptionsDict):
 
     def __init__(self):
         super().__init__(execution_device="cpu", compiler_backend="eager")
-        device = os.environ.get("POPTORCH_EXECUTION_DEVICE", "") or "cpu"
-        compiler = os.environ.get("POPTORCH_COMPILER", "") or "eager"
+        device = config.execution_device()
+        compiler = config.compiler()
         self.executionDevice(device)
         self.compiler(compiler)
 

@@ -4,12 +4,12 @@
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 
 from poptorch import enums
+from poptorch import _config as config
 from poptorch._logging import logger
 from poptorch._options.dict import (FROZEN_MESSAGE, OptionsDict, UnfrozenCopies, check_bool,
                                     check_int, check_type)
@@ -322,7 +322,7 @@ class _TensorLocationOptions(OptionsDict):
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
+    value = config.raw(name)
     if not value.strip():
         return default
     try:
@@ -347,8 +347,7 @@ class _DistributedOptions(OptionsDict):
     def __init__(self):
         super().__init__(distributed_process_id=0, num_distributed_processes=1,
                          ipuof_configs={})
-        if os.environ.get("OMPI_COMM_WORLD_SIZE", "").strip() or \
-                not os.environ.get("WORLD_SIZE", "").strip():
+        if config.text("OMPI_COMM_WORLD_SIZE") or not config.text("WORLD_SIZE"):
             self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
         else:
             self.setEnvVarNames("WORLD_SIZE", "RANK")

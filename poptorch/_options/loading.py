@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import sys
 
 from poptorch import enums
 
@@ -37,8 +38,6 @@ def load_file(options, filepath: str) -> None:
     Raises:
         ConfigFileError: a Python syntax error in the file.
     """
-    import poptorch  # pylint: disable=import-outside-toplevel
-
     commands = []
     with open(filepath, encoding="utf-8") as f:
         for line in f:
@@ -55,7 +54,7 @@ def load_file(options, filepath: str) -> None:
         raise ConfigFileError(f"{type(err).__name__} at line {lineno} of "
                               f"{os.path.basename(filepath)}: {err.msg}\n> "
                               f"{offending}") from None
-    exec(compiled, {"poptorch": poptorch, "options": options})  # noqa: S102
+    exec(compiled, {"poptorch": sys.modules["poptorch"], "options": options})  # noqa: S102
 
 
 def apply_json(options, string: str) -> None:
