@@ -134,7 +134,7 @@ class BertForPreTraining(nn.Module):
 
 
 class _Bottleneck(nn.Module):
-    def __init__(self, cin: int, width: int, stride: int):
+    def __init__(self, cin: int, width: int, stride: int, keep_all: bool = False):
         super().__init__()
         cout = width * 4
         self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
@@ -147,19 +147,35 @@ class _Bottleneck(nn.Module):
         if stride != 1 or cin != cout:
             self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
                                       nn.BatchNorm2d(cout))
+        self.keep_all = keep_all
 
     def forward(self, x):
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = F.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
-        return F.relu(y + (x if self.down is None else self.down(x)))
+        keep = recomputation_checkpoint if self.keep_all else (lambda t: t)
+        y = F.relu(keep(self.bn1(keep(self.conv1(x)))))
+        y = F.relu(keep(self.bn2(keep(self.conv2(y)))))
+        y = keep(self.bn3(keep(self.conv3(y))))
+        return F.relu(y + (x if self.down is None else keep(self.down(x))))
 
 
 class ResNet50(nn.Module):
     """ResNet-50 v1.5 for 224×224 ImageNet images; ``forward(images, labels)`` returns
-    the cross-entropy loss (``images``: ``[B, 3, 224, 224]``, ``labels``: ``[B]``)."""
+    the cross-entropy loss (``images``: ``[B, 3, 224, 224]`` float16, or uint8 with
+    ``eight_bit_input``; ``labels``: ``[B]``).
 
-    def __init__(self, classes: int = 1000, checkpoint_stages: bool = False):
+    Args:
+        classes: output classes.
+        checkpoint_stages: a recomputation checkpoint after every bottleneck.
+        checkpoint_blocks: bottlenecks (0 … 15) whose residual add is checkpointed.
+        keep_blocks: bottlenecks whose every convolution and norm output is a
+            checkpoint (nothing recomputed there).
+        eight_bit_input: images arrive as uint8 and are normalised on the device
+            (Graphcore's ``eight_bit_io`` with ``normalization_location: ipu``).
+        label_smoothing: of the cross-entropy loss.
+    """
+
+    def __init__(self, classes: int = 1000, checkpoint_stages: bool = False,
+                 checkpoint_blocks: Sequence[int] = (), keep_blocks: Sequence[int] = (),
+                 eight_bit_input: bool = False, label_smoothing: float = 0.0):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
                                   nn.ReLU(), nn.MaxPool2d(3, 2, 1))
@@ -167,23 +183,30 @@ class ResNet50(nn.Module):
         cin = 64
         for width, count, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
             for i in range(count):
-                blocks.append(_Bottleneck(cin, width, stride if i == 0 else 1))
+                blocks.append(_Bottleneck(cin, width, stride if i == 0 else 1,
+                                          keep_all=len(blocks) in keep_blocks))
                 cin = width * 4
         self.layers = nn.ModuleList(blocks)
         self.fc = nn.Linear(cin, classes)
-        self.checkpoint = checkpoint_stages
+        self.checkpointed = set(range(len(blocks))) if checkpoint_stages else \
+            set(checkpoint_blocks) | set(keep_blocks)
+        self.eight_bit_input = eight_bit_input
+        self.label_smoothing = label_smoothing
 
     def forward(self, images, labels):
+        if self.eight_bit_input:
+            weight = self.fc.weight
+            images = (images.to(weight.dtype) / 255.0 - 0.45) / 0.225
         x = self.stem(images)
-        for block in self.layers:
+        for index, block in enumerate(self.layers):
             x = block(x)
-            if self.checkpoint:
+            if index in self.checkpointed:
                 x = recomputation_checkpoint(x)
         logits = self.fc(x.mean((2, 3)))
-        return F.cross_entropy(logits.float(), labels)
+        return F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
 
-    @staticmethod
-    def example_inputs(micro_batch: int, dtype=torch.float16, device="meta"):
+    def example_inputs(self, micro_batch: int, dtype=torch.float16, device="meta"):
+        dtype = torch.uint8 if self.eight_bit_input else dtype
         return (torch.zeros(micro_batch, 3, 224, 224, dtype=dtype, device=device),
                 torch.zeros(micro_batch, dtype=torch.int64, device=device))
 

@@ -189,8 +189,9 @@ class Compiler:
                 in-place buffer updates with replicas fed different data while
                 ``broadcast_buffers`` is on; unknown anchor; a process id outside
                 ``[0, num_processes)``; overlapped IO against S-66's rules; out of
-                memory on an IPU (``type == "poplar_out_of_memory"``, unless the engine
-                option ``debug.allowOutOfMemory`` is ``"true"``).
+                memory on an IPU in strict mode (``type == "poplar_out_of_memory"``,
+                ``SessionOptions.strict_memory`` without the engine option
+                ``debug.allowOutOfMemory``; otherwise a warning, as Poplar's IPU Model).
         """
         start = time.perf_counter()
         total = 6
@@ -256,14 +257,15 @@ class Compiler:
     def _estimate(graph: Graph, options: SessionOptions, training: bool, optimizer
                   ) -> cost_model.IpuEstimate:
         """Estimate memory and cycles, write the profile report when asked (S-85) and
-        raise the out-of-memory error."""
+        report a program that does not fit (a warning; the error in strict mode)."""
         target = target_for(options.ipu_model_version, options.small_ipu_model)
         result = cost_model.estimate(graph, options, training, target, optimizer)
         directory = options.profile_dir(training)
         if directory is not None:
             write_report(directory, result, os.path.basename(directory), training)
         allow = options.engine_options.get("debug.allowOutOfMemory", "false").lower()
-        cost_model.check(result, allow_out_of_memory=allow == "true")
+        cost_model.check(result, strict=options.strict_memory,
+                         allow_out_of_memory=allow == "true")
         return result
 
     # -- checks -------------------------------------------------------------------

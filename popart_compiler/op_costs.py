@@ -22,9 +22,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import backend_error
 from .ir import Graph, _op_name
+from .matmul_shapes import Product, products
 
 __all__ = ["OpCost", "WeightCost", "ProgramCosts", "collect", "steering_op",
-           "layer_placement"]
+           "layer_placement", "merge_stages"]
 
 #: Steering ops (api §8) by op name; any namespace (``poptorch::<name>``).
 CHECKPOINT_OP = "recomputation_checkpoint"
@@ -33,6 +34,8 @@ SERIALIZED_MATMUL_OP = "serialized_matmul"
 
 #: Ops whose output aliases an input: no new memory, no compute.
 _VIEW_TAG = "view"
+#: Vector operations per element of a transcendental op (exp, gelu, norms, ...).
+TRANSCENDENTAL_OPS = 4.0
 #: Element-wise ops that cost several vector instructions per element on a tile.
 _TRANSCENDENTAL = frozenset({
     "gelu", "tanh", "exp", "log", "sigmoid", "softmax", "_softmax", "log_softmax",
@@ -67,6 +70,7 @@ class OpCost:
         available_memory: ``set_available_memory`` proportion applied to it, if any.
         serialization: ``(mode, factor)`` of a ``serialized_matmul``, if any.
         inputs: names of the nodes it reads.
+        products: its matrix products (:mod:`.matmul_shapes`); empty for other ops.
     """
     name: str
     op: str
@@ -85,6 +89,7 @@ class OpCost:
     available_memory: Optional[float] = None
     serialization: Optional[Tuple[str, int]] = None
     inputs: Tuple[str, ...] = ()
+    products: Tuple[Product, ...] = ()
 
     @property
     def signature(self) -> Tuple:
@@ -94,12 +99,13 @@ class OpCost:
 
 @dataclasses.dataclass
 class WeightCost:
-    """A parameter or buffer.
+    """A parameter or buffer (tied names that hold one tensor are one weight).
 
     Attributes:
-        name: its ``state_dict`` name.
+        name: its ``state_dict`` name (the first of tied names).
         elements / bytes: its size.
-        ipus: the IPUs whose ops read it (a tied weight lives on each of them).
+        ipus: the IPUs whose ops read it (a weight read on several IPUs lives on each
+            of them, once).
         trainable: whether it has a gradient and optimizer state.
         itemsize: bytes per element.
     """
@@ -120,7 +126,10 @@ class ProgramCosts:
         weights: parameters and buffers.
         input_bytes / output_bytes: host ↔ device bytes of one micro-batch.
         num_ipus: IPUs the placement uses.
-        stages: pipeline stages in order, each ``(stage, ipu)``.
+        stages: forward pipeline stages in order, each ``(stage, ipu)``, after
+            merging consecutive stages on one IPU (:func:`merge_stages`); ``op.stage``
+            is the index into this list.
+        user_inputs: bytes of each user input (placeholder name → bytes).
     """
     ops: List[OpCost]
     weights: List[WeightCost]
@@ -128,6 +137,7 @@ class ProgramCosts:
     output_bytes: int
     num_ipus: int
     stages: List[Tuple[int, int]]
+    user_inputs: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def steering_op(node: fx.Node) -> str:
@@ -275,12 +285,50 @@ def _placement(node: fx.Node, override: Optional[Dict[str, Tuple[int, int]]]
     return 0, 0
 
 
+def merge_stages(stages: Sequence[Tuple[int, int]]) -> Dict[Tuple[int, int], int]:
+    """Pipeline stages as PopART runs them: consecutive stages (in stage order) on the
+    same IPU are one stage (PopART's ``Pipeline::withStages``: a pipeline cycle runs
+    each IPU's consecutive stages back to back, so they hold no stash between them).
+
+    Args:
+        stages: ``(stage, ipu)`` pairs of the placement (any order, repeats allowed).
+
+    Returns:
+        ``(stage, ipu)`` → index of the merged stage (0, 1, ... in pipeline order).
+
+    Example: ``[(0, 0), (1, 0), (2, 1), (3, 0)]`` → indices ``0, 0, 1, 2``: BERT's
+    embeddings and first layers on IPU 0, the layers of IPU 1, the heads on IPU 0.
+    """
+    merged: Dict[Tuple[int, int], int] = {}
+    index, last_ipu = -1, None
+    for stage, ipu in sorted(set(stages)):
+        if ipu != last_ipu:
+            index += 1
+            last_ipu = ipu
+        merged[(stage, ipu)] = index
+    return merged
+
+
+def _tied_groups(graph: Graph) -> Dict[str, str]:
+    """State name → the first name holding the same tensor (tied weights share one
+    tensor in the exported program's ``state_dict``)."""
+    first: Dict[int, str] = {}
+    canonical: Dict[str, str] = {}
+    values = graph.program.state_dict
+    for name in graph.parameters + graph.buffers:
+        value = values.get(name)
+        key = id(value) if value is not None else id(name)
+        canonical[name] = first.setdefault(key, name)
+    return canonical
+
+
 def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             head_ipu: Optional[int] = None) -> ProgramCosts:
     """Cost every op and weight of ``graph`` (one micro-batch).
 
     Placement: ``node.meta["placement"]`` where present (contract A); otherwise, if
     ``layers_per_ipu`` is given, :func:`layer_placement`; otherwise IPU 0 / stage 0.
+    Stages are merged as PopART merges them (:func:`merge_stages`).
 
     Args:
         graph: the captured program.
@@ -307,11 +355,17 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             if isinstance(source, fx.Node):
                 memory_of[source] = float(node.args[1])
     ipus_of: Dict[fx.Node, set] = {}
-    state_nodes = set(graph.placeholders[:len(graph.parameters) + len(graph.buffers)])
+    num_state = len(graph.parameters) + len(graph.buffers)
+    state_list = graph.placeholders[:num_state]
+    state_nodes = set(state_list)
+    trainable_nodes = [n for n, t in zip(graph.placeholders, graph.trainable) if t]
+    user = graph.placeholders[len(graph.placeholders) - graph.num_user_inputs:]
+    places: List[Tuple[int, int]] = []
     for node in nodes:
         if node.op != "call_function":
             continue
         ipu, stage = _placement(node, override)
+        places.append((stage, ipu))
         for arg in node.all_input_nodes:
             ipus_of.setdefault(arg, set()).add(ipu)
         val = node.meta.get("val")
@@ -323,6 +377,7 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
         read = max((t.numel() for a in node.all_input_nodes if a not in state_nodes
                     for t in _tensors(a.meta.get("val"))), default=0)
         flops = 0.0 if view else _flops(node)
+        half = any(t.dtype == torch.float16 for t in tensors)
         cost = OpCost(
             name=node.name, op=_op_name(node), ipu=ipu, stage=stage,
             layer=_layer_key(node),
@@ -332,31 +387,46 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
                              if a in state_nodes),
             elements=elements, flops=flops,
             vector_ops=0.0 if view or flops else
-            float(max(elements, read)) * (4.0 if _op_name(node) in _TRANSCENDENTAL else 1.0),
-            half=any(t.dtype == torch.float16 for t in tensors), view=view,
+            float(max(elements, read)) *
+            (TRANSCENDENTAL_OPS if _op_name(node) in _TRANSCENDENTAL else 1.0),
+            half=half, view=view,
             checkpoint=steer == CHECKPOINT_OP,
             available_memory=memory_of.get(node, node.meta.get("available_memory_proportion")),
-            inputs=tuple(a.name for a in node.all_input_nodes))
+            inputs=tuple(a.name for a in node.all_input_nodes),
+            products=tuple(products(node, half, state_list, trainable_nodes, user))
+            if flops and not view else ())
         if steer == SERIALIZED_MATMUL_OP:
             mode = str(node.args[2]) if len(node.args) > 2 else "Disabled"
             factor = int(node.args[3]) if len(node.args) > 3 else 1
             cost.serialization = (mode, max(1, factor))
         ops.append(cost)
-    weights = []
-    state = set(graph.parameters) | set(graph.buffers)
+    merged = merge_stages(places or [(0, 0)])
+    for op in ops:
+        op.stage = merged[(op.stage, op.ipu)]
+    stages = sorted({(index, ipu) for (_, ipu), index in merged.items()})
+    weights: Dict[str, WeightCost] = {}
     trainable = {p for p, t in zip(graph.parameters, graph.trainable) if t}
-    names = graph.parameters + graph.buffers
-    for node, name in zip(graph.placeholders, names):
+    canonical = _tied_groups(graph)
+    for node, name in zip(state_list, graph.parameters + graph.buffers):
         val = node.meta.get("val")
-        if name not in state or not isinstance(val, torch.Tensor):
+        if not isinstance(val, torch.Tensor):
             continue
-        weights.append(WeightCost(name, val.numel(), _bytes(val),
-                                  tuple(sorted(ipus_of.get(node, {0}))),
-                                  name in trainable, val.element_size()))
-    user = graph.placeholders[len(graph.placeholders) - graph.num_user_inputs:]
-    input_bytes = sum(_bytes(n.meta.get("val")) for n in user)
+        readers = ipus_of.get(node, set())
+        key = canonical[name]
+        if key in weights:  # a tied name: the same tensor, read by more IPUs
+            w = weights[key]
+            w.ipus = tuple(sorted(set(w.ipus) | readers))
+            w.trainable = w.trainable or name in trainable
+            continue
+        weights[key] = WeightCost(name, val.numel(), _bytes(val), tuple(sorted(readers)),
+                                  name in trainable, val.element_size())
+    for w in weights.values():
+        w.ipus = w.ipus or (0,)  # a weight no op reads stays on IPU 0
+    sizes = {n.name: _bytes(n.meta.get("val")) for n in user}
+    input_bytes = sum(sizes.values())
     output_bytes = sum(_bytes(n.meta.get("val")) for n in graph.output_nodes
                        if isinstance(n, fx.Node))
-    stages = sorted({(op.stage, op.ipu) for op in ops}) or [(0, 0)]
-    num_ipus = max([ipu for _, ipu in stages] + [i for w in weights for i in w.ipus]) + 1
-    return ProgramCosts(ops, weights, input_bytes, output_bytes, num_ipus, stages)
+    num_ipus = max([ipu for _, ipu in stages] +
+                   [i for w in weights.values() for i in w.ipus]) + 1
+    return ProgramCosts(ops, list(weights.values()), input_bytes, output_bytes, num_ipus,
+                        stages, sizes)

@@ -95,7 +95,7 @@ _PYTHON_KEYS = frozenset({"anchored_tensors", "patterns_level", "patterns",
 _POPTORCH_KEYS = frozenset("""
 device_iterations replication_factor input_group_size input_cgt broadcast_buffers
 output_mode output_return_period random_seed auto_round_num_ipus log_dir max_repeat_logs
-model_name use_model connection_type sync_pattern ipu_id ipu_version
+model_name use_model ipu_model_strict_memory connection_type sync_pattern ipu_id ipu_version
 gradient_accumulation accumulation_and_replication_reduction_type
 meanAccumulationAndReplicationReductionStrategy distributed_process_id
 num_distributed_processes ipuof_configs execution_mode separate_backward_phase
@@ -236,6 +236,9 @@ class SessionOptions:
         ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
         use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).
         small_ipu_model: the 4-tile IPU Model of ``POPTORCH_SMALL_IPU_MODEL``.
+        strict_memory: a program that does not fit in the IPU Model's memory fails
+            to compile (``Options.ipuModelStrictMemory``, else
+            ``POPTORCH_IPU_MODEL_STRICT_MEMORY``); otherwise it is reported and runs.
         connection_type: 0 Always, 1 OnDemand, 2 Never.
         raw: the validated option dictionary.
     """
@@ -265,6 +268,7 @@ class SessionOptions:
     ipu_model_version: str = "ipu2"
     use_ipu_model: bool = True
     small_ipu_model: bool = False
+    strict_memory: bool = False
     connection_type: int = 0
     progress_callback: Optional[Callable[[int, int], None]] = None
     raw: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -370,6 +374,7 @@ class SessionOptions:
             process_id=int(get("distributed_process_id", 0)),
             ipu_model_version=version,
             connection_type=int(get("connection_type", 0)),
+            strict_memory=bool(get("ipu_model_strict_memory", strict_memory_env())),
             device=str(get("execution_device", "cpu")),
             backend=str(get("compiler_backend", "eager")),
             progress_callback=get("compilation_progress_bar_fn"),
@@ -413,11 +418,20 @@ def engine_options(configured: Optional[Dict[str, Any]] = None) -> Dict[str, str
     return merged
 
 
+def _env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` holds a non-zero integer."""
+    try:
+        return int(os.environ.get(name, "0") or "0") != 0
+    except ValueError:
+        return False
+
+
+def strict_memory_env() -> bool:
+    """``POPTORCH_IPU_MODEL_STRICT_MEMORY != 0``: out of memory on the IPU Model is an
+    error at compile time (see ``Options.ipuModelStrictMemory``)."""
+    return _env_flag("POPTORCH_IPU_MODEL_STRICT_MEMORY")
+
+
 def ipu_model_env() -> Tuple[bool, bool]:
     """``(POPTORCH_IPU_MODEL != 0, POPTORCH_SMALL_IPU_MODEL != 0)`` with integer parsing."""
-    def flag(name: str) -> bool:
-        try:
-            return int(os.environ.get(name, "0") or "0") != 0
-        except ValueError:
-            return False
-    return flag("POPTORCH_IPU_MODEL"), flag("POPTORCH_SMALL_IPU_MODEL")
+    return _env_flag("POPTORCH_IPU_MODEL"), _env_flag("POPTORCH_SMALL_IPU_MODEL")
