@@ -16,15 +16,18 @@ Follows PopART's pipelining (``transforms/pipeline.cpp``) and recomputation:
   between checkpoints. Without recomputation every op output (and the stage's
   input) is kept.
 * The backward of a segment needs its recomputed activations once, plus the gradients
-  of the op being differentiated (incoming and outgoing: at most twice the largest
-  output of the segment).
+  of the op being differentiated (incoming: its output's size; outgoing: its
+  activation inputs'), for the op of the segment where they are largest.
+* Only outputs backward reads count: those of ops that depend on a trainable weight and
+  the inputs such ops read (``OpCost.saved``); ops PopART runs in place share their
+  input's memory (``OpCost.memory_bytes``).
 * Not pipelined (one stage, or sharded execution): each stage is stashed once (depth
   1) and recomputes as requested.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence
+from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 __all__ = ["StageMemory", "stage_memory", "recomputation_active", "kept_for_backward",
            "RECOMPUTE_NONE", "RECOMPUTE_STANDARD", "RECOMPUTE_NORM_ONLY",
@@ -47,14 +50,14 @@ class StageMemory:
             backward, + 1).
         saved: what backward needs of one micro-batch.
         working: the backward working set of its largest segment.
-        recomputes: whether its backward recomputes forward ops.
+        recomputed: names of the forward ops its backward runs again.
     """
     stage: int
     ipu: int
     depth: int
     saved: float
     working: float
-    recomputes: bool
+    recomputed: FrozenSet[str] = frozenset()
 
     @property
     def stash(self) -> float:
@@ -99,26 +102,48 @@ def _stage_input(ops, producer_stage: Dict[str, int], user_inputs: Dict[str, int
     return total
 
 
-def _saved_and_working(ops, auto_recomputation: int, recompute: bool, received: float
-                       ) -> tuple:
-    """``(saved, working)`` bytes of one stage (see the module docstring)."""
-    produced = [op for op in ops if not op.view]
-    largest = max((op.out_bytes for op in produced), default=0)
+def _gradient_bytes(op) -> int:
+    """Gradient buffers live while ``op`` is differentiated: its incoming gradient (its
+    output's size) and the outgoing ones (its activation inputs)."""
+    return op.out_bytes + op.in_bytes - op.weight_bytes
+
+
+def _saved_and_working(ops, auto_recomputation: int, recompute: bool, received: float,
+                       keep_tail: bool) -> Tuple[float, float, FrozenSet[str]]:
+    """``(saved, working, recomputed op names)`` of one stage (module docstring).
+    ``keep_tail``: the ops after the stage's last checkpoint keep their outputs (the
+    last forward stage runs its backward in the same pipeline cycle)."""
+    needed = [op for op in ops if not op.view and op.saved]
+    grads = max((_gradient_bytes(op) for op in needed), default=0)
     if not recompute:
-        return received + float(sum(op.out_bytes for op in produced)), 2.0 * largest
+        return received + float(sum(op.memory_bytes for op in needed)), float(grads), \
+            frozenset()
     if auto_recomputation in (RECOMPUTE_PIPELINE, RECOMPUTE_ALL):
-        return received, float(sum(op.out_bytes for op in produced)) + 2.0 * largest
+        return received, float(sum(op.memory_bytes for op in needed)) + grads, \
+            frozenset(op.name for op in needed)
     read_in_stage = {name for op in ops for name in op.inputs}
-    saved, segment, worst = received, 0.0, 0.0
-    for op in produced:
+    saved, worst = received, 0.0
+    segment, largest, members = 0.0, 0.0, []
+    recomputed: List[str] = []
+    for op in needed:
         keep = kept_for_backward(op, auto_recomputation, True)
         if keep and (not op.checkpoint or op.name in read_in_stage):
-            saved += op.out_bytes
+            saved += op.memory_bytes
         if op.checkpoint:
-            worst, segment = max(worst, segment), 0.0
+            worst = max(worst, segment + largest)
+            recomputed += members
+            segment, largest, members = 0.0, 0.0, []
         elif not keep:
-            segment += op.out_bytes
-    return saved, max(worst, segment) + 2.0 * largest
+            segment += op.memory_bytes
+            largest = max(largest, _gradient_bytes(op))
+            members.append(op.name)
+    if keep_tail:
+        saved += segment
+        worst = max(worst, largest)
+    else:
+        worst = max(worst, segment + largest)
+        recomputed += members
+    return saved, worst, frozenset(recomputed)
 
 
 def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
@@ -146,8 +171,8 @@ def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
             continue
         piped = pipelined and n > 1
         depth = 2 * (n - 1 - k) + 1 if piped else 1
-        recompute = recomputing and not (piped and k == n - 1)
         received = _stage_input(mine, producer, user_inputs, sizes)
-        saved, working = _saved_and_working(mine, auto_recomputation, recompute, received)
-        result.append(StageMemory(stage, ipu, depth, saved, working, recompute))
+        saved, working, recomputed = _saved_and_working(
+            mine, auto_recomputation, recomputing, received, keep_tail=piped and k == n - 1)
+        result.append(StageMemory(stage, ipu, depth, saved, working, recomputed))
     return result

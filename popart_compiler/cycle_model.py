@@ -13,8 +13,9 @@ Per op (one micro-batch):
   re-laid out over the exchange, and one synchronisation; backward costs
   :data:`BACKWARD_VECTOR_FACTOR` × forward.
 
-Training: ops that are not kept for backward are recomputed (forward again) in the
-stages that recompute (:mod:`.activation_memory`). Stages are PopART's merged stages;
+Training: ops whose output does not depend on a trainable weight have no backward;
+ops that are not kept for backward are recomputed (forward again) as
+:mod:`.activation_memory` decides; recomputation checkpoints cost nothing. Stages are PopART's merged stages;
 they add the IPU-Link copies of their boundary tensors, the first and last stage the
 host-link transfer of inputs / outputs (unless ``numIOTiles`` overlaps I/O with
 compute). The pipeline runs in cycles: ``M`` micro-batches over ``S`` stages
@@ -32,12 +33,12 @@ import dataclasses
 import math
 from typing import Dict, List, Sequence, Tuple
 
-from .activation_memory import kept_for_backward, stage_memory
+from .activation_memory import stage_memory
 from .ipu_model import IpuTarget
 from .matmul_plan import LOAD_BYTES_PER_CYCLE, SYNC_CYCLES, VECTOR_LANES
 from .memory_model import MemorySettings, TILE_GRAIN_BYTES
 from .op_costs import OpCost, ProgramCosts
-from .op_plans import op_plans
+from .op_plans import exchange_bytes_per_cycle, op_plans
 
 __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate_cycles",
            "pipeline_schedule", "op_forward_cycles", "op_backward_cycles"]
@@ -147,8 +148,8 @@ def _vector_cycles(op: OpCost, target: IpuTarget) -> float:
     tiles = _tiles_used(op, target)
     moved = (op.in_bytes - op.weight_bytes + op.out_bytes) / LOAD_BYTES_PER_CYCLE
     compute = (moved + op.vector_ops / VECTOR_LANES[op.half]) / tiles
-    exchange = VECTOR_EXCHANGE_SHARE * (op.in_bytes - op.weight_bytes) / \
-        (target.exchange_bytes_per_s / target.clock_hz)
+    exchange = VECTOR_EXCHANGE_SHARE * (op.in_bytes - op.weight_bytes) / tiles / \
+        exchange_bytes_per_cycle(target)
     return compute + exchange + SYNC_CYCLES
 
 
@@ -158,7 +159,7 @@ def _plans(op: OpCost, target: IpuTarget, memory: MemorySettings):
 
 def op_forward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) -> float:
     """Forward cycles of one op for one micro-batch (see the module docstring)."""
-    if op.view:
+    if op.view or op.checkpoint:  # a checkpoint only marks its input
         return 0.0
     if op.products:
         return _plans(op, target, memory).forward_cycles
@@ -169,7 +170,7 @@ def op_backward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) ->
     """Backward cycles of one op for one micro-batch (gradient products, or
     :data:`BACKWARD_VECTOR_FACTOR` × the forward of a vector op); recomputation is
     added by the caller."""
-    if op.view:
+    if op.view or op.checkpoint:
         return 0.0
     if op.products:
         return _plans(op, target, memory).backward_cycles
@@ -209,9 +210,9 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
     op_cycles = []
     forward: Dict[int, float] = {}
     backward: Dict[int, float] = {}
-    recomputes = {st.stage for st in stage_memory(
+    recomputed = {name for st in stage_memory(
         costs.ops, costs.stages, costs.user_inputs, memory.auto_recomputation,
-        memory.pipelined) if st.recomputes} if memory.training else set()
+        memory.pipelined) for name in st.recomputed} if memory.training else set()
     link = target.ipu_link_bytes_per_s / target.clock_hz
     consumers: Dict[str, set] = {}
     for op in costs.ops:
@@ -221,9 +222,8 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
         fwd = op_forward_cycles(op, target, memory)
         bwd = 0.0
         if memory.training and fwd:
-            bwd = op_backward_cycles(op, target, memory)
-            if op.stage in recomputes and not kept_for_backward(
-                    op, memory.auto_recomputation, True):
+            bwd = op_backward_cycles(op, target, memory) if op.requires_grad else 0.0
+            if op.name in recomputed:
                 bwd += fwd
         if consumers.get(op.name, {op.ipu}) - {op.ipu}:
             fwd += op.out_bytes / link

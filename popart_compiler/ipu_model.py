@@ -42,7 +42,9 @@ class IpuTarget:
             convolution test tool derives the float-partials units this way): half
             the float16 rate on GC200 / Bow, the same rate on GC2.
         exchange_bytes_per_s: all-to-all exchange bandwidth inside one IPU (GC200's
-            ≈ 8 TB/s; the spec has no GC2 / Bow figure, so they use it too).
+            ≈ 8 TB/s, about 4 bytes per tile per cycle; the spec has no GC2 / Bow
+            figure: Bow, the same tile design at a higher clock, is assumed to move
+            the same bytes per cycle, 8 TB/s × 1.85 / 1.33; GC2 uses 8 TB/s).
         ipu_link_bytes_per_s: IPU-Link bandwidth of one IPU, all links together
             (GC200: 320 GB/s; Bow: 10 links × 512 Gb/s; GC2: GC200's, unverified).
         host_link_bytes_per_s: host link (PCIe Gen4 x16, 64 GB/s).
@@ -75,6 +77,7 @@ TARGETS = {
                       streaming_memory_bytes=0, amp_units=8),
     "ipu2": IpuTarget("ipu2", 1472, 624 * 1024, 1.33e9, 250e12, 62.5e12),
     "ipu21": IpuTarget("ipu21", 1472, 624 * 1024, 1.85e9, 350e12, 87e12,
+                       exchange_bytes_per_s=8e12 * 1.85 / 1.33,
                        ipu_link_bytes_per_s=10 * 512e9 / 8,
                        streaming_memory_bytes=64 * 10 ** 9),
 }

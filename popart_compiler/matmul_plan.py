@@ -153,6 +153,11 @@ def _best(problem: MatmulProblem, tiles: int, macs_per_cycle: float,
     block_load = amp_depth * amp_cols * in_bytes / LOAD_BYTES_PER_CYCLE
     lanes = VECTOR_LANES[half and p.half_partials]
     channels = max(1, p.depth // max(1, p.kernel))
+    kernel = max(1, p.kernel)
+    if channels < amp_depth and kernel > 1:
+        # poplin's expandDims: kernel positions folded into the input channels (the
+        # input is exchanged once per folded position)
+        channels, kernel = channels * kernel, 1
     pg = _splits(p.groups, tiles)[:, None, None, None]
     pm = _splits(p.rows, tiles, _FINE)[None, :, None, None]
     pk = _splits(channels, tiles)[None, None, :, None]
@@ -163,14 +168,14 @@ def _best(problem: MatmulProblem, tiles: int, macs_per_cycle: float,
     c = _ceil(channels, pk)          # input channels per tile
     n = _ceil(p.cols, pn)
     rows_per_worker = _ceil(m, WORKERS)
-    passes = g * _ceil(c, amp_depth) * p.kernel * _ceil(n, amp_cols)
+    passes = g * _ceil(c, amp_depth) * kernel * _ceil(n, amp_cols)
     compute = passes * (rows_per_worker * WORKERS * AMP_ROW_CYCLES + block_load +
                         AMP_LOOP_CYCLES)
     received = 0.0
     if p.exchange_rows:
         received = received + g * m * c * in_bytes
     if p.exchange_cols:
-        received = received + g * c * p.kernel * n * in_bytes
+        received = received + g * c * kernel * n * in_bytes
     partials = g * m * n * partial_bytes
     exchange = received / exchange_bytes_per_cycle
     split_depth = pk > 1

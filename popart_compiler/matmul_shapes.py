@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Collection, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
-from .ir import _op_name
+from .ir import _aliased_base, _op_name
 from .matmul_plan import MatmulProblem
 
 __all__ = ["Product", "products", "backward_problems"]
@@ -33,9 +33,9 @@ class Product:
     Attributes:
         problem: the forward product (one serial slice of a serialised matmul).
         repeat: serial slices (``serialized_matmul``'s factor; 1 otherwise).
-        grad_rows: the left operand needs a gradient (it is not a user input).
-        grad_cols: the right operand needs a gradient (an activation, or a trainable
-            weight).
+        grad_rows: the left operand needs a gradient (it depends on a trainable weight).
+        grad_cols: the right operand needs a gradient (a trainable weight, or an
+            activation that depends on one).
     """
     problem: MatmulProblem
     repeat: int = 1
@@ -83,19 +83,19 @@ def _conv(node: fx.Node, x: torch.Size, w: torch.Size, out: torch.Size
 
 
 def products(node: fx.Node, half: bool, state: Sequence[fx.Node],
-             trainable: Sequence[fx.Node], user_inputs: Sequence[fx.Node]) -> List[Product]:
+             requires_grad: Collection[fx.Node]) -> List[Product]:
     """The products of ``node`` (empty for other ops).
 
     Args:
         node: a ``call_function`` node with fake-tensor metadata.
         half: the node computes in float16.
         state: placeholders of parameters and buffers (weights: not exchanged).
-        trainable: placeholders of trainable parameters.
-        user_inputs: placeholders of the user's inputs (no gradient).
+        requires_grad: nodes whose value depends on a trainable weight (their
+            operands get a gradient).
     """
     name = _op_name(node)
     args = list(node.args)
-    state, trainable, user_inputs = set(state), set(trainable), set(user_inputs)
+    state = set(state)
 
     def make(dims, left, right, kernel=1, repeat=1, serial_dim=None):
         groups, rows, depth, cols = dims
@@ -105,12 +105,12 @@ def products(node: fx.Node, half: bool, state: Sequence[fx.Node],
             rows, depth, cols = (part if serial_dim == "rows" else rows,
                                  part if serial_dim == "depth" else depth,
                                  part if serial_dim == "cols" else cols)
-        resident = isinstance(right, fx.Node) and right in state
+        base = _aliased_base(right) if isinstance(right, fx.Node) else right
+        resident = isinstance(base, fx.Node) and base in state  # a weight, or its view
         problem = MatmulProblem(int(groups), int(rows), int(depth), int(cols), int(kernel),
                                 exchange_rows=True, exchange_cols=not resident, half=half)
-        return Product(problem, repeat,
-                       grad_rows=not (isinstance(left, fx.Node) and left in user_inputs),
-                       grad_cols=not resident or right in trainable)
+        return Product(problem, repeat, grad_rows=left in requires_grad,
+                       grad_cols=right in requires_grad)
 
     if name == "linear" and len(args) >= 2:
         x, w = _shape(args[0]), _shape(args[1])

@@ -11,12 +11,15 @@ sharding, ``A`` = gradient accumulation):
   (SGD velocity, Adam / LAMB first and second moments, RMSprop accumulators) at their
   accumulation dtypes (S-54); the combined SGD variant keeps one tensor, the
   velocity, in the parameter's dtype (it is also the gradient accumulator). Off chip:
-  one tensor's worth streams in for its update. Replicated tensor sharding divides it
-  by ``R``.
+  one tensor's worth streams in for its update; the update runs after the pipeline
+  has drained, so that buffer reuses the memory of the backward pass's transients
+  (gradients, temporaries) and only counts where it is larger. Replicated tensor
+  sharding divides it by ``R``.
 * **gradient accumulators**: ``A > 1``: one accumulator per trainable weight at
   ``accum_type`` (none for the combined SGD variant). Same location rules.
-* **gradients**: the largest weight gradient (each is consumed by its update or its
-  accumulator as soon as it is computed).
+* **gradients**: the largest weight gradient produced at once (each is consumed by its
+  update or its accumulator as soon as it is computed; a serialised product produces
+  one slice at a time; look-up tables accumulate their rows directly).
 * **activations** and **pipeline stash**: training, per merged pipeline stage
   (:mod:`.activation_memory`): what backward needs of one micro-batch, and the copies
   for the other micro-batches in flight; inference: the peak of the live tensors in
@@ -167,12 +170,13 @@ class IpuMemory:
 
 
 def _inference_peak(ops, ipu: int) -> float:
-    """Peak bytes of live tensors produced on ``ipu`` in execution order."""
+    """Peak bytes of live tensors produced on ``ipu`` in execution order (views and
+    in-place ops share their input's buffer)."""
     owner: Dict[str, str] = {}
     last_use: Dict[str, int] = {}
     for index, op in enumerate(ops):
-        owner[op.name] = owner.get(op.inputs[0], op.inputs[0]) if op.view and op.inputs \
-            else op.name
+        alias = (op.view or op.inplace) and op.inputs
+        owner[op.name] = owner.get(op.inputs[0], op.inputs[0]) if alias else op.name
         last_use[owner[op.name]] = index
         for name in op.inputs:
             if name in owner:
@@ -180,10 +184,10 @@ def _inference_peak(ops, ipu: int) -> float:
     live, peak = 0.0, 0.0
     frees: Dict[int, float] = {}
     for index, op in enumerate(ops):
-        if op.ipu == ipu and not op.view:
-            live += op.out_bytes
+        if op.ipu == ipu and op.memory_bytes:
+            live += op.memory_bytes
             frees[last_use.get(op.name, index)] = \
-                frees.get(last_use.get(op.name, index), 0.0) + op.out_bytes
+                frees.get(last_use.get(op.name, index), 0.0) + op.memory_bytes
         peak = max(peak, live)
         live -= frees.pop(index, 0.0)
     return peak
@@ -208,8 +212,9 @@ def _code(mine, target: IpuTarget, training: bool) -> float:
 
 
 def _state(weights, settings: MemorySettings, replicas: int, cat: Dict[str, float],
-           tensors: List[Tuple[str, str, float]]) -> float:
-    """Add weights, optimizer state and accumulators to ``cat``; return off-chip bytes."""
+           tensors: List[Tuple[str, str, float]]) -> Tuple[float, float]:
+    """Add the resident weights, optimizer state and accumulators to ``cat``; return
+    ``(off-chip bytes, bytes streamed in for the weight update)``."""
     off_chip = 0.0
     for w in weights:
         on, off = settings.weight.split(w.elements, w.bytes, replicas)
@@ -230,6 +235,8 @@ def _state(weights, settings: MemorySettings, replicas: int, cat: Dict[str, floa
             if size:
                 tensors.append((w.name, key, size))
     # off-chip tensors stream in one at a time: the largest is resident while used
+    # (weights: in every pass; optimizer state and accumulators: in the update)
+    update = 0.0
     for key, location, state in (("weights", settings.weight, False),
                                  ("optimizer state", settings.optimizer, True),
                                  ("gradient accumulators", settings.accumulator, True)):
@@ -242,8 +249,12 @@ def _state(weights, settings: MemorySettings, replicas: int, cat: Dict[str, floa
         size = biggest.bytes if not state else biggest.elements * (
             settings.optimizer_bytes_of(biggest.itemsize) if key == "optimizer state"
             else settings.accumulator_bytes)
-        cat[key] += location.split(biggest.elements, size, replicas)[1]
-    return off_chip
+        size = location.split(biggest.elements, size, replicas)[1]
+        if state:
+            update += size
+        else:
+            cat[key] += size
+    return off_chip, update
 
 
 def estimate_memory(costs: ProgramCosts, target: IpuTarget, settings: MemorySettings
@@ -272,11 +283,10 @@ def estimate_memory(costs: ProgramCosts, target: IpuTarget, settings: MemorySett
         cat = dict.fromkeys(CATEGORIES, 0.0)
         tensors: List[Tuple[str, str, float]] = []
         weights = [w for w in costs.weights if ipu in w.ipus]
-        off_chip = _state(weights, settings, settings.replicas, cat, tensors)
+        off_chip, update = _state(weights, settings, settings.replicas, cat, tensors)
         working = 0.0
         if settings.training:
-            trainable = [w.bytes for w in weights if w.trainable]
-            cat["gradients"] = float(max(trainable, default=0))
+            cat["gradients"] = float(max((op.weight_grad_bytes for op in mine), default=0))
             for st in (st for st in stages if st.ipu == ipu):
                 cat["activations"] += st.saved
                 on, off = settings.activation.split(int(st.stash), st.stash, 1)
@@ -287,6 +297,9 @@ def estimate_memory(costs: ProgramCosts, target: IpuTarget, settings: MemorySett
             cat["activations"] = _inference_peak(costs.ops, ipu)
         temp = max((matmul_temporary(op, settings, target)[0] for op in mine), default=0.0)
         cat["temporaries"] = working + temp
+        # the weight update runs after the pipeline has drained: state streamed in for
+        # it reuses the memory of the backward pass's transients
+        cat["optimizer state"] += max(0.0, update - cat["temporaries"] - cat["gradients"])
         cat["code"] = float(_code(mine, target, settings.training))
         boundary = sum(op.out_bytes for op in mine if read_on.get(op.name, {ipu}) - {ipu})
         host = (costs.input_bytes if ipu == 0 else 0) + \

@@ -34,6 +34,41 @@ SERIALIZED_MATMUL_OP = "serialized_matmul"
 
 #: Ops whose output aliases an input: no new memory, no compute.
 _VIEW_TAG = "view"
+#: Element-wise ops PopART runs in place when their input has no other reader and
+#: their backward does not read that input (``mul`` / ``div`` only by a scalar).
+_INPLACE = frozenset({"relu", "relu_", "add", "add_", "sub", "sub_", "dropout",
+                      "mul", "mul_", "div", "div_", "neg", "hardtanh", "clamp"})
+_SCALAR_ONLY = frozenset({"mul", "mul_", "div", "div_"})
+
+
+#: Look-ups whose weight gradient PopART accumulates row by row (``SparseAccumulate``).
+_LOOKUPS = frozenset({"embedding", "gather", "index_select", "take", "embedding_bag",
+                      "_embedding_bag"})
+
+
+def _weight_grad_bytes(node: fx.Node, found: Sequence[Product], trainable: set) -> int:
+    """Bytes of the weight gradient ``node`` produces at once (``OpCost``)."""
+    if _op_name(node) in _LOOKUPS or _is_view(node):
+        return 0
+    if found:
+        size = 2 if found[0].problem.half else 4
+        return max((p.problem.depth * p.problem.cols * size for p in found
+                    if p.grad_cols and not p.problem.exchange_cols), default=0)
+    return sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes if a in trainable)
+
+
+def _inplace(node: fx.Node) -> bool:
+    """Whether PopART's in-place transform overwrites ``node``'s first input."""
+    name = _op_name(node)
+    if name not in _INPLACE or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    source = node.args[0]
+    if source.op != "call_function" or len(source.users) != 1 or _is_view(source):
+        return False
+    return not (name in _SCALAR_ONLY and len(node.args) > 1 and
+                isinstance(node.args[1], fx.Node))
+
+
 #: Vector operations per element of a transcendental op (exp, gelu, norms, ...).
 TRANSCENDENTAL_OPS = 4.0
 #: Element-wise ops that cost several vector instructions per element on a tile.
@@ -71,6 +106,14 @@ class OpCost:
         serialization: ``(mode, factor)`` of a ``serialized_matmul``, if any.
         inputs: names of the nodes it reads.
         products: its matrix products (:mod:`.matmul_shapes`); empty for other ops.
+        requires_grad: its output depends on a trainable weight (it has a backward).
+        saved: backward may read its output (it requires grad, or an op that
+            requires grad reads it); other outputs are never stashed or recomputed.
+        inplace: PopART computes it in place (its output overwrites its only input's
+            buffer, :data:`_INPLACE`): it needs no memory of its own.
+        weight_grad_bytes: the gradient of its trainable weights it produces at once
+            (a serialised product: one slice; a look-up table: none, PopART adds the
+            rows into the accumulator).
     """
     name: str
     op: str
@@ -90,6 +133,15 @@ class OpCost:
     serialization: Optional[Tuple[str, int]] = None
     inputs: Tuple[str, ...] = ()
     products: Tuple[Product, ...] = ()
+    requires_grad: bool = True
+    saved: bool = True
+    inplace: bool = False
+    weight_grad_bytes: int = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of memory its output takes (0 for views and in-place ops)."""
+        return 0 if self.inplace else self.out_bytes
 
     @property
     def signature(self) -> Tuple:
@@ -361,9 +413,13 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
     trainable_nodes = [n for n, t in zip(graph.placeholders, graph.trainable) if t]
     user = graph.placeholders[len(graph.placeholders) - graph.num_user_inputs:]
     places: List[Tuple[int, int]] = []
+    trainable_set = set(trainable_nodes)
+    grad = set(trainable_nodes)  # nodes whose value depends on a trainable weight
     for node in nodes:
         if node.op != "call_function":
             continue
+        if any(a in grad for a in node.all_input_nodes):
+            grad.add(node)
         ipu, stage = _placement(node, override)
         places.append((stage, ipu))
         for arg in node.all_input_nodes:
@@ -378,6 +434,7 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
                     for t in _tensors(a.meta.get("val"))), default=0)
         flops = 0.0 if view else _flops(node)
         half = any(t.dtype == torch.float16 for t in tensors)
+        found = tuple(products(node, half, state_list, grad)) if flops and not view else ()
         cost = OpCost(
             name=node.name, op=_op_name(node), ipu=ipu, stage=stage,
             layer=_layer_key(node),
@@ -393,8 +450,11 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             checkpoint=steer == CHECKPOINT_OP,
             available_memory=memory_of.get(node, node.meta.get("available_memory_proportion")),
             inputs=tuple(a.name for a in node.all_input_nodes),
-            products=tuple(products(node, half, state_list, trainable_nodes, user))
-            if flops and not view else ())
+            products=found,
+            weight_grad_bytes=_weight_grad_bytes(node, found, trainable_set),
+            requires_grad=node in grad,
+            saved=node in grad or any(u in grad for u in node.users),
+            inplace=not view and _inplace(node))
         if steer == SERIALIZED_MATMUL_OP:
             mode = str(node.args[2]) if len(node.args) > 2 else "Disabled"
             factor = int(node.args[3]) if len(node.args) > 3 else 1

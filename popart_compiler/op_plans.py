@@ -68,9 +68,14 @@ def macs_per_cycle(target: IpuTarget, half: bool, half_partials: bool = True) ->
     return rate
 
 
+#: Share of the exchange's peak bandwidth a product's operand exchange achieves
+#: (calibrated, README "Memory and cycle estimates").
+EXCHANGE_EFFICIENCY = 0.3
+
+
 def exchange_bytes_per_cycle(target: IpuTarget) -> float:
-    """Bytes one tile receives per cycle over the exchange."""
-    return target.exchange_bytes_per_s / (target.tiles * target.clock_hz)
+    """Bytes one tile receives per cycle over the exchange (× :data:`EXCHANGE_EFFICIENCY`)."""
+    return EXCHANGE_EFFICIENCY * target.exchange_bytes_per_s / (target.tiles * target.clock_hz)
 
 
 def op_plans(op, target: IpuTarget, half_partials: bool, proportion: float,
