@@ -83,22 +83,34 @@ def kept_for_backward(op, auto_recomputation: int, recomputing: bool) -> bool:
         (mode == RECOMPUTE_NORM_ONLY and "norm" not in op.op)
 
 
+def _owners(ops) -> Dict[str, str]:
+    """Op name → the op that allocated its buffer (views, checkpoint markers and
+    in-place ops use their first input's)."""
+    owner: Dict[str, str] = {}
+    for op in ops:
+        owner[op.name] = owner.get(op.inputs[0], op.inputs[0]) \
+            if (op.view or op.inplace) and op.inputs else op.name
+    return owner
+
+
 def _stage_input(ops, producer_stage: Dict[str, int], user_inputs: Dict[str, int],
-                 sizes: Dict[str, int]) -> float:
+                 sizes: Dict[str, int], owner: Dict[str, str]) -> float:
     """Bytes a stage receives: tensors produced by another stage, and user inputs."""
     stage = ops[0].stage
     seen = set()
     total = 0.0
     for op in ops:
         for name in op.inputs:
-            if name in seen:
-                continue
             if name in user_inputs:
-                seen.add(name)
-                total += user_inputs[name]
+                key, size = name, user_inputs[name]
             elif producer_stage.get(name, stage) != stage:
-                seen.add(name)
-                total += sizes.get(name, 0)
+                key = owner.get(name, name)
+                size = sizes.get(key, 0)
+            else:
+                continue
+            if key not in seen:
+                seen.add(key)
+                total += size
     return total
 
 
@@ -121,7 +133,11 @@ def _saved_and_working(ops, auto_recomputation: int, recompute: bool, received: 
     if auto_recomputation in (RECOMPUTE_PIPELINE, RECOMPUTE_ALL):
         return received, float(sum(op.memory_bytes for op in needed)) + grads, \
             frozenset(op.name for op in needed)
-    read_in_stage = {name for op in ops for name in op.inputs}
+    owner = _owners(ops)
+    # buffers a later op of the stage reads (not counting the views and in-place ops
+    # that take them over)
+    read_in_stage = {owner.get(name, name) for op in ops if not op.view
+                     for name in (op.inputs[1:] if op.inplace else op.inputs)}
     saved, worst = received, 0.0
     segment, largest, members = 0.0, 0.0, []
     recomputed: List[str] = []
@@ -160,6 +176,7 @@ def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
     recomputing = recomputation_active(ops, auto_recomputation, True)
     producer = {op.name: op.stage for op in ops}
     sizes = {op.name: op.out_bytes for op in ops}
+    owner = _owners(ops)
     by_stage: Dict[int, list] = {}
     for op in ops:
         by_stage.setdefault(op.stage, []).append(op)
@@ -171,7 +188,7 @@ def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
             continue
         piped = pipelined and n > 1
         depth = 2 * (n - 1 - k) + 1 if piped else 1
-        received = _stage_input(mine, producer, user_inputs, sizes)
+        received = _stage_input(mine, producer, user_inputs, sizes, owner)
         saved, working, recomputed = _saved_and_working(
             mine, auto_recomputation, recomputing, received, keep_tail=piped and k == n - 1)
         result.append(StageMemory(stage, ipu, depth, saved, working, recomputed))

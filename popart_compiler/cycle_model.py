@@ -159,7 +159,7 @@ def _plans(op: OpCost, target: IpuTarget, memory: MemorySettings):
 
 def op_forward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) -> float:
     """Forward cycles of one op for one micro-batch (see the module docstring)."""
-    if op.view or op.checkpoint:  # a checkpoint only marks its input
+    if op.view:  # also the recomputation checkpoints: they only mark their input
         return 0.0
     if op.products:
         return _plans(op, target, memory).forward_cycles
@@ -170,7 +170,7 @@ def op_backward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) ->
     """Backward cycles of one op for one micro-batch (gradient products, or
     :data:`BACKWARD_VECTOR_FACTOR` × the forward of a vector op); recomputation is
     added by the caller."""
-    if op.view or op.checkpoint:
+    if op.view:
         return 0.0
     if op.products:
         return _plans(op, target, memory).backward_cycles

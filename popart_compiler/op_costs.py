@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import backend_error
-from .ir import Graph, _op_name
+from .ir import Graph, _aliased_base, _op_name
 from .matmul_shapes import Product, products
 
 __all__ = ["OpCost", "WeightCost", "ProgramCosts", "collect", "steering_op",
@@ -55,6 +55,16 @@ def _weight_grad_bytes(node: fx.Node, found: Sequence[Product], trainable: set) 
         return max((p.problem.depth * p.problem.cols * size for p in found
                     if p.grad_cols and not p.problem.exchange_cols), default=0)
     return sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes if a in trainable)
+
+
+def _memory_owner(node: fx.Node) -> fx.Node:
+    """The op whose buffer ``node``'s value lives in: views and in-place ops are
+    followed back to the op that allocated it."""
+    while True:
+        base = _aliased_base(node)
+        if base is node and not (node.op == "call_function" and _inplace(node)):
+            return node
+        node = base if base is not node else node.args[0]
 
 
 def _inplace(node: fx.Node) -> bool:
@@ -101,7 +111,8 @@ class OpCost:
             transcendental ops.
         half: whether it computes in float16.
         view: whether its output aliases an input.
-        checkpoint: a ``recomputation_checkpoint``: its output is kept for backward.
+        checkpoint: its output is a ``recomputation_checkpoint``: kept for backward,
+            never recomputed (the checkpoint op itself is an alias, ``view``).
         available_memory: ``set_available_memory`` proportion applied to it, if any.
         serialization: ``(mode, factor)`` of a ``serialized_matmul``, if any.
         inputs: names of the nodes it reads.
@@ -401,11 +412,15 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
     ops: List[OpCost] = []
     # Steering ops apply to the op that produced their input.
     memory_of: Dict[fx.Node, float] = {}
+    checkpointed = set()
     for node in nodes:
-        if steering_op(node) == AVAILABLE_MEMORY_OP and node.args:
-            source = node.args[0]
-            if isinstance(source, fx.Node):
-                memory_of[source] = float(node.args[1])
+        steer = steering_op(node)
+        if steer in (AVAILABLE_MEMORY_OP, CHECKPOINT_OP) and node.args and \
+                isinstance(node.args[0], fx.Node):
+            if steer == AVAILABLE_MEMORY_OP:
+                memory_of[node.args[0]] = float(node.args[1])
+            else:
+                checkpointed.add(_memory_owner(node.args[0]))
     ipus_of: Dict[fx.Node, set] = {}
     num_state = len(graph.parameters) + len(graph.buffers)
     state_list = graph.placeholders[:num_state]
@@ -426,7 +441,7 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             ipus_of.setdefault(arg, set()).add(ipu)
         val = node.meta.get("val")
         steer = steering_op(node)
-        view = _is_view(node) or steer == AVAILABLE_MEMORY_OP
+        view = _is_view(node) or steer in (AVAILABLE_MEMORY_OP, CHECKPOINT_OP)
         tensors = _tensors(val)
         elements = sum(t.numel() for t in tensors)
         # reductions (sums, losses) do one operation per element read
@@ -447,7 +462,7 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             float(max(elements, read)) *
             (TRANSCENDENTAL_OPS if _op_name(node) in _TRANSCENDENTAL else 1.0),
             half=half, view=view,
-            checkpoint=steer == CHECKPOINT_OP,
+            checkpoint=node in checkpointed,
             available_memory=memory_of.get(node, node.meta.get("available_memory_proportion")),
             inputs=tuple(a.name for a in node.all_input_nodes),
             products=found,
