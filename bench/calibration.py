@@ -168,11 +168,11 @@ def _squad(training=True):
             model = cm.BertSquad(1024, 24, 16, [2, 3, 3, 3, 3, 3, 3, 4]).half()
         proportions = [0.08, 0.28, 0.32, 0.32, 0.36, 0.38, 0.4, 0.32]
         if training:
-            opts = _options(2, 2, 32, proportions, device_iterations=2,
+            opts = _options(21, 2, 32, proportions, device_iterations=2,
                             optimizer_off_chip=False)
             return model, opts, _adamw(model, first=torch.float16), \
                 model.example_inputs(4 * 32 * 2 * 2)
-        opts = _options(2, 2, 1, proportions, device_iterations=8, training=False)
+        opts = _options(21, 2, 1, proportions, device_iterations=8, training=False)
         return model, opts, None, model.example_inputs(4 * 8 * 2, training=False)
     return build
 
@@ -227,10 +227,10 @@ HELD_OUT = (
          _bert_large(layers_per_ipu=[3, 7, 7, 7], micro_batch=2, accumulation=2048,
                      proportions=[0.10, 0.15, 0.15, 0.15], serialization=2,
                      sequence_length=512, mask_tokens=76)),
-    Case("bert-large-squad", "BERT-Large SQuAD SL384 fine-tuning, GC200, 8 IPUs x 2 "
+    Case("bert-large-squad", "BERT-Large SQuAD SL384 fine-tuning, Bow Pod16, 8 IPUs x 2 "
          "replicas, mb 4, GA 32, AdamW on chip + RTS", True, 1000,
-         "ipu-hardware.md: about 1,000 sequences/s on a Pod16", _squad()),
-    Case("bert-large-squad-infer", "BERT-Large SQuAD SL384 inference, GC200, 8 IPUs x 2 "
+         "ipu-hardware.md: about 1,000 sequences/s on a Bow Pod16", _squad()),
+    Case("bert-large-squad-infer", "BERT-Large SQuAD SL384 inference, Bow, 8 IPUs x 2 "
          "replicas, mb 4", True, None, "configs_squad.yml (runs)", _squad(False),
          training=False),
     Case("gpt2-medium", "GPT-2 medium SL1024, GC200, 8 IPUs x 2 replicas, GA 4096",
