@@ -44,15 +44,13 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from .activation_memory import (RECOMPUTE_NONE, kept_for_backward, recomputation_active,
-                                stage_memory)
+from .activation_memory import RECOMPUTE_NONE, stage_memory
 from .ipu_model import IpuTarget
 from .op_costs import ProgramCosts
 from .op_plans import DEFAULT_AVAILABLE_MEMORY, op_plans
 
 __all__ = ["MemorySettings", "Location", "IpuMemory", "estimate_memory",
-           "recomputation_active", "kept_for_backward", "matmul_temporary",
-           "CATEGORIES", "DEFAULT_AVAILABLE_MEMORY"]
+           "matmul_temporary", "CATEGORIES", "DEFAULT_AVAILABLE_MEMORY"]
 
 #: Control code, stack and runtime state per tile.
 RUNTIME_BYTES_PER_TILE = 8 * 1024

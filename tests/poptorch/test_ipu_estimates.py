@@ -354,6 +354,27 @@ def test_estimate_follows_the_block_placement():
     assert 0 < estimate["cycles"]["pipeline_efficiency"] < 1
 
 
+def test_profile_report_draws_a_merged_stage_in_both_colours(tmp_path):
+    model = Blocks()
+    for i, layer in enumerate(model.layers):
+        poptorch.BeginBlock(layer, f"b{i}", ipu_id=i // 2)
+    opts = quiet().enableProfiling(str(tmp_path))
+    opts.Training.gradientAccumulation(4)
+    training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
+                                                                      lr=0.1))
+    training.compile(torch.randn(8 * 4, 256), torch.randint(0, 10, (8 * 4,)))
+    report = read_report(tmp_path / "training")
+    merged = next(s for s in report["cycles"]["stages"]
+                  if s["name"] == "forward+backward 1 (IPU 1)")
+    assert 0 < merged["forward_cycles"] < merged["cycles"]
+    page = (tmp_path / "training" / "profile.html").read_text()
+    rects = re.findall(r'<rect [^>]*fill="(#[0-9a-f]+)"[^>]*><title>([^<]*)</title>', page)
+    colours = {fill for fill, title in rects if "forward+backward 1 (IPU 1)" in title}
+    assert colours == {"#59a14f", "#e15759"}  # green forward, red backward
+    assert {fill for fill, title in rects if title.startswith("forward 0")} == {"#59a14f"}
+    assert {fill for fill, title in rects if title.startswith("backward 0")} == {"#e15759"}
+
+
 class Steered(nn.Module):
     def __init__(self, checkpoint=False, proportion=None, factor=None):
         super().__init__()
