@@ -6,26 +6,30 @@ computes a block of ``g × m × n`` outputs over ``k`` of the depth, on its AMP 
 operands that are not already where the plan wants them cross the exchange; when the
 depth is split, the partial sums are exchanged and added. :func:`plan` searches those
 splits the same way (splits of each dimension by powers of two, and of rows and
-columns also by 3, 5 or 7 times a power of two, that fit on the tiles) and keeps the fastest one whose temporary memory per tile fits in the available
-memory proportion; when none fits, the product is split serially (more passes), as
-poplin does. Nothing in it is fitted to a model: the figures are the IPU's.
+columns also by 3, 5 or 7 times a power of two, that fit on the tiles) and keeps the
+fastest one whose temporary memory per tile fits in the available memory proportion;
+when none fits, the product is split serially (more passes), as poplin does. Nothing
+in it is fitted to a model: the figures are the IPU's.
 
 Figures (public; see ``shared/spec/ipu-hardware.md`` and the poplibs sources):
 
-* AMP rate: the spec's peak float16 (float32 accumulate) and float32 FLOP/s divided by
-  tiles × clock: 64 half or 16 float multiply-accumulates per tile per cycle on
-  GC200 / Bow, 32 half on GC2.
+* AMP rate (the caller's ``macs_per_cycle``, :func:`.op_plans.macs_per_cycle`): the
+  spec's peak float16 and float32 FLOP/s divided by tiles × clock: 64 half or 16
+  float multiply-accumulates per tile per cycle on GC200 / Bow, 32 half on GC2; half
+  of the half rate with float32 partials on GC200 / Bow.
 * AMP block: :data:`AMP_DEPTH` input channels (16 half, 8 float) by ``rate × 4 /
   depth`` output channels, 4 cycles per output row (poplibs' AMP vertices); weights
   of a block are loaded through the tile's 64-bit load path (8 bytes per cycle).
 * 6 worker threads per tile (spec): rows are shared between them, so a tile's rows
   are padded to a multiple of 6.
-* Exchange: GC200's 8 TB/s over 1472 tiles at 1.33 GHz, about 4 bytes per tile per
-  cycle (the same per-cycle rate is assumed for GC2 and Bow).
+* Exchange (the caller's ``exchange_bytes_per_cycle``): GC200's 8 TB/s over 1472
+  tiles at 1.33 GHz, about 4 bytes per tile per cycle, of which a product achieves
+  :data:`.op_plans.EXCHANGE_EFFICIENCY` (the one constant fitted to published
+  throughputs).
 * Vector unit: 64 bits per cycle (4 half / 2 float lanes) for adding partial sums and
   casting them to the output type.
 * BSP: each compute set and each exchange phase ends with a synchronisation of all
-  tiles (:data:`SYNC_CYCLES`, calibrated, README "Memory and cycle estimates").
+  tiles (:data:`SYNC_CYCLES`, an estimate, not fitted).
 """
 from __future__ import annotations
 
@@ -47,11 +51,11 @@ AMP_ROW_CYCLES = 4
 WORKERS = 6
 #: Bytes a tile loads per cycle (64-bit load path): loading an AMP block's weights.
 LOAD_BYTES_PER_CYCLE = 8
-#: Fixed cycles per AMP pass besides the weight load (worker start, loop set-up;
-#: calibrated, README).
+#: Fixed cycles per AMP pass besides the weight load (worker start, loop set-up; an
+#: estimate from poplibs' vertex overheads, not fitted).
 AMP_LOOP_CYCLES = 24
-#: Synchronisation of all tiles at the end of a compute set or exchange phase
-#: (calibrated, README).
+#: Synchronisation of all tiles at the end of a compute set or exchange phase (an
+#: estimate, not fitted).
 SYNC_CYCLES = 150
 #: Vector lanes per tile per cycle (64-bit vector unit).
 VECTOR_LANES = {True: 4, False: 2}

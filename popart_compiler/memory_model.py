@@ -35,8 +35,9 @@ sharding, ``A`` = gradient accumulation):
 * **exchange**: exchange code and buffers, :data:`EXCHANGE_BYTES_PER_TILE` per tile,
   plus double-buffered host streams and inter-IPU copies at stage boundaries.
 
-The code and exchange constants are our calibration (README "Memory and cycle
-estimates"); everything else follows from shapes, dtypes and options.
+The code and exchange constants are estimates (kept from the first version of the
+model, not refitted; README "Memory and cycle estimates"); everything else follows
+from shapes, dtypes and options.
 """
 from __future__ import annotations
 

@@ -68,8 +68,10 @@ def macs_per_cycle(target: IpuTarget, half: bool, half_partials: bool = True) ->
     return rate
 
 
-#: Share of the exchange's peak bandwidth a product's operand exchange achieves
-#: (calibrated, README "Memory and cycle estimates").
+#: Share of the exchange's peak bandwidth a product's operand exchange achieves: the
+#: one constant fitted to Graphcore's published throughputs (``bench/calibration.py``;
+#: README "Memory and cycle estimates"). It also stands in for what the model leaves
+#: out: Poplar's re-layout copies and the exchange's message overheads.
 EXCHANGE_EFFICIENCY = 0.3
 
 
