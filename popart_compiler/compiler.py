@@ -81,8 +81,9 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
             in-place buffer updates with replicas fed different data while
             ``broadcast_buffers`` is on; unknown anchor; a process id outside
             ``[0, num_processes)``; overlapped IO against S-66's rules; out of
-            memory on an IPU (``type == "poplar_out_of_memory"``, unless the engine
-            option ``debug.allowOutOfMemory`` is ``"true"``).
+            memory on an IPU in strict mode (``type == "poplar_out_of_memory"``,
+            ``SessionOptions.strict_memory`` without the engine option
+            ``debug.allowOutOfMemory``; otherwise a warning, as Poplar's IPU Model).
     """
     start = time.perf_counter()
     passes = list(PASSES if passes is None else passes)

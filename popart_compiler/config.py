@@ -13,6 +13,7 @@ from typing import Dict, Optional, Tuple
 
 __all__ = ["Variable", "VARIABLES", "text", "flag", "log_level", "log_dest",
            "ipu_model_version", "engine_options_text", "ipu_model_flags", "verify_graphs",
+           "strict_memory",
            "collective_timeout_text", "launcher", "TIMEOUT_ENV"]
 
 
@@ -35,6 +36,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_IPU_MODEL_VERSION", "ipu2", "ipu1, ipu2 or ipu21: the IPU Model"),
     Variable("POPTORCH_IPU_MODEL", "0", "1: the IPU Model was asked for explicitly"),
     Variable("POPTORCH_SMALL_IPU_MODEL", "0", "1: the 4-tile IPU Model"),
+    Variable("POPTORCH_IPU_MODEL_STRICT_MEMORY", "0",
+             "1: a program that does not fit in the IPU Model's memory fails to compile"),
     Variable("POPLAR_ENGINE_OPTIONS", "",
              "a JSON object of Poplar engine options (autoReport.*, debug.*)"),
     Variable("POPTORCH_VERIFY", "0", "1: verify the graph after every compiler pass"),
@@ -84,6 +87,12 @@ def engine_options_text() -> str:
 def ipu_model_flags() -> Tuple[bool, bool]:
     """``(POPTORCH_IPU_MODEL != 0, POPTORCH_SMALL_IPU_MODEL != 0)``."""
     return flag("POPTORCH_IPU_MODEL"), flag("POPTORCH_SMALL_IPU_MODEL")
+
+
+def strict_memory() -> bool:
+    """``POPTORCH_IPU_MODEL_STRICT_MEMORY=1``: out of memory on the IPU Model is an error
+    at compile time (``Options.ipuModelStrictMemory`` wins over it)."""
+    return flag("POPTORCH_IPU_MODEL_STRICT_MEMORY")
 
 
 def verify_graphs() -> bool:

@@ -108,7 +108,7 @@ _PYTHON_KEYS = frozenset({"anchored_tensors", "patterns_level", "patterns",
 _POPTORCH_KEYS = frozenset("""
 device_iterations replication_factor input_group_size input_cgt broadcast_buffers
 output_mode output_return_period random_seed auto_round_num_ipus log_dir max_repeat_logs
-model_name use_model connection_type sync_pattern ipu_id ipu_version
+model_name use_model ipu_model_strict_memory connection_type sync_pattern ipu_id ipu_version
 gradient_accumulation accumulation_and_replication_reduction_type
 meanAccumulationAndReplicationReductionStrategy distributed_process_id
 num_distributed_processes ipuof_configs execution_mode separate_backward_phase
@@ -293,6 +293,9 @@ class SessionOptions:
         ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
         use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).
         small_ipu_model: the 4-tile IPU Model of ``POPTORCH_SMALL_IPU_MODEL``.
+        strict_memory: a program that does not fit in the IPU Model's memory fails
+            to compile (``Options.ipuModelStrictMemory``, else
+            ``POPTORCH_IPU_MODEL_STRICT_MEMORY``); otherwise it is reported and runs.
         connection_type: ``Always``, ``OnDemand`` or ``Never``.
         strategy: the execution strategy (pipelined, sharded, phased).
         raw: the validated option dictionary.
@@ -323,6 +326,7 @@ class SessionOptions:
     ipu_model_version: str = "ipu2"
     use_ipu_model: bool = True
     small_ipu_model: bool = False
+    strict_memory: bool = False
     connection_type: ConnectionType = ConnectionType.Always
     strategy: StrategySettings = dataclasses.field(default_factory=StrategySettings)
     progress_callback: Optional[Callable[[int, int], None]] = None
@@ -440,6 +444,7 @@ class SessionOptions:
             connection_type=_member(ConnectionType, get("connection_type", 0),
                                     "connection type"),
             strategy=StrategySettings.from_raw(values),
+            strict_memory=bool(get("ipu_model_strict_memory", config.strict_memory())),
             device=str(get("execution_device", "cpu")),
             backend=str(get("compiler_backend", "eager")),
             progress_callback=get("compilation_progress_bar_fn"),

@@ -64,7 +64,8 @@ class Options(OptionsDict):
     ``broadcast_buffers: bool = True``, ``connection_type: int = 0``,
     ``sync_pattern: int = 0``, ``available_memory_proportion: dict = {}``,
     ``max_repeat_logs: int = 4``; created on demand: ``random_seed``,
-    ``model_name``, ``use_model``, ``ipu_id``, ``ipu_version``.
+    ``model_name``, ``use_model``, ``ipu_id``, ``ipu_version``,
+    ``ipu_model_strict_memory``.
 
     Most setters return self (chainable); ``anchorTensor`` returns ``None``.
 
@@ -434,6 +435,21 @@ class Options(OptionsDict):
         ``AssertionError`` unless a bool."""
         check_bool("useIpuModel", use_model)
         return self.createOrSet(use_model=use_model)
+
+    def ipuModelStrictMemory(self, strict: bool = True):
+        """Make a program that does not fit in the IPU Model's memory fail to compile
+        (key ``ipu_model_strict_memory``, created), as it would on hardware.
+
+        By default the IPU Model follows Poplar's IPU Model: a program that exceeds an
+        IPU's memory is reported (a warning naming the IPU, the bytes needed and
+        available and the largest categories; ``ipuModelEstimate()`` and the profile
+        report hold the same figures with ``fits: False``) and still runs. With
+        ``strict=True`` (or ``POPTORCH_IPU_MODEL_STRICT_MEMORY=1``) compilation raises
+        ``poptorch.Error`` (``type == "poplar_out_of_memory"``) instead. The engine
+        option ``debug.allowOutOfMemory`` (set by ``enableProfiling``) wins over both.
+        Not a PopTorch option. Returns self. ``AssertionError`` unless a bool."""
+        check_bool("ipuModelStrictMemory", strict)
+        return self.createOrSet(ipu_model_strict_memory=strict)
 
     def connectionType(self, connection_type: enums.ConnectionType):
         """When to attach the device (key ``connection_type``, stored as int,

@@ -5,23 +5,24 @@ placement), :mod:`.memory_model` (bytes per IPU by category, out-of-memory) and
 :mod:`.cycle_model` (per-op cycles, pipeline schedule, samples per second). It reads
 only shapes (``node.meta["val"]``), so it is cheap for large models captured on the
 ``meta`` device. The compiler calls it for every program and raises the
-out-of-memory error (:func:`check`); ``PoplarExecutor.cycleCount()`` and
+out-of-memory report (:func:`check`: a warning, or an error in strict mode); ``PoplarExecutor.cycleCount()`` and
 ``estimatedThroughput()`` read the result (api §5.17, S-85).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from popart_compiler.cost.cycle_model import CycleEstimate, CycleSettings, estimate_cycles
 from popart_compiler.cost.ipu_model import IpuTarget
-from popart_compiler.cost.memory_model import (IpuMemory, Location, MemorySettings,
-                                               check_fits, estimate_memory)
-from popart_compiler.cost.op_costs import ProgramCosts, collect
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
+from popart_compiler.errors import backend_error
+from popart_compiler.cost.memory_model import IpuMemory, Location, MemorySettings, estimate_memory
+from popart_compiler.cost.memory_report import memory_problem
+from popart_compiler.cost.op_costs import ProgramCosts, collect
 from popart_compiler.session_options import SessionOptions
 
 __all__ = ["IpuEstimate", "estimate", "memory_settings", "check"]
@@ -79,33 +80,40 @@ class IpuEstimate:
                        "samples_per_second": round(c.samples_per_second, 3),
                        "pipeline_efficiency": round(c.efficiency, 4),
                        "stages": [{"name": s.name, "ipu": s.ipu, "cycles": int(s.cycles),
+                                   "forward_cycles": int(s.forward_cycles),
                                    "balance": round(b, 4)}
                                   for s, b in zip(c.stages, c.balance)],
                        "schedule": [{"cycles": int(p.cycles), "repeat": p.repeat,
                                      "work": [{"ipu": i, "stage": n, "micro_batch": mb,
-                                               "cycles": int(w)} for i, n, mb, w in p.work]}
+                                               "cycles": int(w), "forward_cycles": int(f)}
+                                              for i, n, mb, w, f in p.work]}
                                     for p in c.schedule]},
         }
 
 
-def _optimizer_bytes(optimizer) -> float:
-    """Optimizer-state bytes per trainable element (S-54 dtypes)."""
+def _optimizer_state(optimizer, accumulating: bool) -> Tuple[float, int]:
+    """``(state bytes per trainable element, state tensors in the parameter's dtype)``
+    (S-54 dtypes). The combined SGD variant keeps one tensor, PopART's velocity, in the
+    parameter's dtype whenever it has momentum or accumulates (it is also the
+    gradient accumulator)."""
     if optimizer is None:
-        return 0.0
+        return 0.0, 0
     size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
     hyper = [optimizer.defaults] + list(optimizer.groups)
     if optimizer.type == "SGD":
         momentum = any(h.get("momentum", 0.0) for h in hyper) or \
             optimizer.is_variable("momentum")
-        return float(size(optimizer.velocity_accum_type)) if momentum else 0.0
+        if optimizer.use_combined_accum:
+            return 0.0, int(momentum or accumulating)
+        return (float(size(optimizer.velocity_accum_type)) if momentum else 0.0), 0
     if optimizer.type in ("Adam", "AdamW", "LAMB"):
-        return float(size(optimizer.first_order_type) + size(optimizer.second_order_type))
+        return float(size(optimizer.first_order_type) + size(optimizer.second_order_type)), 0
     total = size(optimizer.second_order_type)  # RMSprop
     if any(h.get("centered", False) for h in hyper):
         total += size(optimizer.first_order_type)
     if any(h.get("momentum", 0.0) for h in hyper):
         total += size(optimizer.accum_type)
-    return float(total)
+    return float(total), 0
 
 
 def memory_settings(options: SessionOptions, training: bool, optimizer=None
@@ -113,20 +121,24 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
     """The :class:`MemorySettings` of these session options and optimizer.
 
     Reads ``autoRecomputation``, ``execution_mode`` (pipelined unless sharded or
-    phased), the four ``location_*`` dictionaries (options.md §4.3) and
-    ``available_memory_proportion``.
+    phased), the four ``location_*`` dictionaries (options.md §4.3),
+    ``available_memory_proportion`` and the partials types
+    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``).
     """
     raw = options.raw
     accumulating = training and options.gradient_accumulation > 1
+    combined = optimizer is not None and optimizer.type == "SGD" and \
+        optimizer.use_combined_accum
     accum = 0.0
-    if accumulating and optimizer is not None and not (
-            optimizer.type == "SGD" and optimizer.use_combined_accum):
-        accum = float(torch.empty((), dtype=optimizer.accum_type).element_size())
-    elif accumulating:
-        accum = 4.0
+    if accumulating and not combined:
+        accum = float(torch.empty((), dtype=optimizer.accum_type).element_size()) \
+            if optimizer is not None else 4.0
+    state, param_tensors = _optimizer_state(optimizer, accumulating) if training else (0.0, 0)
+    conv = raw.get("convolutionOptions") or {}
     return MemorySettings(
         training=training,
-        optimizer_bytes=_optimizer_bytes(optimizer) if training else 0.0,
+        optimizer_bytes=state,
+        optimizer_param_tensors=param_tensors,
         accumulator_bytes=accum,
         replicas=options.replication_factor,
         auto_recomputation=int(raw.get("autoRecomputation", 0)),
@@ -136,7 +148,9 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
         accumulator=Location.from_dict(raw.get("location_accumulator")),
         activation=Location.from_dict(raw.get("location_activation")),
         available_memory={int(k): float(v) for k, v in
-                          (raw.get("available_memory_proportion") or {}).items()})
+                          (raw.get("available_memory_proportion") or {}).items()},
+        half_partials=str(raw.get("partialsTypeMatMuls", "float")).lower() == "half",
+        conv_half_partials=str(conv.get("partialsType", "float")).lower() == "half")
 
 
 def estimate(graph: Graph, options: SessionOptions, training: bool, target: IpuTarget,
@@ -150,7 +164,7 @@ def estimate(graph: Graph, options: SessionOptions, training: bool, target: IpuT
         options: batching, replication, recomputation, tensor locations, available
             memory proportions.
         training: forward, backward and weight update.
-        target: the IPU (see :func:`~popart_compiler.cost.ipu_model.target_for`).
+        target: the IPU (see :func:`~popart_compiler.ipu_model.target_for`).
         optimizer: the ``OptimizerDescription`` (training); ``None``: no state.
         layers_per_ipu: layers-per-IPU list used when the graph has no placement.
         head_ipu: with ``layers_per_ipu``, the IPU of the ops after the last layer.
@@ -182,20 +196,35 @@ def estimate(graph: Graph, options: SessionOptions, training: bool, target: IpuT
     return result
 
 
-def check(result: IpuEstimate, allow_out_of_memory: bool = False) -> None:
-    """Raise the out-of-memory error unless the program fits.
+def check(result: IpuEstimate, strict: bool = False, allow_out_of_memory: bool = False
+          ) -> None:
+    """Report a program that does not fit, as Poplar's IPU Model does; raise in strict
+    mode.
 
     Args:
         result: the estimate.
-        allow_out_of_memory: the ``debug.allowOutOfMemory`` engine option: warn
-            instead (profiling reports a program that does not fit).
+        strict: ``Options.ipuModelStrictMemory`` / ``POPTORCH_IPU_MODEL_STRICT_MEMORY``:
+            raise the out-of-memory error, as hardware would.
+        allow_out_of_memory: the ``debug.allowOutOfMemory`` engine option: never
+            raise (profiling reports a program that does not fit).
+
+    Without ``strict`` (or with ``allow_out_of_memory``) a program that does not fit
+    logs a warning with the error's text (the IPUs, bytes needed / available, largest
+    categories and tensors) and compiles; ``result.fits`` is ``False``.
 
     Raises:
         Error: ``type == "poplar_out_of_memory"`` (see
-            :func:`~popart_compiler.cost.memory_model.check_fits`).
+            :func:`~popart_compiler.memory_model.memory_problem`), in strict mode only.
     """
-    if allow_out_of_memory and not result.fits:
-        logger.warning("The program does not fit in the IPU's memory "
-                       "(debug.allowOutOfMemory is set: compiling anyway for the profile).")
+    problem = memory_problem(result.memory, result.target, result.settings,
+                             result.micro_batch)
+    if problem is None:
         return
-    check_fits(result.memory, result.target, result.settings, result.micro_batch)
+    if strict and not allow_out_of_memory:
+        raise backend_error(problem, type="poplar_out_of_memory")
+    reason = ("debug.allowOutOfMemory is set" if allow_out_of_memory else
+              "the IPU Model runs it, as Poplar's IPU Model does; hardware would refuse "
+              "to compile it. poptorch.Options().ipuModelStrictMemory(True) or "
+              "POPTORCH_IPU_MODEL_STRICT_MEMORY=1 make this an error")
+    logger.warning("The program does not fit in the IPU's memory (%s).\n%s", reason,
+                   problem)

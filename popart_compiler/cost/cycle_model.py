@@ -1,29 +1,31 @@
 """Cycles and throughput: what a compiled program would take on the IPUs of the target.
 
-Per op (one micro-batch, on the tiles its output spans):
+Per op (one micro-batch):
 
-* matmuls, convolutions, attention (FLOPs from ``torch.utils.flop_counter``):
-  ``FLOPs / (peak rate × efficiency × tiles used / tiles)`` at the float16 or float32
-  peak; efficiency :data:`MATMUL_EFFICIENCY` / :data:`CONV_EFFICIENCY`. A temporary
-  capped by the available memory proportion costs an extra
-  :data:`EXTRA_PASS_COST` per extra pass; each ``serializedMatMul`` slice beyond the
-  first :data:`SERIAL_SLICE_COST`.
-* other ops: element operations on the vector units (4 float16 / 2 float32 lanes per
-  tile per cycle; transcendental ops count 4 operations per element).
-* exchange: operands of matmuls / convolutions are re-laid out over the exchange
-  (``in bytes / exchange bandwidth``), plus :data:`SYNC_CYCLES` per op (BSP sync).
+* matmuls, convolutions, attention: each matrix product is planned on the tiles
+  (:mod:`.matmul_plan`: AMP passes, operand exchange, partial-sum reduction,
+  synchronisations) with the op's available memory proportion, partials type and
+  ``serializedMatMul`` slices; backward plans the two gradient products of each.
+* other ops: element operations on the vector units of the tiles their tensors span
+  (4 float16 / 2 float32 lanes per tile per cycle; transcendental ops count
+  :data:`~.op_costs.TRANSCENDENTAL_OPS` operations per element; every 64-bit word
+  of their activation inputs and outputs one load or store), a share of their inputs
+  re-laid out over the exchange, and one synchronisation; backward costs
+  :data:`BACKWARD_VECTOR_FACTOR` × forward.
 
-Training: backward costs twice the forward; ops that are not kept for backward are
-recomputed (forward again). Stages add the IPU-Link copies of their boundary tensors,
-the first and last stage the host-link transfer of inputs / outputs (unless
-``numIOTiles`` overlaps I/O with compute). The pipeline runs in cycles: ``M``
-micro-batches over ``S`` stages (training: ``2N − 1``, the last forward stage merged
-with the first backward stage) take ``M + S − 1`` pipeline cycles; in each, every IPU
-runs its active stages and the cycle lasts as long as the busiest IPU (ramp-up and
-ramp-down have fewer active stages). Sharded (not pipelined) execution runs the stages
-one after the other. Each weight update adds the optimizer (vector work over the
-weights, streaming of off-chip state at the streaming-memory bandwidth) and the
-gradient all-reduce between replicas over the IPU-Links.
+Training: ops whose output does not depend on a trainable weight have no backward;
+ops that are not kept for backward are recomputed (forward again) as
+:mod:`.activation_memory` decides; recomputation checkpoints cost nothing. Stages are PopART's merged stages;
+they add the IPU-Link copies of their boundary tensors, the first and last stage the
+host-link transfer of inputs / outputs (unless ``numIOTiles`` overlaps I/O with
+compute). The pipeline runs in cycles: ``M`` micro-batches over ``S`` stages
+(training: ``2N − 1``, the last forward stage merged with the first backward stage)
+take ``M + S − 1`` pipeline cycles; in each, every IPU runs its active stages and the
+cycle lasts as long as the busiest IPU (ramp-up and ramp-down have fewer active
+stages). Sharded (not pipelined) execution runs the stages one after the other. Each
+weight update adds the optimizer (vector work over the weights, streaming of off-chip
+state at the streaming-memory bandwidth) and the gradient all-reduce between replicas
+over the IPU-Links.
 """
 from __future__ import annotations
 
@@ -31,25 +33,20 @@ import dataclasses
 import math
 from typing import Dict, List, Sequence, Tuple
 
+from popart_compiler.cost.activation_memory import stage_memory
 from popart_compiler.cost.ipu_model import IpuTarget
-from popart_compiler.cost.memory_model import (TILE_GRAIN_BYTES, MemorySettings,
-                                               kept_for_backward, matmul_temporary,
-                                               recomputation_active)
+from popart_compiler.cost.matmul_plan import LOAD_BYTES_PER_CYCLE, SYNC_CYCLES, VECTOR_LANES
+from popart_compiler.cost.memory_model import MemorySettings, TILE_GRAIN_BYTES
 from popart_compiler.cost.op_costs import OpCost, ProgramCosts
+from popart_compiler.cost.op_plans import exchange_bytes_per_cycle, op_plans
 
 __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate_cycles",
-           "pipeline_schedule"]
+           "pipeline_schedule", "op_forward_cycles", "op_backward_cycles"]
 
-#: Fraction of the peak FLOP rate matmuls reach (calibrated on BERT-Large, README).
-MATMUL_EFFICIENCY = 0.42
-#: Fraction of the peak FLOP rate convolutions reach (calibrated on ResNet-50).
-CONV_EFFICIENCY = 0.35
-#: BSP synchronisation and control per op (cycles).
-SYNC_CYCLES = 300
-#: Extra cost of each additional pass of a matmul whose temporaries are capped.
-EXTRA_PASS_COST = 0.15
-#: Extra cost of each additional slice of a serialised matmul.
-SERIAL_SLICE_COST = 0.05
+#: Share of a vector op's inputs re-laid out over the exchange.
+VECTOR_EXCHANGE_SHARE = 0.1
+#: Backward of a vector op over its forward.
+BACKWARD_VECTOR_FACTOR = 2.0
 #: Vector operations per weight element of one optimizer update.
 OPTIMIZER_OPS = {"SGD": 3, "Adam": 12, "AdamW": 13, "RMSprop": 8, "LAMB": 16}
 
@@ -77,10 +74,19 @@ class CycleSettings:
 
 @dataclasses.dataclass
 class Stage:
-    """One pipeline stage: ``forward`` or ``backward`` work of one IPU."""
+    """One pipeline stage: ``forward`` and / or ``backward`` work of one IPU.
+
+    Attributes:
+        name: ``forward k (IPU i)``, ``forward+backward k (IPU i)`` (the last forward
+            stage, which also runs the first backward stage) or ``backward k (IPU i)``.
+        ipu: its IPU.
+        cycles: cycles per micro-batch.
+        forward_cycles: the forward part of ``cycles``.
+    """
     name: str
     ipu: int
     cycles: float
+    forward_cycles: float = 0.0
 
 
 @dataclasses.dataclass
@@ -90,11 +96,12 @@ class PipelineCycle:
     Attributes:
         cycles: duration of one such cycle.
         repeat: how many identical cycles it stands for.
-        work: ``(ipu, stage name, micro-batch, cycles)`` of each active stage.
+        work: ``(ipu, stage name, micro-batch, cycles, forward cycles)`` of each active
+            stage.
     """
     cycles: float
     repeat: int
-    work: List[Tuple[int, str, int, float]]
+    work: List[Tuple[int, str, int, float, float]]
 
 
 @dataclasses.dataclass
@@ -126,35 +133,48 @@ class CycleEstimate:
 
 
 def _tiles_used(op: OpCost, target: IpuTarget) -> int:
-    """Tiles an op runs on: its output or activation inputs (all operands for matmuls
-    and convolutions), whichever is larger, spread over tiles in ``TILE_GRAIN_BYTES``
-    pieces."""
-    size = max(op.out_bytes, op.in_bytes if op.flops > 0 else op.in_bytes - op.weight_bytes)
+    """Tiles a vector op runs on: its output or activation inputs, whichever is larger,
+    spread over tiles in ``TILE_GRAIN_BYTES`` pieces."""
+    size = max(op.out_bytes, op.in_bytes - op.weight_bytes)
     return min(target.tiles, max(1, math.ceil(size / TILE_GRAIN_BYTES)))
+
+
+def _vector_cycles(op: OpCost, target: IpuTarget) -> float:
+    """Element-wise / reduction work of ``op`` on the tiles its tensors span: every
+    64-bit word of its activation inputs and outputs is one load or store
+    (:data:`~.matmul_plan.LOAD_BYTES_PER_CYCLE`), every element one vector operation
+    per lane (transcendental ops :data:`~.op_costs.TRANSCENDENTAL_OPS`); plus the exchange of a
+    share of the inputs and one synchronisation."""
+    tiles = _tiles_used(op, target)
+    moved = (op.in_bytes - op.weight_bytes + op.out_bytes) / LOAD_BYTES_PER_CYCLE
+    compute = (moved + op.vector_ops / VECTOR_LANES[op.half]) / tiles
+    exchange = VECTOR_EXCHANGE_SHARE * (op.in_bytes - op.weight_bytes) / tiles / \
+        exchange_bytes_per_cycle(target)
+    return compute + exchange + SYNC_CYCLES
+
+
+def _plans(op: OpCost, target: IpuTarget, memory: MemorySettings):
+    return op_plans(op, target, memory.partials_half(op), memory.proportion(op))
 
 
 def op_forward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) -> float:
     """Forward cycles of one op for one micro-batch (see the module docstring)."""
+    if op.view:  # also the recomputation checkpoints: they only mark their input
+        return 0.0
+    if op.products:
+        return _plans(op, target, memory).forward_cycles
+    return _vector_cycles(op, target)
+
+
+def op_backward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) -> float:
+    """Backward cycles of one op for one micro-batch (gradient products, or
+    :data:`BACKWARD_VECTOR_FACTOR` × the forward of a vector op); recomputation is
+    added by the caller."""
     if op.view:
         return 0.0
-    tiles = _tiles_used(op, target)
-    share = tiles / target.tiles
-    if op.flops > 0:
-        rate = (target.fp16_flops if op.half else target.fp32_flops) / target.clock_hz
-        efficiency = CONV_EFFICIENCY if "conv" in op.op else MATMUL_EFFICIENCY
-        compute = op.flops / (rate * efficiency * share)
-        temp, natural = matmul_temporary(op, memory, target.memory_bytes)
-        if temp and natural > temp:
-            compute *= 1 + EXTRA_PASS_COST * (math.ceil(natural / temp) - 1)
-        if op.serialization is not None and op.serialization[0] != "Disabled":
-            compute *= 1 + SERIAL_SLICE_COST * (op.serialization[1] - 1)
-        exchanged = op.in_bytes
-    else:
-        lanes = 4 if op.half else 2
-        compute = op.vector_ops / (lanes * tiles)
-        exchanged = 0.1 * op.in_bytes
-    exchange = exchanged / (target.exchange_bytes_per_s / target.clock_hz)
-    return compute + exchange + SYNC_CYCLES
+    if op.products:
+        return _plans(op, target, memory).backward_cycles
+    return BACKWARD_VECTOR_FACTOR * _vector_cycles(op, target)
 
 
 def pipeline_schedule(stages: Sequence[Stage], micro_batches: int, pipelined: bool
@@ -167,16 +187,16 @@ def pipeline_schedule(stages: Sequence[Stage], micro_batches: int, pipelined: bo
     """
     s, m = len(stages), micro_batches
     if not pipelined or s == 1:
-        work = [(st.ipu, st.name, 0, st.cycles) for st in stages]
+        work = [(st.ipu, st.name, 0, st.cycles, st.forward_cycles) for st in stages]
         return [PipelineCycle(sum(st.cycles for st in stages), m, work)]
     cycles: List[PipelineCycle] = []
     steady_start, steady_end = s - 1, m - 1  # cycles with every stage active
     c = 0
     while c < m + s - 1:
-        work = [(st.ipu, st.name, c - i, st.cycles) for i, st in enumerate(stages)
-                if 0 <= c - i < m]
+        work = [(st.ipu, st.name, c - i, st.cycles, st.forward_cycles)
+                for i, st in enumerate(stages) if 0 <= c - i < m]
         busy: Dict[int, float] = {}
-        for ipu, _name, _mb, cyc in work:
+        for ipu, _name, _mb, cyc, _fwd in work:
             busy[ipu] = busy.get(ipu, 0.0) + cyc
         repeat = steady_end - c + 1 if steady_start <= c <= steady_end else 1
         cycles.append(PipelineCycle(max(busy.values()), repeat, work))
@@ -188,41 +208,44 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
             ) -> Tuple[List[Stage], List[Tuple[str, int, float, float]]]:
     memory = settings.memory
     op_cycles = []
-    forward: Dict[Tuple[int, int], float] = {}
-    backward: Dict[Tuple[int, int], float] = {}
-    recomputing = recomputation_active(costs.ops, memory)
+    forward: Dict[int, float] = {}
+    backward: Dict[int, float] = {}
+    recomputed = {name for st in stage_memory(
+        costs.ops, costs.stages, costs.user_inputs, memory.auto_recomputation,
+        memory.pipelined) for name in st.recomputed} if memory.training else set()
     link = target.ipu_link_bytes_per_s / target.clock_hz
     consumers: Dict[str, set] = {}
     for op in costs.ops:
         for name in op.inputs:
             consumers.setdefault(name, set()).add(op.ipu)
     for op in costs.ops:
-        key = (op.stage, op.ipu)
         fwd = op_forward_cycles(op, target, memory)
         bwd = 0.0
         if memory.training and fwd:
-            bwd = 2 * fwd + (0.0 if kept_for_backward(op, memory, recomputing) else fwd)
+            bwd = op_backward_cycles(op, target, memory) if op.requires_grad else 0.0
+            if op.name in recomputed:
+                bwd += fwd
         if consumers.get(op.name, {op.ipu}) - {op.ipu}:
             fwd += op.out_bytes / link
             bwd += op.out_bytes / link if memory.training else 0.0
-        forward[key] = forward.get(key, 0.0) + fwd
-        backward[key] = backward.get(key, 0.0) + bwd
+        forward[op.stage] = forward.get(op.stage, 0.0) + fwd
+        backward[op.stage] = backward.get(op.stage, 0.0) + bwd
         op_cycles.append((op.name, op.ipu, fwd, bwd))
     replicas = max(1, memory.replicas)
     boards = math.ceil(replicas * costs.num_ipus / 4)
     host = target.host_link_bytes_per_s * boards / replicas / target.clock_hz
-    keys = sorted(forward) or [(0, 0)]
-    first, last = keys[0], keys[-1]
+    keys = costs.stages or [(0, 0)]
+    first, last = keys[0][0], keys[-1][0]
     if settings.io_tiles <= 0:
         forward[first] = forward.get(first, 0.0) + costs.input_bytes / host
         forward[last] = forward.get(last, 0.0) + costs.output_bytes / host
-    stages = [Stage(f"forward {s} (IPU {i})", i, forward.get((s, i), 0.0)) for s, i in keys]
+    stages = [Stage(f"forward {s} (IPU {i})", i, forward.get(s, 0.0), forward.get(s, 0.0))
+              for s, i in keys]
     if memory.training:
-        last_stage = stages.pop()
         s, i = keys[-1]
-        stages.append(Stage(f"forward+backward {s} (IPU {i})", i,
-                            last_stage.cycles + backward.get(keys[-1], 0.0)))
-        stages += [Stage(f"backward {s} (IPU {i})", i, backward.get((s, i), 0.0))
+        stages[-1] = Stage(f"forward+backward {s} (IPU {i})", i,
+                           forward.get(s, 0.0) + backward.get(s, 0.0), forward.get(s, 0.0))
+        stages += [Stage(f"backward {s} (IPU {i})", i, backward.get(s, 0.0))
                    for s, i in reversed(keys[:-1])]
     return stages, op_cycles
 
@@ -242,7 +265,8 @@ def _update_cycles(costs: ProgramCosts, target: IpuTarget, settings: CycleSettin
             elements = w.elements / (replicas if memory.optimizer.sharded else 1)
             cycles = elements * OPTIMIZER_OPS.get(settings.optimizer, 8) / \
                 (2 * target.tiles)
-            for per_element, location in ((memory.optimizer_bytes, memory.optimizer),
+            for per_element, location in ((memory.optimizer_bytes_of(w.itemsize),
+                                           memory.optimizer),
                                           (memory.accumulator_bytes, memory.accumulator)):
                 off = location.split(w.elements, per_element * w.elements, replicas)[1]
                 cycles += 2 * off / streaming

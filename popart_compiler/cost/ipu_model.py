@@ -28,10 +28,20 @@ class IpuTarget:
         tiles: tiles per IPU.
         sram_per_tile: bytes of SRAM per tile.
         clock_hz: tile clock in Hz.
-        fp16_flops: peak float16 FLOP/s (float32 accumulate).
+        fp16_flops: peak float16 FLOP/s of the AMP units with float16 partial sums
+            (GC2's 124.5 TFLOP/s is also its float32-accumulate rate, see
+            ``amp_units``).
         fp32_flops: peak float32 FLOP/s (the ipu2/ipu21 values are unverified).
+        amp_units: AMP units per tile for float16 inputs and float16 partials (poplar
+            ``Target::getFp16InFp16OutConvUnitsPerTile``: 8 on GC2, 16 on GC200 / Bow).
+            Float32 partials are stored through the tile's 64-bit path, 2 per cycle,
+            which limits them to ``AMP_PIPELINE_DEPTH × 2 = 8`` units (poplibs'
+            convolution test tool derives the float-partials units this way): half
+            the float16 rate on GC200 / Bow, the same rate on GC2.
         exchange_bytes_per_s: all-to-all exchange bandwidth inside one IPU (GC200's
-            ≈ 8 TB/s; the spec has no GC2 / Bow figure, so they use it too).
+            ≈ 8 TB/s, about 4 bytes per tile per cycle; the spec has no GC2 / Bow
+            figure: Bow, the same tile design at a higher clock, is assumed to move
+            the same bytes per cycle, 8 TB/s × 1.85 / 1.33; GC2 uses 8 TB/s).
         ipu_link_bytes_per_s: IPU-Link bandwidth of one IPU, all links together
             (GC200: 320 GB/s; Bow: 10 links × 512 Gb/s; GC2: GC200's, unverified).
         host_link_bytes_per_s: host link (PCIe Gen4 x16, 64 GB/s).
@@ -51,6 +61,7 @@ class IpuTarget:
     host_link_bytes_per_s: float = 64e9
     streaming_bytes_per_s: float = 20e9
     streaming_memory_bytes: int = 112 * 10 ** 9
+    amp_units: int = 16
 
     @property
     def memory_bytes(self) -> int:
@@ -60,9 +71,10 @@ class IpuTarget:
 
 TARGETS = {
     "ipu1": IpuTarget("ipu1", 1216, 256 * 1024, 1.6e9, 124.5e12, 31.1e12,
-                      streaming_memory_bytes=0),
+                      streaming_memory_bytes=0, amp_units=8),
     "ipu2": IpuTarget("ipu2", 1472, 624 * 1024, 1.33e9, 250e12, 62.5e12),
     "ipu21": IpuTarget("ipu21", 1472, 624 * 1024, 1.85e9, 350e12, 87e12,
+                       exchange_bytes_per_s=8e12 * 1.85 / 1.33,
                        ipu_link_bytes_per_s=10 * 512e9 / 8,
                        streaming_memory_bytes=64 * 10 ** 9),
 }

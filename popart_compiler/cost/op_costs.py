@@ -21,10 +21,11 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from popart_compiler.errors import backend_error
-from popart_compiler.ir import Graph, _op_name
+from popart_compiler.ir import Graph, _aliased_base, _op_name
+from popart_compiler.cost.matmul_shapes import Product, products
 
 __all__ = ["OpCost", "WeightCost", "ProgramCosts", "collect", "steering_op",
-           "layer_placement"]
+           "layer_placement", "merge_stages"]
 
 #: Steering ops (api §8) by op name; any namespace (``poptorch::<name>``).
 CHECKPOINT_OP = "recomputation_checkpoint"
@@ -33,6 +34,53 @@ SERIALIZED_MATMUL_OP = "serialized_matmul"
 
 #: Ops whose output aliases an input: no new memory, no compute.
 _VIEW_TAG = "view"
+#: Element-wise ops PopART runs in place when their input has no other reader and
+#: their backward does not read that input (``mul`` / ``div`` only by a scalar).
+_INPLACE = frozenset({"relu", "relu_", "add", "add_", "sub", "sub_", "dropout",
+                      "mul", "mul_", "div", "div_", "neg", "hardtanh", "clamp"})
+_SCALAR_ONLY = frozenset({"mul", "mul_", "div", "div_"})
+
+
+#: Look-ups whose weight gradient PopART accumulates row by row (``SparseAccumulate``).
+_LOOKUPS = frozenset({"embedding", "gather", "index_select", "take", "embedding_bag",
+                      "_embedding_bag"})
+
+
+def _weight_grad_bytes(node: fx.Node, found: Sequence[Product], trainable: set) -> int:
+    """Bytes of the weight gradient ``node`` produces at once (``OpCost``)."""
+    if _op_name(node) in _LOOKUPS or _is_view(node):
+        return 0
+    if found:
+        size = 2 if found[0].problem.half else 4
+        return max((p.problem.depth * p.problem.cols * size for p in found
+                    if p.grad_cols and not p.problem.exchange_cols), default=0)
+    return sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes if a in trainable)
+
+
+def _memory_owner(node: fx.Node) -> fx.Node:
+    """The op whose buffer ``node``'s value lives in: views and in-place ops are
+    followed back to the op that allocated it."""
+    while True:
+        base = _aliased_base(node)
+        if base is node and not (node.op == "call_function" and _inplace(node)):
+            return node
+        node = base if base is not node else node.args[0]
+
+
+def _inplace(node: fx.Node) -> bool:
+    """Whether PopART's in-place transform overwrites ``node``'s first input."""
+    name = _op_name(node)
+    if name not in _INPLACE or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    source = node.args[0]
+    if source.op != "call_function" or len(source.users) != 1 or _is_view(source):
+        return False
+    return not (name in _SCALAR_ONLY and len(node.args) > 1 and
+                isinstance(node.args[1], fx.Node))
+
+
+#: Vector operations per element of a transcendental op (exp, gelu, norms, ...).
+TRANSCENDENTAL_OPS = 4.0
 #: Element-wise ops that cost several vector instructions per element on a tile.
 _TRANSCENDENTAL = frozenset({
     "gelu", "tanh", "exp", "log", "sigmoid", "softmax", "_softmax", "log_softmax",
@@ -63,10 +111,20 @@ class OpCost:
             transcendental ops.
         half: whether it computes in float16.
         view: whether its output aliases an input.
-        checkpoint: a ``recomputation_checkpoint``: its output is kept for backward.
+        checkpoint: its output is a ``recomputation_checkpoint``: kept for backward,
+            never recomputed (the checkpoint op itself is an alias, ``view``).
         available_memory: ``set_available_memory`` proportion applied to it, if any.
         serialization: ``(mode, factor)`` of a ``serialized_matmul``, if any.
         inputs: names of the nodes it reads.
+        products: its matrix products (:mod:`.matmul_shapes`); empty for other ops.
+        requires_grad: its output depends on a trainable weight (it has a backward).
+        saved: backward may read its output (it requires grad, or an op that
+            requires grad reads it); other outputs are never stashed or recomputed.
+        inplace: PopART computes it in place (its output overwrites its only input's
+            buffer, :data:`_INPLACE`): it needs no memory of its own.
+        weight_grad_bytes: the gradient of its trainable weights it produces at once
+            (a serialised product: one slice; a look-up table: none, PopART adds the
+            rows into the accumulator).
     """
     name: str
     op: str
@@ -85,6 +143,16 @@ class OpCost:
     available_memory: Optional[float] = None
     serialization: Optional[Tuple[str, int]] = None
     inputs: Tuple[str, ...] = ()
+    products: Tuple[Product, ...] = ()
+    requires_grad: bool = True
+    saved: bool = True
+    inplace: bool = False
+    weight_grad_bytes: int = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of memory its output takes (0 for views and in-place ops)."""
+        return 0 if self.inplace else self.out_bytes
 
     @property
     def signature(self) -> Tuple:
@@ -94,12 +162,13 @@ class OpCost:
 
 @dataclasses.dataclass
 class WeightCost:
-    """A parameter or buffer.
+    """A parameter or buffer (tied names that hold one tensor are one weight).
 
     Attributes:
-        name: its ``state_dict`` name.
+        name: its ``state_dict`` name (the first of tied names).
         elements / bytes: its size.
-        ipus: the IPUs whose ops read it (a tied weight lives on each of them).
+        ipus: the IPUs whose ops read it (a weight read on several IPUs lives on each
+            of them, once).
         trainable: whether it has a gradient and optimizer state.
         itemsize: bytes per element.
     """
@@ -120,7 +189,10 @@ class ProgramCosts:
         weights: parameters and buffers.
         input_bytes / output_bytes: host ↔ device bytes of one micro-batch.
         num_ipus: IPUs the placement uses.
-        stages: pipeline stages in order, each ``(stage, ipu)``.
+        stages: forward pipeline stages in order, each ``(stage, ipu)``, after
+            merging consecutive stages on one IPU (:func:`merge_stages`); ``op.stage``
+            is the index into this list.
+        user_inputs: bytes of each user input (placeholder name → bytes).
     """
     ops: List[OpCost]
     weights: List[WeightCost]
@@ -128,6 +200,7 @@ class ProgramCosts:
     output_bytes: int
     num_ipus: int
     stages: List[Tuple[int, int]]
+    user_inputs: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def steering_op(node: fx.Node) -> str:
@@ -275,12 +348,50 @@ def _placement(node: fx.Node, override: Optional[Dict[str, Tuple[int, int]]]
     return 0, 0
 
 
+def merge_stages(stages: Sequence[Tuple[int, int]]) -> Dict[Tuple[int, int], int]:
+    """Pipeline stages as PopART runs them: consecutive stages (in stage order) on the
+    same IPU are one stage (PopART's ``Pipeline::withStages``: a pipeline cycle runs
+    each IPU's consecutive stages back to back, so they hold no stash between them).
+
+    Args:
+        stages: ``(stage, ipu)`` pairs of the placement (any order, repeats allowed).
+
+    Returns:
+        ``(stage, ipu)`` → index of the merged stage (0, 1, ... in pipeline order).
+
+    Example: ``[(0, 0), (1, 0), (2, 1), (3, 0)]`` → indices ``0, 0, 1, 2``: BERT's
+    embeddings and first layers on IPU 0, the layers of IPU 1, the heads on IPU 0.
+    """
+    merged: Dict[Tuple[int, int], int] = {}
+    index, last_ipu = -1, None
+    for stage, ipu in sorted(set(stages)):
+        if ipu != last_ipu:
+            index += 1
+            last_ipu = ipu
+        merged[(stage, ipu)] = index
+    return merged
+
+
+def _tied_groups(graph: Graph) -> Dict[str, str]:
+    """State name → the first name holding the same tensor (tied weights share one
+    tensor in the exported program's ``state_dict``)."""
+    first: Dict[int, str] = {}
+    canonical: Dict[str, str] = {}
+    values = graph.program.state_dict
+    for name in graph.parameters + graph.buffers:
+        value = values.get(name)
+        key = id(value) if value is not None else id(name)
+        canonical[name] = first.setdefault(key, name)
+    return canonical
+
+
 def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
             head_ipu: Optional[int] = None) -> ProgramCosts:
     """Cost every op and weight of ``graph`` (one micro-batch).
 
     Placement: ``node.meta["placement"]`` where present (contract A); otherwise, if
     ``layers_per_ipu`` is given, :func:`layer_placement`; otherwise IPU 0 / stage 0.
+    Stages are merged as PopART merges them (:func:`merge_stages`).
 
     Args:
         graph: the captured program.
@@ -301,28 +412,44 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
     ops: List[OpCost] = []
     # Steering ops apply to the op that produced their input.
     memory_of: Dict[fx.Node, float] = {}
+    checkpointed = set()
     for node in nodes:
-        if steering_op(node) == AVAILABLE_MEMORY_OP and node.args:
-            source = node.args[0]
-            if isinstance(source, fx.Node):
-                memory_of[source] = float(node.args[1])
+        steer = steering_op(node)
+        if steer in (AVAILABLE_MEMORY_OP, CHECKPOINT_OP) and node.args and \
+                isinstance(node.args[0], fx.Node):
+            if steer == AVAILABLE_MEMORY_OP:
+                memory_of[node.args[0]] = float(node.args[1])
+            else:
+                checkpointed.add(_memory_owner(node.args[0]))
     ipus_of: Dict[fx.Node, set] = {}
-    state_nodes = set(graph.placeholders[:len(graph.parameters) + len(graph.buffers)])
+    num_state = len(graph.parameters) + len(graph.buffers)
+    state_list = graph.placeholders[:num_state]
+    state_nodes = set(state_list)
+    trainable_nodes = [n for n, t in zip(graph.placeholders, graph.trainable) if t]
+    user = graph.placeholders[len(graph.placeholders) - graph.num_user_inputs:]
+    places: List[Tuple[int, int]] = []
+    trainable_set = set(trainable_nodes)
+    grad = set(trainable_nodes)  # nodes whose value depends on a trainable weight
     for node in nodes:
         if node.op != "call_function":
             continue
+        if any(a in grad for a in node.all_input_nodes):
+            grad.add(node)
         ipu, stage = _placement(node, override)
+        places.append((stage, ipu))
         for arg in node.all_input_nodes:
             ipus_of.setdefault(arg, set()).add(ipu)
         val = node.meta.get("val")
         steer = steering_op(node)
-        view = _is_view(node) or steer == AVAILABLE_MEMORY_OP
+        view = _is_view(node) or steer in (AVAILABLE_MEMORY_OP, CHECKPOINT_OP)
         tensors = _tensors(val)
         elements = sum(t.numel() for t in tensors)
         # reductions (sums, losses) do one operation per element read
         read = max((t.numel() for a in node.all_input_nodes if a not in state_nodes
                     for t in _tensors(a.meta.get("val"))), default=0)
         flops = 0.0 if view else _flops(node)
+        half = any(t.dtype == torch.float16 for t in tensors)
+        found = tuple(products(node, half, state_list, grad)) if flops and not view else ()
         cost = OpCost(
             name=node.name, op=_op_name(node), ipu=ipu, stage=stage,
             layer=_layer_key(node),
@@ -332,31 +459,49 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
                              if a in state_nodes),
             elements=elements, flops=flops,
             vector_ops=0.0 if view or flops else
-            float(max(elements, read)) * (4.0 if _op_name(node) in _TRANSCENDENTAL else 1.0),
-            half=any(t.dtype == torch.float16 for t in tensors), view=view,
-            checkpoint=steer == CHECKPOINT_OP,
+            float(max(elements, read)) *
+            (TRANSCENDENTAL_OPS if _op_name(node) in _TRANSCENDENTAL else 1.0),
+            half=half, view=view,
+            checkpoint=node in checkpointed,
             available_memory=memory_of.get(node, node.meta.get("available_memory_proportion")),
-            inputs=tuple(a.name for a in node.all_input_nodes))
+            inputs=tuple(a.name for a in node.all_input_nodes),
+            products=found,
+            weight_grad_bytes=_weight_grad_bytes(node, found, trainable_set),
+            requires_grad=node in grad,
+            saved=node in grad or any(u in grad for u in node.users),
+            inplace=not view and _inplace(node))
         if steer == SERIALIZED_MATMUL_OP:
             mode = str(node.args[2]) if len(node.args) > 2 else "Disabled"
             factor = int(node.args[3]) if len(node.args) > 3 else 1
             cost.serialization = (mode, max(1, factor))
         ops.append(cost)
-    weights = []
-    state = set(graph.parameters) | set(graph.buffers)
+    merged = merge_stages(places or [(0, 0)])
+    for op in ops:
+        op.stage = merged[(op.stage, op.ipu)]
+    stages = sorted({(index, ipu) for (_, ipu), index in merged.items()})
+    weights: Dict[str, WeightCost] = {}
     trainable = {p for p, t in zip(graph.parameters, graph.trainable) if t}
-    names = graph.parameters + graph.buffers
-    for node, name in zip(graph.placeholders, names):
+    canonical = _tied_groups(graph)
+    for node, name in zip(state_list, graph.parameters + graph.buffers):
         val = node.meta.get("val")
-        if name not in state or not isinstance(val, torch.Tensor):
+        if not isinstance(val, torch.Tensor):
             continue
-        weights.append(WeightCost(name, val.numel(), _bytes(val),
-                                  tuple(sorted(ipus_of.get(node, {0}))),
-                                  name in trainable, val.element_size()))
-    user = graph.placeholders[len(graph.placeholders) - graph.num_user_inputs:]
-    input_bytes = sum(_bytes(n.meta.get("val")) for n in user)
+        readers = ipus_of.get(node, set())
+        key = canonical[name]
+        if key in weights:  # a tied name: the same tensor, read by more IPUs
+            w = weights[key]
+            w.ipus = tuple(sorted(set(w.ipus) | readers))
+            w.trainable = w.trainable or name in trainable
+            continue
+        weights[key] = WeightCost(name, val.numel(), _bytes(val), tuple(sorted(readers)),
+                                  name in trainable, val.element_size())
+    for w in weights.values():
+        w.ipus = w.ipus or (0,)  # a weight no op reads stays on IPU 0
+    sizes = {n.name: _bytes(n.meta.get("val")) for n in user}
+    input_bytes = sum(sizes.values())
     output_bytes = sum(_bytes(n.meta.get("val")) for n in graph.output_nodes
                        if isinstance(n, fx.Node))
-    stages = sorted({(op.stage, op.ipu) for op in ops}) or [(0, 0)]
-    num_ipus = max([ipu for _, ipu in stages] + [i for w in weights for i in w.ipus]) + 1
-    return ProgramCosts(ops, weights, input_bytes, output_bytes, num_ipus, stages)
+    num_ipus = max([ipu for _, ipu in stages] +
+                   [i for w in weights.values() for i in w.ipus]) + 1
+    return ProgramCosts(ops, list(weights.values()), input_bytes, output_bytes, num_ipus,
+                        stages, sizes)

@@ -5,8 +5,9 @@ engine option ``autoReport.all`` is ``"true"`` (``Options.enableProfiling(dir)``
 ``POPLAR_ENGINE_OPTIONS``). ``profile.json`` holds the figures of
 :meth:`~popart_compiler.cost.cost_model.IpuEstimate.summary`; ``profile.html`` is a
 self-contained page (inline CSS and SVG, no script, no network) showing the memory of
-each IPU by category, the pipeline timeline and the largest tensors, with the same
-figures as text; ``profile.pop`` (the file Poplar tools look for) holds the same JSON.
+each IPU by category, the pipeline timeline (forward work green, backward red; the
+stage that runs the last forward stage and the first backward stage in one pipeline
+cycle is drawn in both) and the largest tensors, with the same figures as text; ``profile.pop`` (the file Poplar tools look for) holds the same JSON.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ FORMAT = "poptorch-ipu-model-profile/1"
 
 _COLOURS = dict(zip(CATEGORIES, ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
                                  "#edc948", "#b07aa1", "#ff9da7", "#9c755f")))
+_FORWARD, _BACKWARD = "#59a14f", "#e15759"
 _STYLE = """
 body{font-family:sans-serif;margin:24px;color:#222;max-width:1100px}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px}
@@ -90,14 +92,22 @@ def _timeline_section(summary: Dict[str, Any]) -> List[str]:
         offsets = {ipu: 0.0 for ipu in ipus}
         for w in p["work"]:
             y = ipus.index(w["ipu"]) * row
-            left = 60 + width * (x + offsets[w["ipu"]]) / total
-            span = max(1.0, width * w["cycles"] / total)
-            colour = "#59a14f" if w["stage"].startswith("forward ") else "#e15759"
             label = f'{w["stage"]}, micro-batch {w["micro_batch"]}' + \
                 (f' (×{p["repeat"]} steady cycles)' if p["repeat"] > 1 else "")
-            svg.append(f'<rect x="{left:.2f}" y="{y + 3}" width="{span:.2f}" height="20" '
-                       f'fill="{colour}" stroke="#fff"><title>{html.escape(label)}'
-                       "</title></rect>")
+            # a merged stage (forward+backward on one IPU) is drawn in both colours
+            start = x + offsets[w["ipu"]]
+            for part, spent, colour in (("forward", w["forward_cycles"], _FORWARD),
+                                        ("backward", w["cycles"] - w["forward_cycles"],
+                                         _BACKWARD)):
+                if spent <= 0 and not (part == "forward" and w["cycles"] <= 0):
+                    continue
+                left = 60 + width * start / total
+                span = max(1.0, width * spent / total)
+                text = f"{label}: {part} {_b(spent)} cycles"
+                svg.append(f'<rect x="{left:.2f}" y="{y + 3}" width="{span:.2f}" '
+                           f'height="20" fill="{colour}" stroke="#fff"><title>'
+                           f"{html.escape(text)}</title></rect>")
+                start += spent
             offsets[w["ipu"]] += w["cycles"]
         x += p["cycles"]
     svg.append("</svg>")
@@ -108,13 +118,15 @@ def _timeline_section(summary: Dict[str, Any]) -> List[str]:
            f"and repeated), pipeline efficiency {cycles['pipeline_efficiency']:.4f}, "
            f"weight update {_b(cycles['weight_update'])} cycles.</p>"]
     out += svg
-    out.append('<div class="legend"><span><i style="background:#59a14f"></i>forward'
-               '</span><span><i style="background:#e15759"></i>backward</span></div>')
+    out.append(f'<div class="legend"><span><i style="background:{_FORWARD}"></i>forward'
+               f'</span><span><i style="background:{_BACKWARD}"></i>backward</span></div>')
     out.append('<table><tr><th class="l">stage</th><th>IPU</th><th>cycles per '
-               'micro-batch</th><th>balance</th></tr>')
+               'micro-batch</th><th>forward</th><th>backward</th><th>balance</th></tr>')
     for s in cycles["stages"]:
         out.append(f'<tr><td class="l">{html.escape(s["name"])}</td><td>{s["ipu"]}</td>'
-                   f'<td>{_b(s["cycles"])}</td><td>{s["balance"]:.4f}</td></tr>')
+                   f'<td>{_b(s["cycles"])}</td><td>{_b(s["forward_cycles"])}</td>'
+                   f'<td>{_b(s["cycles"] - s["forward_cycles"])}</td>'
+                   f'<td>{s["balance"]:.4f}</td></tr>')
     out.append("</table>")
     return out
 

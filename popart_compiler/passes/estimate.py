@@ -1,6 +1,7 @@
 """The IPU Model's estimate of a compiled program: memory per IPU and cycles
-(:mod:`popart_compiler.cost`), the profile report when asked for (S-85) and the
-out-of-memory error of a program that does not fit."""
+(:mod:`popart_compiler.cost`), the profile report when asked for (S-85) and the report
+of a program that does not fit (a warning, as Poplar's IPU Model; the error in strict
+mode)."""
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ def estimate(graph: Graph, c: Compilation) -> PassResult:
     report when ``autoReport.all`` is set.
 
     Raises:
-        Error: out of memory on an IPU (``type == "poplar_out_of_memory"``, unless the
-            engine option ``debug.allowOutOfMemory`` is ``"true"``).
+        Error: out of memory on an IPU in strict mode (``type ==
+            "poplar_out_of_memory"``, ``SessionOptions.strict_memory`` without the engine
+            option ``debug.allowOutOfMemory``; otherwise a warning).
     """
     o = c.options
     target = target_for(o.ipu_model_version, o.small_ipu_model)
@@ -29,6 +31,6 @@ def estimate(graph: Graph, c: Compilation) -> PassResult:
     if directory is not None:
         write_report(directory, result, os.path.basename(directory), c.training)
     allow = o.engine_options.get("debug.allowOutOfMemory", "false").lower()
-    cost_model.check(result, allow_out_of_memory=allow == "true")
+    cost_model.check(result, strict=o.strict_memory, allow_out_of_memory=allow == "true")
     c.estimate = result
     return unchanged(graph)

@@ -42,6 +42,7 @@ __all__ = ["Saved", "Expected", "Loaded", "save", "load_executable", "read_expor
 #: run-time options matter after loading).
 _RUNTIME_OPTIONS = frozenset({
     "connection_type", "ipu_id", "ipu_version", "use_model", "sync_pattern", "log_dir",
+    "ipu_model_strict_memory",
     "max_repeat_logs", "model_name", "cachePath", "enableEngineCaching",
     "compilation_progress_bar_fn", "engineOptions"})
 

@@ -31,8 +31,9 @@ def quiet():
     return poptorch.Options().showCompilationProgressBar(False)
 
 
-def test_small_ipu_model_runs_out_of_memory(monkeypatch):
+def test_small_ipu_model_out_of_memory_is_an_error_in_strict_mode(monkeypatch):
     monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
+    monkeypatch.setenv("POPTORCH_IPU_MODEL_STRICT_MEMORY", "1")
     model = poptorch.inferenceModel(Classifier(), quiet())
     with pytest.raises(poptorch.Error) as info:
         model(torch.randn(4, 1024))
@@ -54,7 +55,7 @@ def test_small_ipu_model_runs_out_of_memory(monkeypatch):
 def test_small_ipu_model_training_error_names_the_options_that_help(monkeypatch):
     monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
     model = Classifier(512)
-    opts = quiet()
+    opts = quiet().ipuModelStrictMemory(True)
     opts.Training.gradientAccumulation(2)
     training = poptorch.trainingModel(model, opts, poptorch.optim.Adam(model.parameters()))
     with pytest.raises(poptorch.Error, match="Out of memory on IPU 0") as info:
@@ -65,8 +66,64 @@ def test_small_ipu_model_training_error_names_the_options_that_help(monkeypatch)
         assert fix in text
     assert "optimizer state" in text and "gradient accumulators" in text
     # a tiny model still fits on the 4-tile IPU
-    tiny = poptorch.inferenceModel(nn.Linear(2, 2), quiet())
+    tiny = poptorch.inferenceModel(nn.Linear(2, 2), quiet().ipuModelStrictMemory(True))
     assert tiny(torch.ones(1, 2)).shape == (1, 2)
+
+
+class PopTorchStyleNet(nn.Module):
+    """The shape of PopTorch's own test models: two linear layers and a loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 1024)
+        self.fc2 = nn.Linear(1024, 10)
+
+    def forward(self, x, labels=None):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        return out if labels is None else (out, nn.functional.cross_entropy(out, labels))
+
+
+def test_small_ipu_model_runs_a_program_that_does_not_fit(monkeypatch, poptorch_logs):
+    """Poplar's IPU Model reports a program that exceeds its memory and still runs it
+    (issue 21): upstream-style tests on the 4-tile IPU Model compile and run."""
+    monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
+    torch.manual_seed(0)
+    model = PopTorchStyleNet()
+    reference = PopTorchStyleNet()
+    reference.load_state_dict(model.state_dict())
+    opts = quiet().outputMode(poptorch.OutputMode.All)
+    opts.Training.gradientAccumulation(2)
+    training = poptorch.trainingModel(model, opts,
+                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 784), torch.randint(0, 10, (8,))
+    out, loss = training(x, y)
+    # it ran: same loss as PyTorch on the same weights, and the weights changed
+    expected = float(nn.functional.cross_entropy(reference(x), y).detach())
+    assert loss.shape == (2,)
+    assert float(loss.detach().mean()) == pytest.approx(expected, rel=1e-5)
+    assert not torch.equal(model.fc1.weight, reference.fc1.weight)
+    estimate = training.ipuModelEstimate()
+    assert estimate["fits"] is False and estimate["memory"][0]["fits"] is False
+    m = estimate["memory"][0]
+    warnings = [r.getMessage() for r in poptorch_logs.records
+                if r.levelno == logging.WARNING and "does not fit" in r.getMessage()]
+    assert len(warnings) == 1
+    text = warnings[0]
+    assert f"Out of memory on IPU 0: the program needs {m['total']:,} bytes" in text
+    assert f"has {m['capacity']:,} bytes" in text and "Largest consumers: " in text
+    assert "ipuModelStrictMemory(True)" in text
+    assert "POPTORCH_IPU_MODEL_STRICT_MEMORY=1" in text
+    inference = poptorch.inferenceModel(PopTorchStyleNet(), quiet())
+    assert inference(torch.randn(4, 784)).shape == (4, 10)
+
+
+def test_strict_memory_option_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
+    monkeypatch.setenv("POPTORCH_IPU_MODEL_STRICT_MEMORY", "1")
+    lenient = poptorch.inferenceModel(Classifier(), quiet().ipuModelStrictMemory(False))
+    assert lenient(torch.randn(4, 1024)).shape == (4, 10)
+    with pytest.raises(AssertionError, match="ipuModelStrictMemory"):
+        poptorch.Options().ipuModelStrictMemory(1)
 
 
 def test_cycle_count_and_estimated_throughput(poptorch_logs):
@@ -107,7 +164,8 @@ def test_training_cycle_count_covers_every_weight_update():
     training(torch.randn(2 * 4 * 3, 64), torch.randint(0, 10, (2 * 4 * 3,)))
     c = training.ipuModelEstimate()["cycles"]
     assert training.cycleCount() == c["run"]
-    assert c["run"] == pytest.approx(3 * (c["pipeline"] + c["weight_update"]), abs=3)
+    # each figure is rounded down to whole cycles
+    assert c["run"] == pytest.approx(3 * (c["pipeline"] + c["weight_update"]), abs=6)
 
 
 def read_report(directory):
@@ -152,9 +210,10 @@ def test_poplar_engine_options_write_the_report(tmp_path, monkeypatch):
 
 def test_profiling_allows_out_of_memory(tmp_path, monkeypatch, poptorch_logs):
     monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
-    opts = quiet().enableProfiling(str(tmp_path))
+    opts = quiet().enableProfiling(str(tmp_path)).ipuModelStrictMemory(True)
     model = poptorch.inferenceModel(Classifier(), opts)
-    assert model(torch.randn(4, 1024)).shape == (4, 10)  # debug.allowOutOfMemory
+    # debug.allowOutOfMemory (set by enableProfiling) wins over the strict mode
+    assert model(torch.randn(4, 1024)).shape == (4, 10)
     report = read_report(tmp_path / "inference")
     assert report["fits"] is False and report["memory"][0]["fits"] is False
     assert report["target"]["tiles"] == 4
@@ -205,7 +264,11 @@ def test_profile_page_renders_in_headless_chromium(tmp_path):
             assert tensor["name"] in text and f"{tensor['bytes']:,}" in text
     for stage in c["stages"]:
         assert stage["name"] in text and f"{stage['cycles']:,}" in text
-    assert dom.count("<rect") == sum(len(p["work"]) for p in c["schedule"])
+    # one rectangle per stage and micro-batch; two (forward and backward) for a stage
+    # that does both
+    assert dom.count("<rect") == sum(
+        1 + (0 < w["forward_cycles"] < w["cycles"]) for p in c["schedule"]
+        for w in p["work"])
     shot = tmp_path / "shot.png"
     render(directory / "profile.html", tmp_path, f"--screenshot={shot}",
            "--window-size=1100,900", "--hide-scrollbars")
@@ -226,10 +289,12 @@ def estimate_of(opts, model=None, training=False, batch=16):
 
 def test_options_change_the_estimate():
     base = estimate_of(quiet())["memory"][0]["categories"]
-    capped = estimate_of(quiet().setAvailableMemoryProportion({"IPU0": 0.0001}))
-    assert capped["memory"][0]["categories"]["temporaries"] == \
-        pytest.approx(0.0001 * capped["target"]["memory_per_ipu"], abs=1)
+    capped = estimate_of(quiet().setAvailableMemoryProportion({"IPU0": 0.001}))
+    # the proportion caps the temporaries of every tile the product uses
+    assert 0 < capped["memory"][0]["categories"]["temporaries"] <= \
+        0.001 * capped["target"]["memory_per_ipu"]
     assert capped["memory"][0]["categories"]["temporaries"] < base["temporaries"]
+    assert capped["cycles"]["run"] > estimate_of(quiet())["cycles"]["run"]
 
     def training(opts):
         opts.Training.gradientAccumulation(2)
@@ -287,6 +352,27 @@ def test_estimate_follows_the_block_placement():
     stages = [s["name"] for s in estimate["cycles"]["stages"]]
     assert stages == ["forward 0 (IPU 0)", "forward+backward 1 (IPU 1)", "backward 0 (IPU 0)"]
     assert 0 < estimate["cycles"]["pipeline_efficiency"] < 1
+
+
+def test_profile_report_draws_a_merged_stage_in_both_colours(tmp_path):
+    model = Blocks()
+    for i, layer in enumerate(model.layers):
+        poptorch.BeginBlock(layer, f"b{i}", ipu_id=i // 2)
+    opts = quiet().enableProfiling(str(tmp_path))
+    opts.Training.gradientAccumulation(4)
+    training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
+                                                                      lr=0.1))
+    training.compile(torch.randn(8 * 4, 256), torch.randint(0, 10, (8 * 4,)))
+    report = read_report(tmp_path / "training")
+    merged = next(s for s in report["cycles"]["stages"]
+                  if s["name"] == "forward+backward 1 (IPU 1)")
+    assert 0 < merged["forward_cycles"] < merged["cycles"]
+    page = (tmp_path / "training" / "profile.html").read_text()
+    rects = re.findall(r'<rect [^>]*fill="(#[0-9a-f]+)"[^>]*><title>([^<]*)</title>', page)
+    colours = {fill for fill, title in rects if "forward+backward 1 (IPU 1)" in title}
+    assert colours == {"#59a14f", "#e15759"}  # green forward, red backward
+    assert {fill for fill, title in rects if title.startswith("forward 0")} == {"#59a14f"}
+    assert {fill for fill, title in rects if title.startswith("backward 0")} == {"#e15759"}
 
 
 class Steered(nn.Module):

@@ -1,0 +1,195 @@
+"""Activations, pipeline stash and backward working set of one IPU, stage by stage.
+
+Follows PopART's pipelining (``transforms/pipeline.cpp``) and recomputation:
+
+* Stages are the merged stages of :func:`~.op_costs.merge_stages`. With ``N``
+  forward stages, forward stage ``k`` runs its backward ``2(N − 1 − k)`` pipeline
+  cycles after its forward; what backward needs is stashed once per micro-batch in
+  flight: ``2(N − 1 − k) + 1`` copies (PopART's stash size, restore stage − stash stage
+  + 1), the last of which is restored in place. The last forward stage runs its
+  backward in the same pipeline cycle (one stage: ``forward+backward``): nothing is
+  stashed and nothing recomputed; its activations are live until its backward.
+* With recomputation (``recomputation_checkpoint`` ops, or ``autoRecomputation``)
+  a stage keeps the tensors it receives (from another stage, or the host) and the
+  checkpoints that later ops of the same stage read (a checkpoint only consumed by the
+  next IPU spans one stage and is not stashed); backward recomputes each segment
+  between checkpoints. Without recomputation every op output (and the stage's
+  input) is kept.
+* The backward of a segment needs its recomputed activations once, plus the gradients
+  of the op being differentiated (incoming: its output's size; outgoing: its
+  activation inputs'), for the op of the segment where they are largest.
+* Only outputs backward reads count: those of ops that depend on a trainable weight and
+  the inputs such ops read (``OpCost.saved``); ops PopART runs in place share their
+  input's memory (``OpCost.memory_bytes``).
+* Not pipelined (one stage, or sharded execution): each stage is stashed once (depth
+  1) and recomputes as requested.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, FrozenSet, List, Sequence, Tuple
+
+__all__ = ["StageMemory", "stage_memory", "recomputation_active", "kept_for_backward",
+           "RECOMPUTE_NONE", "RECOMPUTE_STANDARD", "RECOMPUTE_NORM_ONLY",
+           "RECOMPUTE_PIPELINE", "RECOMPUTE_ALL"]
+
+#: ``autoRecomputation`` values (PopART ``RecomputationType``).
+RECOMPUTE_NONE, RECOMPUTE_STANDARD, RECOMPUTE_NORM_ONLY, RECOMPUTE_PIPELINE, \
+    RECOMPUTE_ALL = range(5)
+
+
+@dataclasses.dataclass
+class StageMemory:
+    """Training memory of one forward stage on its IPU (bytes, one micro-batch unless
+    said otherwise).
+
+    Attributes:
+        stage: merged stage index.
+        ipu: its IPU.
+        depth: copies of ``saved`` held (micro-batches between its forward and its
+            backward, + 1).
+        saved: what backward needs of one micro-batch.
+        working: the backward working set of its largest segment.
+        recomputed: names of the forward ops its backward runs again.
+    """
+    stage: int
+    ipu: int
+    depth: int
+    saved: float
+    working: float
+    recomputed: FrozenSet[str] = frozenset()
+
+    @property
+    def stash(self) -> float:
+        """Bytes held for the other micro-batches in flight."""
+        return self.saved * (self.depth - 1)
+
+
+def recomputation_active(ops, auto_recomputation: int, training: bool) -> bool:
+    """Whether the program recomputes forward ops in backward (checkpoints or
+    ``autoRecomputation``)."""
+    return training and (auto_recomputation != RECOMPUTE_NONE or
+                         any(op.checkpoint for op in ops))
+
+
+def kept_for_backward(op, auto_recomputation: int, recomputing: bool) -> bool:
+    """Whether ``op``'s output is stored for backward rather than recomputed."""
+    if not recomputing:
+        return True
+    mode = auto_recomputation
+    if mode in (RECOMPUTE_PIPELINE, RECOMPUTE_ALL):
+        return False
+    return op.checkpoint or (mode == RECOMPUTE_STANDARD and op.flops > 0) or \
+        (mode == RECOMPUTE_NORM_ONLY and "norm" not in op.op)
+
+
+def _owners(ops) -> Dict[str, str]:
+    """Op name → the op that allocated its buffer (views, checkpoint markers and
+    in-place ops use their first input's)."""
+    owner: Dict[str, str] = {}
+    for op in ops:
+        owner[op.name] = owner.get(op.inputs[0], op.inputs[0]) \
+            if (op.view or op.inplace) and op.inputs else op.name
+    return owner
+
+
+def _stage_input(ops, producer_stage: Dict[str, int], user_inputs: Dict[str, int],
+                 sizes: Dict[str, int], owner: Dict[str, str]) -> float:
+    """Bytes a stage receives: tensors produced by another stage, and user inputs."""
+    stage = ops[0].stage
+    seen = set()
+    total = 0.0
+    for op in ops:
+        for name in op.inputs:
+            if name in user_inputs:
+                key, size = name, user_inputs[name]
+            elif producer_stage.get(name, stage) != stage:
+                key = owner.get(name, name)
+                size = sizes.get(key, 0)
+            else:
+                continue
+            if key not in seen:
+                seen.add(key)
+                total += size
+    return total
+
+
+def _gradient_bytes(op) -> int:
+    """Gradient buffers live while ``op`` is differentiated: its incoming gradient (its
+    output's size) and the outgoing ones (its activation inputs)."""
+    return op.out_bytes + op.in_bytes - op.weight_bytes
+
+
+def _saved_and_working(ops, auto_recomputation: int, recompute: bool, received: float,
+                       keep_tail: bool) -> Tuple[float, float, FrozenSet[str]]:
+    """``(saved, working, recomputed op names)`` of one stage (module docstring).
+    ``keep_tail``: the ops after the stage's last checkpoint keep their outputs (the
+    last forward stage runs its backward in the same pipeline cycle)."""
+    needed = [op for op in ops if not op.view and op.saved]
+    grads = max((_gradient_bytes(op) for op in needed), default=0)
+    if not recompute:
+        return received + float(sum(op.memory_bytes for op in needed)), float(grads), \
+            frozenset()
+    if auto_recomputation in (RECOMPUTE_PIPELINE, RECOMPUTE_ALL):
+        return received, float(sum(op.memory_bytes for op in needed)) + grads, \
+            frozenset(op.name for op in needed)
+    owner = _owners(ops)
+    # buffers a later op of the stage reads (not counting the views and in-place ops
+    # that take them over)
+    read_in_stage = {owner.get(name, name) for op in ops if not op.view
+                     for name in (op.inputs[1:] if op.inplace else op.inputs)}
+    saved, worst = received, 0.0
+    segment, largest, members = 0.0, 0.0, []
+    recomputed: List[str] = []
+    for op in needed:
+        keep = kept_for_backward(op, auto_recomputation, True)
+        if keep and (not op.checkpoint or op.name in read_in_stage):
+            saved += op.memory_bytes
+        if op.checkpoint:
+            worst = max(worst, segment + largest)
+            recomputed += members
+            segment, largest, members = 0.0, 0.0, []
+        elif not keep:
+            segment += op.memory_bytes
+            largest = max(largest, _gradient_bytes(op))
+            members.append(op.name)
+    if keep_tail:
+        saved += segment
+        worst = max(worst, largest)
+    else:
+        worst = max(worst, segment + largest)
+        recomputed += members
+    return saved, worst, frozenset(recomputed)
+
+
+def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
+                 auto_recomputation: int, pipelined: bool) -> List[StageMemory]:
+    """Training memory of every forward stage.
+
+    Args:
+        ops: all forward ops of the program (``OpCost``), with merged stages.
+        stages: the merged ``(stage, ipu)`` list in pipeline order.
+        user_inputs: user input name → bytes.
+        auto_recomputation: the ``autoRecomputation`` option.
+        pipelined: pipelined execution (else every stage has depth 1).
+    """
+    recomputing = recomputation_active(ops, auto_recomputation, True)
+    producer = {op.name: op.stage for op in ops}
+    sizes = {op.name: op.out_bytes for op in ops}
+    owner = _owners(ops)
+    by_stage: Dict[int, list] = {}
+    for op in ops:
+        by_stage.setdefault(op.stage, []).append(op)
+    n = len(stages)
+    result = []
+    for k, (stage, ipu) in enumerate(stages):
+        mine = by_stage.get(stage, [])
+        if not mine:
+            continue
+        piped = pipelined and n > 1
+        depth = 2 * (n - 1 - k) + 1 if piped else 1
+        received = _stage_input(mine, producer, user_inputs, sizes, owner)
+        saved, working, recomputed = _saved_and_working(
+            mine, auto_recomputation, recomputing, received, keep_tail=piped and k == n - 1)
+        result.append(StageMemory(stage, ipu, depth, saved, working, recomputed))
+    return result
