@@ -18,7 +18,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph, _aliased_base, _op_name
@@ -266,11 +267,39 @@ def _flops(node: fx.Node) -> float:
     else:
         target = node.target
     try:
-        with FlopCounterMode(display=False) as counter:
+        with _FlopCount() as counter:
             target(*args, **kwargs)
     except Exception:  # an op without a meta kernel counts as vector work
         return 0.0
-    return float(counter.get_total_flops())
+    return float(counter.flops)
+
+
+class _FlopCount(TorchDispatchMode):
+    """FLOPs of the ATen ops run inside, by ``torch.utils.flop_counter``'s formulas
+    (ops without one are decomposed, as its ``FlopCounterMode`` does). Not
+    ``FlopCounterMode`` itself: its module tracker installs process-wide ``nn.Module``
+    hooks while counting, which put gradient hooks on the tensors of any model running
+    meanwhile in another thread; that thread's ``torch.autograd.grad`` then failed ("A
+    leaf node was passed to _will_engine_execute_node")."""
+
+    _SKIP = (torch.ops.prim.device.default,)
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is None and func not in self._SKIP:
+            with self:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 def _layer_key(node: fx.Node) -> str:
