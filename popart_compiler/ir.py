@@ -226,7 +226,6 @@ class Graph:
                 k not in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ, InputKind.USER_INPUT)
                 for k in kinds[len(order):]):
             raise ValueError("unexpected placeholder order in the exported program")
-        self._placeholder_kinds = kinds
         self.placeholders = placeholders
         for spec in sig.output_specs:
             if spec.kind != OutputKind.USER_OUTPUT:
@@ -429,6 +428,3 @@ def annotation_text(node: fx.Node) -> str:
              if custom.get(k, node.meta.get(k)) is not None}
     return f"  # {found}" if found else ""
 
-
-def flat_shapes(tensors: Sequence[torch.Tensor]) -> List[torch.Size]:
-    return [t.shape for t in tensors]
