@@ -7,14 +7,21 @@ overrides it.
 
 Every compiler pass is followed by the graph verifier (``POPTORCH_VERIFY=1``, see
 ``popart_compiler/verify.py``) unless the variable is set otherwise.
+
+``tests/`` is on ``sys.path`` (pytest runs with ``--import-mode=importlib``, which
+leaves it untouched), so every test can ``import models`` (the shared tiny models).
 """
 import os
+import sys
 
 import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("POPTORCH_TEST_THREADS", "1") or "1"))
 os.environ.setdefault("POPTORCH_VERIFY", "1")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.append(TESTS)
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
-"""popart_compiler optimizers on their own: accumulation and reductions (S-41), the
-update rules (S-54), loss scaling (S-51, S-57), replica-grouped weights (S-27) and
-floating-point exceptions in sessions (S-46). Nothing here imports ``poptorch``."""
+"""The device optimizer (optim/device_optimizer.py) on its own: accumulation and
+reductions (S-41), the update rules against ``torch.optim`` (S-54), the ``foreach``
+update, loss scaling (S-51, S-57), replica-grouped weights (S-27), changes that need a
+recompilation, and the same updates on CUDA. Nothing here imports ``poptorch``."""
 import copy
 import math
 
@@ -14,7 +15,6 @@ from popart_compiler.errors import Error
 from popart_compiler.ir import Graph
 from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.optim.device_optimizer import DeviceOptimizer, StepSettings
-from popart_compiler.runtime.session import InferenceSession
 from popart_compiler.runtime.training import TrainingSession
 from popart_compiler.session_options import ReplicaGrouping, SessionOptions
 
@@ -232,58 +232,105 @@ def test_state_checks_write_nothing_on_error(caplog):
     assert torch.equal(opt.state["Accl___w"], before["Accl___w"])
 
 
-def test_replica_grouping_layouts():
-    assert ReplicaGrouping(1, 2).groups(8) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert ReplicaGrouping(2, 2).groups(8) == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert ReplicaGrouping(0, 8).groups(4) == [0, 0, 0, 0]
-    assert ReplicaGrouping(3, 1).groups(3) == [0, 1, 2]
-    assert ReplicaGrouping(2, 2).num_groups(8) == 4
-    with pytest.raises(Error, match="multiple of the group size"):
-        ReplicaGrouping(1, 3).validate("w", 8)
+# -- the update rules against torch.optim ----------------------------------------
+
+@pytest.mark.parametrize("kind,torch_cls,hyper", [
+    ("SGD", torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01,
+                                  nesterov=False)),
+    ("Adam", torch.optim.Adam, dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6,
+                                    weight_decay=0.01)),
+    ("AdamW", torch.optim.AdamW, dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8,
+                                      weight_decay=0.05)),
+    ("RMSprop", torch.optim.RMSprop, dict(lr=0.01, alpha=0.9, eps=1e-8, weight_decay=0.0,
+                                          momentum=0.5, centered=True)),
+])
+def test_device_optimizers_equal_torch_optim(kind, torch_cls, hyper):
+    torch.manual_seed(1)
+    params = [torch.randn(5, 3), torch.randn(3)]
+    ref = [p.clone().requires_grad_() for p in params]
+    desc = OptimizerDescription(kind, defaults=dict(hyper), groups=[], group_of={})
+    opt = DeviceOptimizer(desc, ["w", "b"], params)
+    ref_opt = torch_cls(ref, **hyper)
+    for _ in range(10):
+        grads = [torch.randn_like(p) for p in params]
+        opt.step(params, grads)
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        ref_opt.step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
 
 
-# -- sessions -------------------------------------------------------------------------
-
-def test_floating_point_exception_restores_the_device_state():
-    """An overflow in the second device iteration: the first iteration's update is
-    undone, the optimizer state too."""
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.ones(2))
-
-        def forward(self, x):
-            y = torch.exp(self.w * x)
-            return F.l1_loss(y, torch.zeros_like(y))
-
-    g = Graph(torch.export.export(M(), (torch.ones(2),), strict=False))
-    opts = SessionOptions(device_iterations=2, output_mode=2, fp_exceptions=True)
-    session = TrainingSession(compiler.compile(g, opts, training=True), None,
-                              description(lr=0.1, momentum=0.9))
-    session.run([torch.ones(4)])
-    weights = session.readWeights()
-    state = session.readOptimizerState()
-    with pytest.raises(Error, match="Floating point exception") as info:
-        session.run([torch.tensor([1.0, 1.0, 1e3, 1e3])])  # exp(~800) overflows
-    assert info.value.type == "poplar_application_runtime_error"
-    assert torch.equal(session.readWeights()["w"], weights["w"])
-    assert torch.equal(session.readOptimizerState()["Accl___w"], state["Accl___w"])
-    session.run([torch.ones(4)])
+def test_sgd_dampening_without_momentum_scales_the_step():
+    p = [torch.ones(2)]
+    opt = DeviceOptimizer(description("SGD", lr=0.5, momentum=0.0, dampening=0.5), ["w"], p)
+    opt.step(p, [torch.ones(2)])
+    assert p[0].tolist() == [0.75, 0.75]  # lr * (1 - dampening) (S-54 quirk)
 
 
-def test_inference_session_floating_point_checks():
-    class Div(nn.Module):
-        def forward(self, x, y):
-            return x / y
+def test_lamb_follows_the_formula():
+    w = torch.tensor([3.0, 4.0])
+    desc = OptimizerDescription("LAMB", defaults=dict(lr=0.1, betas=(0.9, 0.999), eps=0.0,
+                                                      weight_decay=0.0,
+                                                      max_weight_norm=65500.0),
+                                groups=[], group_of={})
+    opt = DeviceOptimizer(desc, ["w"], [w])
+    g = torch.tensor([1.0, -2.0])
+    opt.step([w], [g])
+    # step 1 with bias correction: m̂ = g, v̂ = g², u = sign(g); trust = ‖w‖ / ‖u‖
+    u = torch.sign(g)
+    expected = torch.tensor([3.0, 4.0]) - 0.1 * (5.0 / math.sqrt(2.0)) * u
+    torch.testing.assert_close(w, expected)
 
-    g = Graph(torch.export.export(Div(), (torch.ones(2), torch.ones(2)), strict=False))
-    on = InferenceSession(compiler.compile(g, SessionOptions(fp_exceptions=True), False))
-    with pytest.raises(Error, match="overflow or division by zero"):
-        on.run([torch.ones(2), torch.zeros(2)])
-    with pytest.raises(Error, match="invalid operation"):
-        on.run([torch.zeros(2), torch.zeros(2)])
-    off = InferenceSession(compiler.compile(g, SessionOptions(), False))
-    assert torch.isinf(off.run([torch.ones(2), torch.zeros(2)])[0]).all()
+
+def test_optimizer_changes_needing_recompilation():
+    p = [torch.ones(2)]
+    desc = description(lr=0.1)
+    desc.constant = {"momentum"}
+    opt = DeviceOptimizer(desc, ["w"], p)
+    variable = copy.deepcopy(desc)
+    variable.defaults["lr"] = 0.2
+    opt.update(variable)
+    changed = copy.deepcopy(desc)
+    changed.defaults["momentum"] = 0.5
+    with pytest.raises(Error, match="compiled optimizer cannot be changed"):
+        opt.update(changed)
+    with pytest.raises(Error, match="Maximum norm of gradients cannot be NaN"):
+        bad = copy.deepcopy(desc)
+        bad.max_grad_norm = float("nan")
+        DeviceOptimizer(bad, ["w"], p).step(p, [torch.ones(2)])
+
+
+@pytest.mark.parametrize("kind,hyper", [
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=False)),
+    ("SGD", dict(lr=0.1)),
+    ("Adam", dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)),
+    ("AdamW", dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)),
+    ("RMSprop", dict(lr=0.01, alpha=0.9, eps=1e-8, momentum=0.5, centered=True,
+                     weight_decay=0.0)),
+])
+def test_foreach_update_equals_per_weight_update(kind, hyper):
+    shapes = [(4, 3), (3,), (2, 2, 2)]
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    results = []
+    for foreach in (False, True):
+        desc = OptimizerDescription(kind, defaults=dict(hyper), groups=[], group_of={})
+        params = [torch.ones(s) for s in shapes]
+        opt = DeviceOptimizer(desc, [f"p{i}" for i in range(len(shapes))], params,
+                              StepSettings(foreach=foreach))
+        for step_grads in grads:
+            opt.begin_step()
+            opt.accumulate(0, 0, [g * opt.loss_scale for g in step_grads])
+            opt.finish_step(params)
+        results.append((params, opt.state_dict()))
+    (p0, s0), (p1, s1) = results
+    assert not torch.equal(p0[0], torch.ones(4, 3))
+    for a, b in zip(p0, p1):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert s0.keys() == s1.keys()
+    for k in s0:
+        torch.testing.assert_close(s0[k], s1[k], rtol=1e-6, atol=1e-7)
 
 
 # -- the IPU Model on CUDA ----------------------------------------------------------------

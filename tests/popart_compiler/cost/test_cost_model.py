@@ -256,7 +256,7 @@ def test_available_memory_proportion_and_serialisation_change_temporaries():
     assert serial < temp and serial_cycles > cycles
 
 
-def test_out_of_memory_message_names_ipu_bytes_consumers_and_fixes(poptorch_logs):
+def test_out_of_memory_message_names_ipu_bytes_consumers_and_fixes(compiler_logs):
     graph = capture(nn.Linear(1024, 1024), torch.randn(16, 1024))
     opts = SessionOptions(gradient_accumulation=2)
     est = cost_model.estimate(graph, opts, True, target_for("ipu2", small=True), ADAM)
@@ -275,7 +275,7 @@ def test_out_of_memory_message_names_ipu_bytes_consumers_and_fixes(poptorch_logs
     # warning, as on Poplar's IPU Model
     cost_model.check(est)
     cost_model.check(est, strict=True, allow_out_of_memory=True)
-    logged = [r.getMessage() for r in poptorch_logs.records if r.levelno == logging.WARNING]
+    logged = [r.getMessage() for r in compiler_logs.records if r.levelno == logging.WARNING]
     assert len(logged) == 2 and all(text in message for message in logged)
 
 

@@ -1,20 +1,20 @@
-"""The placement pass and the execution-strategy checks on their own (graph in,
-placed graph out; spec S-60, S-63, S-64, S-65). Nothing here imports ``poptorch``."""
-import contextlib
-
+"""``place`` (passes/placement.py) and the execution-strategy checks it runs: graph
+in, placed graph out (spec S-60, S-63, S-64, S-65). Nothing here imports
+``poptorch``: the capture's block tags are written by the model itself."""
 import pytest
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
+from models import MLP, export
+from popart_compiler.enums import ExecutionMode
 from popart_compiler.errors import Error
 from popart_compiler.ir import Graph
-from popart_compiler.enums import ExecutionMode
-from popart_compiler.session_options import StrategySettings
-from popart_compiler.passes.placement import (BLOCK_KEY, NO_ACTIVE_BLOCK_KEY, Placement, place_nodes, placement_of, plan_placement)
-from popart_compiler.passes.split_stages import split_by_stage
-from popart_compiler.runtime.schedule import StagedProgram
-from popart_compiler.stages import StagedGraph
+from popart_compiler.passes.base import Compilation
+from popart_compiler.passes.placement import (BLOCK_KEY, NO_ACTIVE_BLOCK_KEY, Placement,
+                                              place, place_nodes, placement_of,
+                                              plan_placement)
+from popart_compiler.session_options import SessionOptions, StrategySettings
 
 
 class Tagged(nn.Module):
@@ -35,10 +35,12 @@ class Tagged(nn.Module):
         return x
 
 
-def capture(tags):
+def capture(tags, blocks=None):
+    """``Tagged(tags)`` captured as the capture does it: block tags kept in the nodes'
+    metadata, ``blocks`` recorded on the graph."""
     with fx_traceback.preserve_node_meta():
         program = torch.export.export(Tagged(tags), (torch.randn(2, 4),), strict=False)
-    return Graph(program)
+    return Graph(program, blocks=blocks)
 
 
 BLOCKS = {"a": Placement(0, 0), "b": Placement(1, 1), "c": Placement(0, 2)}
@@ -108,15 +110,35 @@ def test_too_many_ipus():
                        StrategySettings(ExecutionMode.Sharded), False, replicas=3)
 
 
-def test_staged_program_runs_like_the_graph():
-    graph = capture([{BLOCK_KEY: "a"}, {BLOCK_KEY: "b"}, {BLOCK_KEY: "c"}])
-    place_nodes(graph.module, BLOCKS)
-    state = [graph.state_values()[n] for n in graph.parameters]
-    xs = [torch.randn(2, 4) for _ in range(3)]
-    for pipelined in (True, False):
-        staged = StagedProgram(StagedGraph(*split_by_stage(graph.module), pipelined))
-        assert staged.num_stages == 3
-        outs = {}
-        staged.run([[[*state, x]] for x in xs], lambda m, r, o: outs.setdefault(m, o[0]))
-        for m, x in enumerate(xs):
-            torch.testing.assert_close(outs[m], graph.module(*state, x)[0])
+def test_place_pass_records_the_plan_and_places_every_node(run_pass, compiler_logs):
+    graph = capture([{BLOCK_KEY: "a"}, {BLOCK_KEY: "b"}, {BLOCK_KEY: "c"}], BLOCKS)
+    c = Compilation(SessionOptions(device_iterations=3), False)
+    result = run_pass(place, graph, c)
+    assert result.graph is graph and result.changed is True
+    plan = c.placement
+    assert plan.stages == (0, 1, 2) and plan.forward_stages == 3 and plan.pipelined
+    assert plan.ipus_per_replica == 2 and plan.blocks == BLOCKS
+    assert [placement_of(n) for n in linears(graph)] == [Placement(0, 0), Placement(1, 1),
+                                                        Placement(0, 2)]
+    assert all("placement" in n.meta for n in graph.module.graph.nodes)
+    assert "Placement (Pipelined, 2 IPU(s) per replica, 3 stage(s))" in compiler_logs.text
+    assert "@ ipu 1 stage 1 phase 0" in graph.as_text()
+
+
+def test_place_pass_without_blocks_puts_everything_on_ipu_0(run_pass):
+    graph = export(MLP(), torch.randn(2, 4))
+    c = Compilation(SessionOptions(), True)
+    run_pass(place, graph, c)
+    assert c.placement.stages == (0,) and c.placement.ipus_per_replica == 1
+    assert not c.placement.pipelined and c.placement.training
+    assert {placement_of(n) for n in graph.module.graph.nodes} == {Placement(0, 0, 0)}
+
+
+def test_place_pass_checks_the_batches_of_a_pipeline():
+    graph = capture([{BLOCK_KEY: "a"}, {BLOCK_KEY: "b"}, {BLOCK_KEY: "c"}], BLOCKS)
+    with pytest.raises(Error, match=r"poptorch\.Options\(\)\.deviceIterations must be greater "
+                                    r"than or equal to the number of pipeline stages \(3\)"):
+        place(graph, Compilation(SessionOptions(device_iterations=2), False))
+    with pytest.raises(Error, match=r"gradientAccumulation must be greater than or equal to "
+                                    r"the number of pipeline stages \(5\)"):
+        place(graph, Compilation(SessionOptions(gradient_accumulation=4), True))

@@ -1,0 +1,85 @@
+"""The tiny models that many test files use, defined once.
+
+Importable as ``models`` from any test (``tests/conftest.py`` puts ``tests/`` on
+``sys.path``; pytest runs with ``--import-mode=importlib``). A subprocess started by a
+test inserts ``tests/`` itself. Nothing here imports ``poptorch``, so the compiler's
+tests (``tests/popart_compiler/``) use it too.
+
+Layers are created in the order of their attributes (``fc1`` then ``fc2``), so a model
+built after ``torch.manual_seed(s)`` has the same weights as the per-file classes it
+replaced.
+"""
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from popart_compiler.ir import Graph
+
+__all__ = ["MLP", "Classifier", "BNClassifier", "SingleLinear", "export"]
+
+
+class MLP(nn.Module):
+    """``fc2(activation(fc1(x)))``.
+
+    Args:
+        sizes: ``(in, hidden, out)`` features; ``x`` is ``[batch, in]`` float32, the
+            output ``[batch, out]``.
+        activation: the element-wise function between the layers (default ReLU).
+    """
+
+    def __init__(self, sizes: Sequence[int] = (4, 8, 3),
+                 activation: Callable[[torch.Tensor], torch.Tensor] = torch.relu):
+        super().__init__()
+        self.fc1 = nn.Linear(sizes[0], sizes[1])
+        self.fc2 = nn.Linear(sizes[1], sizes[2])
+        self.activation = activation
+
+    def forward(self, x):
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+class Classifier(MLP):
+    """An :class:`MLP` (default ``6 → 8 → 4``) that returns ``(out, cross-entropy
+    loss)`` when given the int64 class indices ``t`` (``[batch]``), else ``out``."""
+
+    def __init__(self, sizes: Sequence[int] = (6, 8, 4),
+                 activation: Callable[[torch.Tensor], torch.Tensor] = torch.relu):
+        super().__init__(sizes, activation)
+
+    def forward(self, x, t=None):
+        out = super().forward(x)
+        return out if t is None else (out, F.cross_entropy(out, t))
+
+
+class BNClassifier(nn.Module):
+    """``BatchNorm1d(features)`` then ``Linear(features, classes)``; returns
+    ``(out, cross-entropy loss)``. Its running statistics are buffers written in place
+    by training."""
+
+    def __init__(self, features: int = 4, classes: int = 3):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(features)
+        self.fc = nn.Linear(features, classes)
+
+    def forward(self, x, t):
+        out = self.fc(self.bn(x))
+        return out, F.cross_entropy(out, t)
+
+
+class SingleLinear(nn.Module):
+    """One linear layer ``fc`` (default ``6 → 20``)."""
+
+    def __init__(self, in_features: int = 6, out_features: int = 20):
+        super().__init__()
+        self.fc = nn.Linear(in_features, out_features)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def export(module: nn.Module, *args) -> Graph:
+    """``module`` captured with ``torch.export`` (non-strict, as PopTorch captures) as
+    the compiler's :class:`~popart_compiler.ir.Graph`; ``args`` is one micro-batch."""
+    return Graph(torch.export.export(module, args, strict=False))

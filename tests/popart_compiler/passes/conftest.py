@@ -1,0 +1,25 @@
+"""The pass tests' runner: one pass on a graph, as ``compile()`` runs it."""
+import pytest
+
+from popart_compiler.passes.base import Compilation, Pass, PassResult
+from popart_compiler.verify import verify
+
+
+def _run(run, graph, c: Compilation) -> PassResult:
+    """Run the pass function ``run`` on ``graph`` as :func:`popart_compiler.compiler.
+    compile` does (``graph.refresh()`` after a change), then check the result with
+    :func:`popart_compiler.verify.verify`."""
+    p = Pass.of(run)
+    result = p(graph, c)
+    assert isinstance(result, PassResult)
+    if result.changed:
+        result.graph.refresh()
+    verify(result.graph, c, after=p.name)
+    return result
+
+
+@pytest.fixture
+def run_pass():
+    """``run_pass(pass_function, graph, compilation) -> PassResult``: the pass, then the
+    graph verifier on its output."""
+    return _run
