@@ -5,7 +5,7 @@ Freezing (``torch._inductor.config.freezing``) folds the weights into the compil
 program as constants, which lets Inductor pre-pack them for oneDNN; the price is that
 new weight values need a new compilation. The ``inductor`` backend keeps weights as
 graph inputs (``copyWeightsToDevice`` never recompiles) and routes linear layers to
-oneDNN unpacked (``popart_compiler/inductor_backend.py``). This bench measures, side by
+oneDNN unpacked (``popart_compiler/backends/inductor.py``). This bench measures, side by
 side in one process, ``torch.compile`` of the models of ``bench/peers.py`` (combined
 batch of deviceIterations 8) with and without freezing, and our inductor backend, and
 prints time per call and the ratio to ``torch.compile`` without freezing.

@@ -89,7 +89,7 @@ def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
     saved one stopped.
 
     Args:
-        filename: the file (format in the README, "Precompiled executables").
+        filename: the file (format in ``docs/executables.md``).
         edit_opts_fn: called with the stored ``Options`` before wrapping (only
             run-time options such as the device may change).
         unpickle_model: rebuild the original Python model from its pickle stored in

@@ -1,10 +1,10 @@
 """Device-side ops usable inside a wrapped model's ``forward`` (spec api §8).
 
 This module holds the loss marker and the control-flow ops; the other ops live in
-modules by responsibility and are re-exported here: ``_compiler_hints`` (checkpoints,
-serialised matmul, memory and overlap hints), ``_host_ops`` (``ipu_print_tensor``,
-``CPU``), ``_custom_op`` (the custom-op registry), ``_dynamic_slicing``,
-``_search_ops`` (CTC beam search, ``fps``, ``nearest``) and ``_scopes``
+modules of ``poptorch/_ops/`` and are re-exported here: ``compiler_hints``
+(checkpoints, serialised matmul, memory and overlap hints), ``host``
+(``ipu_print_tensor``, ``CPU``), ``custom`` (the custom-op registry),
+``dynamic_slicing``, ``search`` (CTC beam search, ``fps``, ``nearest``) and ``scopes``
 (``NameScope``, ``Attribute``, ``MultiConv``). Their ``torch.library`` definitions are
 in ``library``.
 """

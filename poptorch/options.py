@@ -160,7 +160,7 @@ class Options(OptionsDict):
     @property
     def Backend(self) -> _BackendOptions:
         """Execution device and compiler of the IPU Model (``_BackendOptions``; our
-        extension, README "Compiled backends and CUDA")."""
+        extension, ``docs/backends.md``)."""
         return self._backend
 
     @property

@@ -164,7 +164,7 @@ def estimate(graph: Graph, options: SessionOptions, training: bool, target: IpuT
         options: batching, replication, recomputation, tensor locations, available
             memory proportions.
         training: forward, backward and weight update.
-        target: the IPU (see :func:`~popart_compiler.ipu_model.target_for`).
+        target: the IPU (see :func:`~popart_compiler.cost.ipu_model.target_for`).
         optimizer: the ``OptimizerDescription`` (training); ``None``: no state.
         layers_per_ipu: layers-per-IPU list used when the graph has no placement.
         head_ipu: with ``layers_per_ipu``, the IPU of the ops after the last layer.

@@ -1,8 +1,7 @@
-"""The IPU Model: the simulated target and its device.
-
-The figures come from ``shared/spec/ipu-hardware.md``. The model executes programs with
-PyTorch kernels (see :mod:`popart_compiler.runtime.session`); this module describes the target,
-selects it the way PopTorch selects a device (spec S-64, S-81, S-82) and acquires it.
+"""The IPU Model's targets: the public figures of each IPU version (GC2, GC200, Bow) that
+the memory and cycle estimates are built from (``shared/spec/ipu-hardware.md``; which
+figures are published, estimated or fitted is said beside each). The simulated device
+is :mod:`popart_compiler.runtime.device`.
 """
 from __future__ import annotations
 

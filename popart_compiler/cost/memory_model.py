@@ -36,7 +36,7 @@ sharding, ``A`` = gradient accumulation):
   plus double-buffered host streams and inter-IPU copies at stage boundaries.
 
 The code and exchange constants are estimates (kept from the first version of the
-model, not refitted; README "Memory and cycle estimates"); everything else follows
+model, not refitted; ``docs/ipu-model-estimates.md``); everything else follows
 from shapes, dtypes and options.
 """
 from __future__ import annotations

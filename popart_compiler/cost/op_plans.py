@@ -70,7 +70,7 @@ def macs_per_cycle(target: IpuTarget, half: bool, half_partials: bool = True) ->
 
 #: Share of the exchange's peak bandwidth a product's operand exchange achieves: the
 #: one constant fitted to Graphcore's published throughputs (``bench/calibration.py``;
-#: README "Memory and cycle estimates"). It also stands in for what the model leaves
+#: ``docs/ipu-model-estimates.md``). It also stands in for what the model leaves
 #: out: Poplar's re-layout copies and the exchange's message overheads.
 EXCHANGE_EFFICIENCY = 0.3
 

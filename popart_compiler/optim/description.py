@@ -3,7 +3,7 @@ hyper-parameters of each optimizer type, the accepted accumulation dtypes,
 :class:`OptimizerDescription` (per-group hyper-parameters, loss scaling, variant,
 state dtypes, clipping) with its compile signature (what may not change after
 compilation, S-52) and the wording of a change to that signature. The host side
-(``poptorch.optim``) builds descriptions; :mod:`.optimizers` runs them.
+(``poptorch.optim``) builds descriptions; :mod:`popart_compiler.optim.device_optimizer` runs them.
 """
 from __future__ import annotations
 

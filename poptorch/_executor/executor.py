@@ -222,7 +222,7 @@ class PoplarExecutor:
     def save(self, filename: str, export_model: bool = True,
              save_rng_state: bool = True) -> None:
         """Write the compiled executable and its metadata to one file (api §5.5, S-62).
-        The format is described in the README ("Precompiled executables").
+        The format is described in ``docs/executables.md``.
 
         Args:
             filename: the file; its parent directory is created. A directory gets
@@ -487,7 +487,7 @@ class PoplarExecutor:
         """The IPU Model's estimate of the compiled program (not a PopTorch method):
         the figures written to ``profile.json`` — memory per IPU by category (bytes),
         largest tensors, cycles per run, pipeline stages and schedule, samples per
-        second (see README "Memory and cycle estimates").
+        second (see ``docs/ipu-model-estimates.md``).
 
         Raises:
             poptorch.Error: not compiled.

@@ -2,10 +2,10 @@
 
 Layout of a ``.poptorch`` file (also used for executable-cache entries, S-61)::
 
-    manifest.json          {"format": "poptorch-executable", "format_version": 1,
+    manifest.json          {"format": "poptorch-executable", "format_version": 2,
                             "blobs": {<name>: {"sha256": <hex>, "size": <bytes>}}}
     metadata.json          versions, options, input/output structure, model signature,
-                           optimizer settings, RNG state (JSON, see ``_program.py``)
+                           optimizer settings, RNG state (JSON, see ``program.py``)
     program.json           the captured forward program (torch.export serialization)
     constants.safetensors  the program's constant tensors
     weights.safetensors    parameters and buffers (exported files only)

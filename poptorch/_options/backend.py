@@ -1,7 +1,7 @@
 """``Options.Backend``: where and how the IPU Model runs a compiled program.
 
 Not a PopTorch option group (PopTorch targets real IPUs); our simulator's extension,
-documented in the README section "Compiled backends and CUDA". Environment variables
+documented in ``docs/backends.md``. Environment variables
 let unchanged PopTorch scripts switch backend:
 
 * ``POPTORCH_EXECUTION_DEVICE``: ``cpu`` (default) or ``cuda``.
@@ -10,7 +10,7 @@ let unchanged PopTorch scripts switch backend:
 The values travel through ``Options.toDict()`` under the keys ``execution_device`` and
 ``compiler_backend`` into ``popart_compiler``'s ``SessionOptions.device`` /
 ``SessionOptions.backend``, and are part of the executable-cache key
-(``popart_compiler.backend_key``).
+(``SessionOptions.backend_key``).
 """
 from __future__ import annotations
 
