@@ -8,9 +8,13 @@ overrides it.
 Every compiler pass is followed by the graph verifier (``POPTORCH_VERIFY=1``, see
 ``popart_compiler/verify.py``) unless the variable is set otherwise.
 
-``tests/`` is on ``sys.path`` (pytest runs with ``--import-mode=importlib``, which
-leaves it untouched), so every test can ``import models`` (the shared tiny models).
+Every test can ``import models`` (``tests/models.py``, the shared tiny models): pytest
+runs with ``--import-mode=importlib``, which leaves ``sys.path`` untouched, so the module
+is loaded here by its path. ``tests/`` itself is never put on ``sys.path``: its folders
+``poptorch/`` and ``popart_compiler/`` would shadow the packages of the same names where
+the repository root is not on the path (a plain ``pytest`` with an editable install).
 """
+import importlib.util
 import os
 import sys
 
@@ -19,9 +23,19 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("POPTORCH_TEST_THREADS", "1") or "1"))
 os.environ.setdefault("POPTORCH_VERIFY", "1")
-TESTS = os.path.dirname(os.path.abspath(__file__))
-if TESTS not in sys.path:
-    sys.path.append(TESTS)
+
+
+def _load_models():
+    """``tests/models.py`` as the module ``models``."""
+    if "models" not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models.py")
+        spec = importlib.util.spec_from_file_location("models", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["models"] = module
+        spec.loader.exec_module(module)
+
+
+_load_models()
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,9 @@
-"""The tiny models that many test files use, defined once.
+"""The tiny models that many test files use, defined once, with the plain-PyTorch
+training loop the tests compare PopTorch's training against.
 
-Importable as ``models`` from any test (``tests/conftest.py`` puts ``tests/`` on
-``sys.path``; pytest runs with ``--import-mode=importlib``). A subprocess started by a
-test inserts ``tests/`` itself. Nothing here imports ``poptorch``, so the compiler's
-tests (``tests/popart_compiler/``) use it too.
+Importable as ``models`` from any test (``tests/conftest.py`` loads it by its path; a
+subprocess started by a test loads it the same way). Nothing here imports ``poptorch``,
+so the compiler's tests (``tests/popart_compiler/``) use it too.
 
 Layers are created in the order of their attributes (``fc1`` then ``fc2``), so a model
 built after ``torch.manual_seed(s)`` has the same weights as the per-file classes it
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from popart_compiler.ir import Graph
 
-__all__ = ["MLP", "Classifier", "BNClassifier", "SingleLinear", "export"]
+__all__ = ["MLP", "Classifier", "BNClassifier", "SingleLinear", "export", "classifier_data",
+           "reference_training", "assert_same_weights"]
 
 
 class MLP(nn.Module):
@@ -83,3 +84,51 @@ def export(module: nn.Module, *args) -> Graph:
     """``module`` captured with ``torch.export`` (non-strict, as PopTorch captures) as
     the compiler's :class:`~popart_compiler.ir.Graph`; ``args`` is one micro-batch."""
     return Graph(torch.export.export(module, args, strict=False))
+
+
+def classifier_data(n: int, seed: int = 0):
+    """``n`` samples for a :class:`Classifier` of the default sizes: a ``[n, 6]`` float32
+    input and ``[n]`` int64 class indices below 4, from a generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def reference_training(model: nn.Module, optimizer, x, t, d: int, a: int, r: int,
+                       reduction: str = "mean", clip: float = None):
+    """What a PopTorch training call computes, in plain PyTorch.
+
+    Per device iteration (``d``), ``a × r`` micro-batches in PopTorch's order (S-13:
+    accumulation step, then replica), each loss divided by ``a × r`` for the ``"mean"``
+    reduction (S-41), the gradients clipped to the global norm ``clip`` if given, then
+    one ``optimizer.step()``.
+
+    Args:
+        model: returns ``(out, loss)`` for ``model(x, t)``.
+        x, t: the call's inputs, ``d × a × r`` micro-batches along dimension 0.
+
+    Returns:
+        ``(outputs, losses)``: the detached output and loss of every micro-batch, in
+        order.
+    """
+    micro = x.shape[0] // (d * a * r)
+    outs, losses = [], []
+    for i in range(d):
+        optimizer.zero_grad()
+        for step in range(a):
+            for rep in range(r):
+                row = ((i * a + step) * r + rep) * micro
+                out, loss = model(x[row:row + micro], t[row:row + micro])
+                (loss / (a * r) if reduction == "mean" else loss).backward()
+                outs.append(out.detach())
+                losses.append(loss.detach())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return outs, losses
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module, **tol) -> None:
+    """Every parameter of ``a`` equals the same parameter of ``b``
+    (``torch.testing.assert_close`` with ``tol``; the message names the parameter)."""
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), msg=name, **tol)

@@ -95,3 +95,32 @@ def test_debug_ir_lists_scoped_operations():
     model(torch.ones(1, 2))
     text = model._debugGetPopartIR()
     assert "0/Linear:0" in text and "1/Relu:0" in text
+
+
+# -- tensor names and activation anchors of inference models ---------------------------
+
+def test_tensor_names_and_activation_anchor():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+        def forward(self, x):
+            return self.layer(x) * 2
+
+    m = M()
+    probe = poptorch.inferenceModel(m)
+    with pytest.raises(AssertionError, match="Model must be compiled before calling "
+                                             "getTensorNames"):
+        probe.getTensorNames()
+    probe(torch.randn(2, 4))
+    names = probe.getTensorNames()
+    assert "layer.0.weight" in names and "layer/0/Linear:0" in names
+    opts = poptorch.Options().deviceIterations(2)
+    opts.anchorTensor("hidden", "layer/0/Linear:0")
+    model = poptorch.inferenceModel(m, opts)
+    with pytest.raises(AssertionError, match="No tensor with name hidden found."):
+        model.getAnchoredTensor("hidden")
+    x = torch.randn(4, 4)
+    model(x)
+    torch.testing.assert_close(model.getAnchoredTensor("hidden"), m.layer[0](x).detach())

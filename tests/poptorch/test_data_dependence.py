@@ -253,3 +253,79 @@ def test_opaque_op_with_several_device_iterations_equals_plain_pytorch():
     expected = torch.cat([model(x[i * N:(i + 1) * N], targets[i * N:(i + 1) * N])
                           for i in range(2)])
     torch.testing.assert_close(inference(x, targets), expected)
+
+
+# -- data-dependent control flow and shapes in forward ---------------------------------
+
+def test_data_dependent_control_flow_names_the_line_and_points_to_cond():
+    class M(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent
+                return x * 2
+            return x
+
+    model = poptorch.inferenceModel(M())
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.ones(2))
+    message = str(info.value)
+    assert "test_data_dependence.py" in message and "if x.sum() > 0:" in message
+    assert "poptorch.cond" in message
+    assert not model.isCompiled()
+
+
+def test_cond_expresses_data_dependent_choice():
+    class M(nn.Module):
+        def forward(self, x):
+            return poptorch.cond(x.sum() > 0, lambda a: a * 2, [x], lambda a: a - 1, [x])[0]
+
+    model = poptorch.inferenceModel(M())
+    assert model(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert model(-torch.ones(2)).tolist() == [-2.0, -2.0]
+    assert M()(torch.ones(2)).tolist() == [2.0, 2.0]  # genuine if/else on the CPU
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_data_dependent_output_shapes_are_rejected(iterations):
+    """Found by a user: x[x > 0] ran with deviceIterations 1 (shape changing from call to
+    call) and failed with a raw RuntimeError with 2."""
+    class M(nn.Module):
+        def forward(self, x):
+            return x[x > 0] * 2
+
+    model = poptorch.inferenceModel(M(), poptorch.Options().deviceIterations(iterations))
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.ones(iterations, 2))
+    message = str(info.value)
+    assert "shape depends on tensor values" in message
+    assert "return x[x > 0] * 2" in message and "torch.where" in message
+    assert not model.isCompiled()
+
+
+# -- tensor.numpy() in forward ---------------------------------------------------------
+
+class _NumpyInForward(torch.nn.Module):
+    def forward(self, x):
+        return torch.from_numpy(x.detach().cpu().numpy() * 2)  # the user's line
+
+
+class _NumpyOfConstant(torch.nn.Module):
+    def forward(self, x):
+        k = torch.tensor([1.0, 2.0]).numpy()  # same on every run: known at capture
+        return x * float(k.sum())
+
+
+def test_numpy_of_run_time_tensor_names_the_read_and_the_line():
+    """x.numpy() in forward was a bare "Failed to capture ...: .numpy() is not supported
+    for tensor subclasses"; it is a data-dependence error like .tolist()."""
+    with pytest.raises(poptorch.Error) as info:
+        poptorch.inferenceModel(_NumpyInForward())(torch.ones(2))
+    text = str(info.value)
+    assert "tensor.numpy()" in text
+    assert "test_data_dependence.py" in text and "the user's line" in text
+    assert "torch.where" in text
+
+
+def test_numpy_of_constant_tensor_is_known_at_capture():
+    x = torch.randn(2)
+    out = poptorch.inferenceModel(_NumpyOfConstant())(x)
+    assert torch.allclose(out, x * 3.0)

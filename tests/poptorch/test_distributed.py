@@ -15,10 +15,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import popdist
 import popdist.poptorch
 import poptorch
+from popart_compiler.runtime.collectives import ProcessGroup
 from popart_compiler.runtime import collectives
 from popart_compiler.errors import Error
 from popdist.poprun import build_command
@@ -349,3 +351,22 @@ def test_popdist_script_runs_unchanged_under_poprun_and_torchrun(tmp_path, launc
     for r in ranks:
         for key, value in reference.items():
             torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-6)
+
+
+# -- the process count against torchrun's ----------------------------------------------
+
+def test_process_count_differing_from_torchrun_fails_at_once(monkeypatch):
+    """configureProcessId(i, 3) under `torchrun --nproc-per-node 2` waited for a third
+    process until the rendezvous timeout, then blamed MASTER_ADDR / MASTER_PORT."""
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fresh-user-b")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # never contacted: the check comes first
+    with pytest.raises(poptorch.Error,
+                       match=r"started this process as process 1 of 2 \(RANK / WORLD_SIZE\) "
+                             r"but the options say process 1 of 3"):
+        ProcessGroup(1, 3)
+    assert not dist.is_initialized()

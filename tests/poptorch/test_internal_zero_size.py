@@ -156,3 +156,21 @@ def test_bert_sequence_classification_trains_like_pytorch(monkeypatch):
                 p -= 0.1 * p.grad
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+# -- zero-sized user inputs and outputs are refused (S-3) ------------------------------
+
+def test_zero_sized_inputs_are_rejected():
+    with pytest.raises(poptorch.Error, match=r"Zero-sized tensors are unsupported \(Got "
+                                             r"shape \[0, 2, 5, 5\]\)"):
+        poptorch.inferenceModel(nn.Identity())(torch.ones(0, 2, 5, 5))
+
+
+def test_zero_sized_outputs_are_rejected():
+    class M(nn.Module):
+        def forward(self, x):
+            return x + 1, torch.zeros(0, 2, 5, 5, device="ipu")
+
+    with pytest.raises(poptorch.Error, match=r"Zero-sized tensors are unsupported \(Got "
+                                             r"shape \[0, 2, 5, 5\]\)"):
+        poptorch.inferenceModel(M())(torch.ones(1))

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import poptorch
+from models import Classifier as TwoLayerClassifier, SingleLinear
 
 
 class Classifier(nn.Module):
@@ -25,6 +26,12 @@ class Classifier(nn.Module):
     def forward(self, x, labels=None):
         y = self.out(torch.relu(self.fc(x)))
         return y if labels is None else (y, self.loss(y, labels))
+
+
+def poptorch_style_net():
+    """The shape of PopTorch's own test models: two linear layers (784 → 1024 → 10) and
+    a cross-entropy loss."""
+    return TwoLayerClassifier((784, 1024, 10))
 
 
 def quiet():
@@ -70,26 +77,13 @@ def test_small_ipu_model_training_error_names_the_options_that_help(monkeypatch)
     assert tiny(torch.ones(1, 2)).shape == (1, 2)
 
 
-class PopTorchStyleNet(nn.Module):
-    """The shape of PopTorch's own test models: two linear layers and a loss."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(784, 1024)
-        self.fc2 = nn.Linear(1024, 10)
-
-    def forward(self, x, labels=None):
-        out = self.fc2(torch.relu(self.fc1(x)))
-        return out if labels is None else (out, nn.functional.cross_entropy(out, labels))
-
-
 def test_small_ipu_model_runs_a_program_that_does_not_fit(monkeypatch, poptorch_logs):
     """Poplar's IPU Model reports a program that exceeds its memory and still runs it
     (issue 21): upstream-style tests on the 4-tile IPU Model compile and run."""
     monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
     torch.manual_seed(0)
-    model = PopTorchStyleNet()
-    reference = PopTorchStyleNet()
+    model = poptorch_style_net()
+    reference = poptorch_style_net()
     reference.load_state_dict(model.state_dict())
     opts = quiet().outputMode(poptorch.OutputMode.All)
     opts.Training.gradientAccumulation(2)
@@ -113,7 +107,7 @@ def test_small_ipu_model_runs_a_program_that_does_not_fit(monkeypatch, poptorch_
     assert f"has {m['capacity']:,} bytes" in text and "Largest consumers: " in text
     assert "ipuModelStrictMemory(True)" in text
     assert "POPTORCH_IPU_MODEL_STRICT_MEMORY=1" in text
-    inference = poptorch.inferenceModel(PopTorchStyleNet(), quiet())
+    inference = poptorch.inferenceModel(poptorch_style_net(), quiet())
     assert inference(torch.randn(4, 784)).shape == (4, 10)
 
 
@@ -422,3 +416,38 @@ def test_model_name_with_a_path_cannot_move_the_report(tmp_path, name):
     with pytest.raises(poptorch.Error, match="plain name without path separators"):
         model(torch.randn(8, 64))
     assert not (tmp_path / "escaped").exists()
+
+
+# -- cycle counts and the profile report's directory -----------------------------------
+
+def test_cycle_count_is_the_ipu_model_estimate():
+    # Beyond PopTorch (whose IPU Model refuses logCycleCount): the estimate of the run.
+    opts = poptorch.Options().logCycleCount(True)
+    model = poptorch.inferenceModel(SingleLinear(), opts)
+    model.compile(torch.randn(1, 6))
+    with pytest.raises(poptorch.Error, match="run the model at least once"):
+        model.cycleCount()
+    model(torch.randn(1, 6))
+    assert model.cycleCount() == model.ipuModelEstimate()["cycles"]["run"] > 0
+    model = poptorch.inferenceModel(SingleLinear())
+    with pytest.raises(poptorch.Error, match="Cycle count logging is disabled"):
+        model.cycleCount()
+
+
+def test_profile_report_directory_is_a_file_raises_poptorch_error(tmp_path):
+    """enableProfiling pointing at a file: a poptorch.Error naming the directory, not a
+    bare NotADirectoryError, and the model can be compiled again once fixed."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    model = torch.nn.Linear(4, 2)
+    opts = poptorch.Options()
+    opts.enableProfiling(str(blocker))
+    ipu = poptorch.inferenceModel(model, opts)
+    x = torch.randn(2, 4)
+    with pytest.raises(poptorch.Error, match="Cannot write the profile report to"):
+        ipu(x)
+    good = poptorch.Options()
+    good.enableProfiling(str(tmp_path / "reports"))
+    out = poptorch.inferenceModel(model, good)(x)
+    assert torch.allclose(out, model(x))
+    assert (tmp_path / "reports" / "inference" / "profile.json").is_file()

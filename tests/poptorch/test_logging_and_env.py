@@ -1,5 +1,5 @@
-"""Logging, environment variables and package-level helpers (spec api §1.2, §2.7, S-90,
-options.md §8)."""
+"""Logging, environment variables, package-level helpers and the error classes (spec
+api §1.2, §2.7, S-90, options.md §8)."""
 import logging
 import os
 import subprocess
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import poptorch
+from models import SingleLinear
 
 
 def run_python(code, **env):
@@ -136,3 +137,34 @@ def test_custom_arg_parser():
     finally:
         poptorch.registerCustomArgParser(Box, None)
     poptorch.registerCustomArgParser(Box, None)  # removing twice is fine
+
+
+# -- errors, model selection and POPTORCH_DEFAULT_OPTIONS ------------------------------
+
+def test_error_attributes():
+    try:
+        poptorch.inferenceModel(SingleLinear(), options=3)
+    except poptorch.Error as e:
+        assert e.type == "poptorch_py_error" and e.location == ""
+        assert str(e) == f"'poptorch_py_error': {e.message}"
+    else:
+        pytest.fail("no error")
+    assert issubclass(poptorch.RecoverableError, poptorch.Error)
+    assert issubclass(poptorch.UnrecoverableError, poptorch.Error)
+    err = poptorch.RecoverableError("link lost", recovery_action="LINK_RESET")
+    assert err.recovery_action == "LINK_RESET" and "Recovery action required: LINK_RESET" \
+        in str(err)
+
+
+def test_model_selection_logs(poptorch_logs):
+    model = poptorch.inferenceModel(SingleLinear(), poptorch.Options().useIpuModel(True))
+    model(torch.randn(1, 6))
+    assert "From the user configuration: Ipu model: Enabled" in poptorch_logs.text
+
+
+def test_default_options_that_are_not_json(monkeypatch):
+    """A malformed POPTORCH_DEFAULT_OPTIONS raised a TypeError from re-raising a
+    json.JSONDecodeError; it is a ValueError naming the variable."""
+    monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", "notjson")
+    with pytest.raises(ValueError, match="POPTORCH_DEFAULT_OPTIONS='notjson': Expecting"):
+        poptorch.Options()

@@ -102,3 +102,37 @@ def _loss_returned_twice(m, x, t):
 def test_losses_that_are_not_one_returned_loss_still_raise(body, target, message):
     with pytest.raises(poptorch.Error, match=message):
         poptorch.trainingModel(Tiny(body))(torch.ones(1, 2), target)
+
+
+# -- unary math after a loss -----------------------------------------------------------
+
+class _Regressor(nn.Module):
+    def __init__(self, head):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = head
+
+    def forward(self, x, t):
+        return self.head(F.mse_loss(self.fc(x), t))
+
+
+@pytest.mark.parametrize("head", [torch.sqrt, lambda l: l ** 2, torch.log],
+                         ids=["rmse_sqrt", "squared", "log"])
+def test_unary_math_after_a_loss_is_the_loss(head):
+    """RMSE written as ``torch.sqrt(mse_loss(...))`` (S-40) trains like PyTorch."""
+    torch.manual_seed(0)
+    model = _Regressor(head)
+    ref = copy.deepcopy(model)
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1))
+    loss = training(x, t)
+    expected = ref(x, t)
+    torch.testing.assert_close(loss, expected.detach())
+    expected.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    training.copyWeightsToHost()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())

@@ -1,5 +1,7 @@
 """cond, for_loop, nop (api §8.3–§8.5), NameScope / Attribute / MultiConv and module
 name scopes (api §8.17–§8.19, S-16), and the §8 names (api §1.1, S-4)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -345,3 +347,52 @@ def test_name_scopes_interleave_with_module_paths_in_entry_order():
     assert "encoder/inner/attention/fc/Linear:0" in names
     assert "encoder/inner/attention/Mul:0" in names
     assert "encoder/Sub:0" in names
+
+
+# -- errors of ops inside a wrapped model ----------------------------------------------
+
+class PrintInCond(nn.Module):
+    def forward(self, x):
+        return poptorch.cond(x.sum() > 0,
+                             lambda a: [poptorch.ipu_print_tensor(a, "then")], [x],
+                             lambda a: [a], [x])[0]
+
+
+def test_host_op_inside_cond_branch_is_a_clear_error():
+    executor = poptorch.inferenceModel(PrintInCond(), quiet())
+    with pytest.raises(poptorch.Error, match=r"poptorch.cond: a branch could not be captured"
+                       r".*call host ops \(ipu_print_tensor, CPU, custom_op\) outside"):
+        executor(torch.ones(2, 2))
+
+
+class OpCall(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+@pytest.mark.parametrize("fn, error, message", [
+    (lambda m, x: poptorch.for_loop(2, lambda a: [a], x), ValueError,
+     r"\(Object is not list\)"),
+    (lambda m, x: poptorch.cond(x.sum() > 0, lambda a: [a], x, lambda a: [a], [x]),
+     ValueError, r"\(Object is not list\)"),
+    (lambda m, x: poptorch.recomputationCheckpoint(m.fc(x), 3), ValueError,
+     "All inputs must be tensors"),
+    (lambda m, x: poptorch.serializedMatMul(x, m.fc.weight,
+                                            poptorch.MatMulSerializationMode.ReducingDim,
+                                            2, 1), AssertionError,
+     "keep_precision must be a bool"),
+])
+def test_op_argument_errors_inside_a_wrapped_model_keep_the_spec_exception_type(
+        fn, error, message):
+    model = OpCall(fn)
+    before = copy.deepcopy(model.state_dict())
+    executor = poptorch.inferenceModel(model, quiet())
+    with pytest.raises(error, match=message):
+        executor(torch.ones(2, 2))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])

@@ -1,6 +1,7 @@
 """Ops doing host work at run time (api §8.2, §8.12, §8.13): ipu_print_tensor, CPU and
 the custom-op registry."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -302,3 +303,49 @@ def test_custom_op_wrong_output_shape_at_run_time(registry):
 def test_custom_op_attribute_errors(attributes, message):
     with pytest.raises(ValueError, match=message):
         poptorch.custom_op([torch.ones(1)], "Op", "d", 1, [torch.ones(1)], attributes)
+
+
+# -- a CPU op created inside forward ---------------------------------------------------
+
+def max_weight_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+class InlineCpuPipeline(nn.Module):
+    """A two-stage pipeline creating its poptorch.CPU op inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 2)
+
+    def forward(self, x, y):
+        with poptorch.Block("A", ipu_id=0):
+            x = self.a(x)
+        with poptorch.Block("B", ipu_id=1):
+            x = poptorch.CPU(lambda t: t * 2, "double")(x)
+            x = self.c(torch.relu(x))
+            loss = F.mse_loss(x, y)
+        return x, loss
+
+
+def test_cpu_op_created_inside_forward_stays_alive_for_training():
+    torch.manual_seed(0)
+    model = InlineCpuPipeline()
+    ref = copy.deepcopy(model)
+    opts = quiet()
+    opts.Training.gradientAccumulation(4)
+    executor = poptorch.trainingModel(model, opts,
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+    executor.compile(x, y)
+    gc.collect()  # the CPU object has no owner but the compiled graph
+    executor(x, y)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for mb in range(4):
+        xs, ys = x[2 * mb:2 * mb + 2], y[2 * mb:2 * mb + 2]
+        hidden = (ref.a(xs) * 2).detach()  # no gradient through host code
+        (F.mse_loss(ref.c(torch.relu(hidden)), ys) / 4).backward()
+    ref_opt.step()
+    executor.copyWeightsToHost()
+    assert max_weight_diff(model, ref) < 1e-6

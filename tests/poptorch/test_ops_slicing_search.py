@@ -310,3 +310,34 @@ def test_nearest_with_batches_as_tensors_and_lists():
         poptorch.nearest([1.0], y)
     with pytest.raises(poptorch.Error, match="batch ids must be a tensor or a list"):
         poptorch.nearest(x, y, "batch")
+
+
+# -- bad arguments of dynamic slicing --------------------------------------------------
+
+class DynamicOp(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x, start):
+        return self.fn(x, start)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda x, i: poptorch.dynamic_slice(x, 5, i, 2, 1),
+     r"dim 5 is out of range for a tensor of shape \[8, 6\]: use a dimension in \[-2, 1\]"),
+    (lambda x, i: poptorch.dynamic_update(x, torch.zeros(8, 3), 1, i, 2),
+     r"src has shape \[8, 3\], but a window of size 2 along dim 1 .* has shape \[8, 2\]"),
+])
+def test_dynamic_slicing_bad_dim_or_src_shape_is_a_clear_error(fn, message):
+    executor = poptorch.inferenceModel(DynamicOp(fn), quiet())
+    with pytest.raises(poptorch.Error, match=message):
+        executor(torch.randn(8, 6), torch.tensor([1]))
+
+
+def test_dynamic_slice_negative_dim_wraps_like_positive():
+    executor = poptorch.inferenceModel(
+        DynamicOp(lambda x, i: poptorch.dynamic_slice(x, -1, i, 3, 1)), quiet())
+    x = torch.arange(12.).reshape(2, 6)
+    out = executor(x, torch.tensor([4]))
+    assert torch.equal(out, x[:, [4, 5, 0]])

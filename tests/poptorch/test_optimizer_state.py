@@ -13,22 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-
-
-class Classifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.fc2 = nn.Linear(8, 4)
-
-    def forward(self, x, t):
-        out = self.fc2(F.relu(self.fc1(x)))
-        return out, F.cross_entropy(out, t)
-
-
-def data(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+from models import Classifier
+from models import classifier_data as data
 
 
 def snapshot(training):
@@ -271,8 +257,12 @@ def test_offline_target_has_no_state():
 
 
 _RESUME = textwrap.dedent("""
-    import sys, torch
+    import importlib.util, os, sys, torch
     sys.path.insert(0, {tests!r})
+    spec = importlib.util.spec_from_file_location(  # tests/models.py, as conftest.py does
+        "models", os.path.join(os.path.dirname({tests!r}), "models.py"))
+    sys.modules["models"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["models"])
     import poptorch
     from test_optimizer_state import Classifier, data, make_training
     torch.manual_seed(123)  # a different initialisation: everything comes from the file
@@ -355,3 +345,36 @@ def test_pickled_optimizer_and_rewrapped_optimizer_upload_their_state():
     third.compile(x, t)
     for k, v in third._state.session.readOptimizerState().items():
         assert torch.equal(v, saved[k]), k
+
+
+# -- torch.optim state in saved executables (S-62) -------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=0.01)], ids=["sgd_momentum", "adam"])
+def test_torch_optim_state_survives_save_and_load(tmp_path, make):
+    """A ``torch.optim`` optimizer keeps its state only on the device: save() lost
+    the momentum / Adam moments, so the loaded model trained differently (S-62)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    trainer = poptorch.trainingModel(
+        _Loss(model), optimizer=make(model.parameters()))
+    x, t = torch.randn(4, 4), torch.randint(0, 4, (4,))
+    for _ in range(2):
+        trainer(x, t)
+    path = str(tmp_path / "train.poptorch")
+    trainer.save(path)
+    expected = [trainer(x, t) for _ in range(3)]
+    loaded = poptorch.load(path)
+    got = [loaded(x, t) for _ in range(3)]
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+class _Loss(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.body(x), t)

@@ -1,5 +1,5 @@
 """poptorch.optim and optimizer semantics on a training model (spec api §10;
-semantics S-41, S-42, S-50…S-55, S-57, S-58).
+semantics S-50…S-55, S-57, S-58; the reductions S-41, S-42: ``test_reductions.py``).
 
 Numerical comparisons run the same micro-batches through plain PyTorch: per device
 iteration, A × R micro-batches (S-13 order), each loss divided by A × R for ``Mean``
@@ -12,23 +12,14 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import poptorch
 import poptorch._executor.compile as program_module  # where capture() is called
+import models
+from models import Classifier, reference_training
+from models import classifier_data as data
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-class Classifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.fc2 = nn.Linear(8, 4)
-
-    def forward(self, x, t):
-        out = self.fc2(F.relu(self.fc1(x)))
-        return out, F.cross_entropy(out, t)
 
 
 def options(d=1, a=1, r=1):
@@ -37,29 +28,8 @@ def options(d=1, a=1, r=1):
     return opts
 
 
-def data(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
-
-
-def reference_steps(model, optimizer, x, t, d, a, r, mean=True, clip=None):
-    """Plain PyTorch over the micro-batches of one call (S-13 order, S-41)."""
-    micro = x.shape[0] // (d * a * r)
-    for i in range(d):
-        optimizer.zero_grad()
-        for step in range(a):
-            for rep in range(r):
-                row = ((i * a + step) * r + rep) * micro
-                loss = model(x[row:row + micro], t[row:row + micro])[1]
-                (loss / (a * r) if mean else loss).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-
-
 def assert_same_weights(a, b, **tol):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), msg=name, **(tol or TOL))
+    models.assert_same_weights(a, b, **(tol or TOL))
 
 
 def device_weights(training):
@@ -134,7 +104,7 @@ def test_optimizer_matches_torch_over_12_updates(name):
     for call in range(4):
         x, t = data(d * a * r * 2, call)
         training(x, t)
-        reference_steps(ref, ref_opt, x, t, d, a, r)
+        reference_training(ref, ref_opt, x, t, d, a, r)
     assert_same_weights(model, ref)
 
 
@@ -146,7 +116,7 @@ def test_sgd_dampening_without_momentum_scales_the_step():
     training = poptorch.trainingModel(model, options(d=10), opt)
     x, t = data(20)
     training(x, t)
-    reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.075), x, t, 10, 1, 1)
+    reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.075), x, t, 10, 1, 1)
     assert_same_weights(model, ref)
 
 
@@ -167,7 +137,7 @@ def test_max_grad_norm_clips_the_global_norm(make):
     training(x, t)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9) \
         if isinstance(opt, torch.optim.SGD) else torch.optim.Adam(ref.parameters(), lr=0.01)
-    reference_steps(ref, ref_opt, x, t, 10, 2, 1, clip=0.05)
+    reference_training(ref, ref_opt, x, t, 10, 2, 1, clip=0.05)
     assert_same_weights(model, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -208,7 +178,7 @@ def test_lamb_host_step_matches_the_device():
                                       poptorch.optim.LAMB(model.parameters(), lr=0.02))
     x, t = data(20)
     training(x, t)
-    reference_steps(ref, poptorch.optim.LAMB(ref.parameters(), lr=0.02), x, t, 10, 1, 1)
+    reference_training(ref, poptorch.optim.LAMB(ref.parameters(), lr=0.02), x, t, 10, 1, 1)
     assert_same_weights(model, ref)
 
 
@@ -356,7 +326,7 @@ def test_scheduler_drives_set_optimizer_without_recompiling(count_captures, popt
         executable = executable or training._state.executable
         scheduler.step()
         training.setOptimizer(opt)
-        reference_steps(ref, ref_opt, x, t, 2, 1, 1)
+        reference_training(ref, ref_opt, x, t, 2, 1, 1)
         ref_scheduler.step()
     assert len(count_captures) == 1
     assert len(model.calls) == 1
@@ -485,7 +455,7 @@ def test_per_group_hyper_parameters_and_parameters_in_no_group():
     ref_opt = torch.optim.SGD([{"params": ref.fc1.parameters(), "lr": 0.05, "momentum": 0.5},
                                {"params": [ref.fc2.weight, ref.fc2.bias]}],
                               lr=0.2, momentum=0.9)
-    reference_steps(ref, ref_opt, x, t, 10, 1, 1)
+    reference_training(ref, ref_opt, x, t, 10, 1, 1)
     assert_same_weights(model, ref)
     params = opt.state_dict()["ipu_param"]
     assert params["scaledLearningRate0___specific___fc1.weight"].item() == pytest.approx(0.05)
@@ -505,9 +475,9 @@ def test_new_optimizer_object_keeps_device_state_and_swaps_hyper_parameters():
     training(x, t)
     assert first._device is None and first.state_dict()["ipu_state"] is not None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    reference_steps(ref, ref_opt, x, t, 5, 1, 1)
+    reference_training(ref, ref_opt, x, t, 5, 1, 1)
     ref_opt.param_groups[0]["lr"] = 0.05
-    reference_steps(ref, ref_opt, x, t, 5, 1, 1)
+    reference_training(ref, ref_opt, x, t, 5, 1, 1)
     assert_same_weights(model, ref)
 
 
@@ -582,135 +552,6 @@ def test_optimizer_over_another_models_parameters_is_rejected_at_wrap():
         poptorch.trainingModel(model, optimizer=torch.optim.SGD(Classifier().parameters(),
                                                                  lr=0.1))
     assert type(model) is Classifier  # not instrumented
-
-
-# -- reductions (S-41, S-42) -------------------------------------------------------------
-
-class L1Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 1)
-
-    def forward(self, x, t):
-        return F.l1_loss(self.fc(x), t)
-
-
-def _train_l1(base, a, r, reduction=None, strategy=None, lr=0.01, accum_type=None):
-    model = copy.deepcopy(base)
-    opts = options(a=a, r=r)
-    if reduction is not None:
-        opts.Training.accumulationAndReplicationReductionType(reduction)
-    if strategy is not None:
-        opts.Training.setMeanAccumulationAndReplicationReductionStrategy(strategy)
-    opt = poptorch.optim.SGD(model.parameters(), lr=lr, accum_type=accum_type)
-    training = poptorch.trainingModel(model, opts, opt)
-    return model, training
-
-
-@pytest.mark.parametrize("strategy", [poptorch.MeanReductionStrategy.Post,
-                                      poptorch.MeanReductionStrategy.Running])
-@pytest.mark.parametrize("a,r", [(4, 1), (2, 2), (1, 4)])
-def test_mean_reduction_strategies_equal_one_big_batch(strategy, a, r):
-    """S-41 example: Mean over A × R micro-batches of 2 == one batch of 2·A·R (L1 mean
-    loss), for both the running and the post mean (rtol 1e-5)."""
-    base = L1Model()
-    x, t = torch.randn(8, 3), torch.randn(8, 1)
-    model, training = _train_l1(base, a, r, strategy=strategy)
-    for _ in range(10):
-        training(x, t)
-    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
-        strategy
-    whole = copy.deepcopy(base)
-    opt = torch.optim.SGD(whole.parameters(), lr=0.01)
-    for _ in range(10):
-        opt.zero_grad()
-        F.l1_loss(whole.fc(x), t).backward()
-        opt.step()
-    assert_same_weights(model, whole)
-
-
-def test_sum_reduction_equals_larger_learning_rate():
-    """S-41 example: with Sum, A=2 and lr=0.01 equals A=1 (mean over 4) with lr=0.02."""
-    base = L1Model()
-    x, t = torch.randn(4, 3), torch.randn(4, 1)
-    summed, training = _train_l1(base, 2, 1, reduction=poptorch.ReductionType.Sum)
-    training(x, t)
-    ref = copy.deepcopy(base)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.02)
-    (F.l1_loss(ref.fc(x[:2]), t[:2]) + F.l1_loss(ref.fc(x[2:]), t[2:])).div(2).backward()
-    opt.step()
-    assert_same_weights(summed, ref)
-
-
-def test_float16_accumulators_switch_to_running_mean(poptorch_logs):
-    """S-41: float16 accum_type (not SGD combined) → Running before compile; after
-    compiling with Post it is a ValueError; the combined SGD variant keeps Post."""
-    base = L1Model()
-    _, training = _train_l1(base, 2, 1, accum_type=torch.float16)
-    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
-        poptorch.MeanReductionStrategy.Running
-    combined = copy.deepcopy(base)
-    training = poptorch.trainingModel(combined, options(a=2), poptorch.optim.SGD(
-        combined.parameters(), lr=0.01, accum_type=torch.float16, use_combined_accum=True))
-    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
-        poptorch.MeanReductionStrategy.Post
-    model, training = _train_l1(base, 2, 1)
-    training(torch.randn(4, 3), torch.randn(4, 1))
-    with pytest.raises(ValueError, match="is already compiled"):
-        training.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.01,
-                                                 accum_type=torch.float16))
-    training.destroy()
-    training.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.01,
-                                             accum_type=torch.float16))
-    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
-        poptorch.MeanReductionStrategy.Running
-
-
-def test_float16_accumulators_use_the_running_mean():
-    """Summing 8 float16 gradients of 12000 would overflow a float16 accumulator; the
-    automatically selected running mean gives the exact mean (the Post overflow is
-    shown in tests/popart_compiler/test_optimizers.py)."""
-    class Big(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.zeros(1, dtype=torch.float16))
-
-        def forward(self, x):
-            return poptorch.identity_loss((self.w * x).sum(), reduction="sum")
-
-    model = Big()
-    opt = poptorch.optim.SGD(model.parameters(), lr=1e-4, accum_type=torch.float16)
-    training = poptorch.trainingModel(model, options(a=8), opt)
-    training(torch.full((8, 1), 12000.0, dtype=torch.float16))
-    assert model.w.item() == pytest.approx(-1.2, rel=1e-3)
-
-
-@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
-def test_identity_loss_reductions_train_like_plain_pytorch(reduction):
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(3, 2)
-
-        def forward(self, x):
-            return poptorch.identity_loss(self.fc(x) ** 2, reduction=reduction)
-
-    model = M()
-    ref = copy.deepcopy(model)
-    x = torch.randn(10 * 2, 3)
-    out = poptorch.trainingModel(model, options(d=10), torch.optim.SGD(
-        model.parameters(), lr=0.01))(x)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.01)
-    last = None
-    for i in range(10):
-        opt.zero_grad()
-        y = ref.fc(x[2 * i:2 * i + 2]) ** 2
-        last = {"sum": y.sum(), "mean": y.mean(), "none": y}[reduction]
-        last.sum().backward()  # a non-scalar final loss behaves like its sum (S-40)
-        opt.step()
-    assert out.shape == last.shape
-    torch.testing.assert_close(out, last.detach(), **TOL)
-    assert_same_weights(model, ref)
 
 
 def test_rejected_set_optimizer_leaves_attribute_tracking_unchanged(poptorch_logs):

@@ -1,11 +1,13 @@
 """Options are validated where they are set (issue 14 item 4): a wrong type raises
 ``AssertionError``, a value out of range ``ValueError``, both naming the setter and
-what is allowed; nothing is stored then, and no bad value reaches the first call."""
+what is allowed; nothing is stored then, and no bad value reaches the first call. The
+options given to a wrapper are checked and frozen."""
 import pytest
 import torch
 
 import poptorch
 from poptorch import Options, TensorLocationSettings
+from models import SingleLinear
 
 RANGE_ERRORS = [
     (lambda o: o.deviceIterations(0), "deviceIterations must be a positive integer"),
@@ -120,3 +122,25 @@ def test_bad_gradient_accumulation_never_reaches_the_first_call():
     model = torch.nn.Linear(2, 2)
     out = poptorch.inferenceModel(model, opts)(torch.ones(1, 2))
     torch.testing.assert_close(out, model(torch.ones(1, 2)))
+
+
+# -- the options argument of a wrapper -------------------------------------------------
+
+def test_invalid_options_type():
+    with pytest.raises(poptorch.Error, match="Invalid type: 'options' is of type"):
+        poptorch.inferenceModel(SingleLinear(), options={"deviceIterations": 2})
+
+
+def test_options_passed_are_frozen_and_cloned():
+    opts = poptorch.Options().deviceIterations(2)
+    model = poptorch.inferenceModel(SingleLinear(), opts)
+    with pytest.raises(AttributeError, match="Can't modify frozen Options"):
+        opts.deviceIterations(3)
+    assert model.options is not opts and model.options.device_iterations == 2
+
+
+def test_gradient_accumulation_is_rejected_for_inference():
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(2)
+    with pytest.raises(poptorch.Error, match="gradientAccumulation to 1.*deviceIterations"):
+        poptorch.inferenceModel(SingleLinear(), opts)

@@ -430,3 +430,33 @@ def test_a_pipelined_training_model_keeps_its_placement_after_load(tmp_path):
     loaded = poptorch.load(str(tmp_path / "p.poptorch"))
     assert [loaded(x, t)[1] for _ in range(2)] == expected
     assert loaded.placementSummary() == trainer.placementSummary()
+
+
+# -- every options group in a file; loaded models after destroy ------------------------
+
+def test_every_options_group_can_be_stored_in_an_executable_file(tmp_path):
+    """``Options.Backend`` lives in its own module: save() refused it and every
+    save / compileAndExport failed (api §5.4)."""
+    opts = poptorch.Options()
+    decoded = _serialization.decode(_serialization.encode(opts))
+    assert decoded.Backend.compilerName == opts.Backend.compilerName
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    path = str(tmp_path / "linear.poptorch")
+    poptorch.inferenceModel(model).compileAndExport(path, x)
+    torch.testing.assert_close(poptorch.load(path)(x), model(x))
+
+
+def test_calling_a_loaded_model_after_destroy_says_to_load_again(tmp_path):
+    """The error told the user to use 'the executor returned by poptorch.load()',
+    which is the one they were calling; it now says to load the file again."""
+    x = torch.randn(3, 4)
+    model = nn.Linear(4, 2)
+    path = str(tmp_path / "linear.poptorch")
+    poptorch.inferenceModel(model).compileAndExport(path, x)
+    loaded = poptorch.load(path)
+    loaded.destroy()
+    with pytest.raises(poptorch.Error, match=r"after destroy\(\)\)\. Load the file "
+                                             r"again with poptorch\.load\(\)"):
+        loaded(x)
+    torch.testing.assert_close(poptorch.load(path)(x), model(x))

@@ -3,23 +3,12 @@ write the compiled forward program as an ONNX model that ``onnx.checker`` accept
 that computes what the model computes."""
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import poptorch
+from models import MLP
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
-
-
-class Mlp(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.fc2 = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
 
 
 def run_onnx(proto, x):
@@ -34,7 +23,7 @@ def test_compiled_forward_is_written_as_onnx(tmp_path, monkeypatch, binary):
     path = tmp_path / ("model.onnx" if binary else "model.onnxtxt")
     monkeypatch.setenv("POPTORCH_EXPORT_PROTO_FILE", str(path))
     monkeypatch.setenv("POPTORCH_EXPORT_PROTO_AS_BINARY", "1" if binary else "0")
-    model = Mlp().eval()
+    model = MLP((6, 8, 4)).eval()
     x = torch.randn(4, 6)
     out = poptorch.inferenceModel(model)(x)
     raw = path.read_bytes()

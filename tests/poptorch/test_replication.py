@@ -227,3 +227,19 @@ def test_per_replica_batchnorm_statistics_in_training():
         replica0.bn(x[:4])
     torch.testing.assert_close(model.bn.running_mean, replica0.bn.running_mean)
     torch.testing.assert_close(model.bn.running_var, replica0.bn.running_var)
+
+
+# -- input replica grouping of inference (S-26) ----------------------------------------
+
+@pytest.mark.parametrize("group_type,expected", [
+    (poptorch.CommGroupType.Consecutive, [0, 0, 1, 1]),
+    (poptorch.CommGroupType.Orthogonal, [0, 1, 0, 1]),
+])
+def test_input_replica_grouping(group_type, expected):
+    class M(nn.Module):
+        def forward(self, x):
+            return x + 0
+
+    opts = poptorch.Options().replicationFactor(4).inputReplicaGrouping(2, group_type)
+    out = poptorch.inferenceModel(M(), opts)(torch.tensor([[0.], [1.]]))
+    assert out.flatten().tolist() == expected

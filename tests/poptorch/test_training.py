@@ -1,5 +1,6 @@
 """trainingModel: losses, accumulation, replication, optimizers, weight sync
-(spec api §2.1, §6; semantics S-10…S-13, S-31…S-36, S-40…S-43)."""
+(spec api §2.1, §6; semantics S-10…S-13, S-31…S-36, S-40…S-43). Wrapping, detaching,
+destroying and ``setOptimizer``: ``test_executor.py``."""
 import copy
 import io
 import pickle
@@ -10,44 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-
-
-class Classifier(nn.Module):
-    def __init__(self, n_in=6, n_out=4):
-        super().__init__()
-        self.fc1 = nn.Linear(n_in, 8)
-        self.fc2 = nn.Linear(8, n_out)
-        self.loss = nn.CrossEntropyLoss()
-
-    def forward(self, x, target=None):
-        out = self.fc2(F.relu(self.fc1(x)))
-        if target is None:
-            return out
-        return out, self.loss(out, target)
-
-
-def reference_training(model, optimizer, x, t, d, a, r, reduction="mean"):
-    """Plain PyTorch: per device iteration, A × R micro-batches then one step (S-13 order,
-    S-41 reduction)."""
-    micro = x.shape[0] // (d * a * r)
-    outs, losses = [], []
-    for i in range(d):
-        optimizer.zero_grad()
-        for step in range(a):
-            for rep in range(r):
-                row = ((i * a + step) * r + rep) * micro
-                out, loss = model(x[row:row + micro], t[row:row + micro])
-                scale = 1.0 / (a * r) if reduction == "mean" else 1.0
-                (loss * scale).backward()
-                outs.append(out.detach())
-                losses.append(loss.detach())
-        optimizer.step()
-    return outs, losses
-
-
-def assert_same_weights(a, b, **tol):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), msg=name, **tol)
+from models import Classifier, assert_same_weights, reference_training
 
 
 @pytest.mark.parametrize("d,a,r", [(1, 1, 1), (3, 1, 1), (2, 3, 1), (2, 2, 2), (1, 4, 2)])
@@ -300,6 +264,22 @@ def test_parameters_outside_param_groups_use_defaults():
     assert not torch.equal(m.fc2.weight, before)
 
 
+def test_non_scalar_final_loss_behaves_like_its_sum():
+    class M(Linear2):
+        def forward(self, x, t):
+            return F.mse_loss(self.fc(x), t, reduction="none")
+
+    m = M()
+    ref = copy.deepcopy(m)
+    x, t = torch.randn(3, 2), torch.randn(3, 2)
+    poptorch.trainingModel(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))(x, t)
+    F.mse_loss(ref.fc(x), t, reduction="none").sum().backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    assert_same_weights(m, ref, rtol=1e-5, atol=1e-6)
+
+
 # -- weight synchronisation (S-31…S-34, api §6) -------------------------------------------
 
 def test_training_model_is_instrumented_and_syncs_lazily(poptorch_logs):
@@ -480,167 +460,3 @@ def test_top_level_training_flag_copied_at_wrap():
     inference = poptorch.inferenceModel(m)
     assert training(torch.ones(1, 2))[1].item() == 1.0
     assert inference(torch.ones(1, 2))[1].item() == 0.0
-
-
-# -- lifecycle ---------------------------------------------------------------------------
-
-def test_wrapping_twice_needs_destroy():
-    m = Classifier()
-    training = poptorch.trainingModel(m)
-    with pytest.raises(RuntimeError, match="Model has already been wrapped in "
-                                           "'poptorch.trainingModel'"):
-        poptorch.trainingModel(m)
-    training(torch.randn(2, 6), torch.randint(0, 4, (2,)))
-    trained = m.fc1.weight.detach().clone()
-    m.destroy()
-    assert type(m) is Classifier and type(m.fc1.weight) is torch.nn.Parameter
-    assert torch.equal(m.fc1.weight, trained)
-    again = poptorch.trainingModel(training)
-    assert again.model is m
-    again(torch.randn(2, 6), torch.randint(0, 4, (2,)))
-
-
-def test_detach_copies_back_and_reattach_continues():
-    m = Classifier()
-    ref = copy.deepcopy(m)
-    training = poptorch.trainingModel(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1,
-                                                                   momentum=0.9))
-    x, t = torch.randn(4, 6), torch.randint(0, 4, (4,))
-    training(x, t)
-    training.detachFromDevice()
-    assert not training._state.host.stale
-    inference = poptorch.inferenceModel(m)
-    inference(x)
-    training(x, t)  # re-attaches, re-uploads weights
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    reference_training(ref, opt, x, t, 1, 1, 1)
-    reference_training(ref, opt, x, t, 1, 1, 1)
-    assert_same_weights(m, ref, rtol=1e-5, atol=1e-6)
-
-
-def test_errors_leave_device_and_host_weights_unchanged():
-    m = Classifier()
-    training = poptorch.trainingModel(m)
-    x, t = torch.randn(4, 6), torch.randint(0, 4, (4,))
-    training(x, t)
-    host = copy.deepcopy(m.state_dict())
-    device = training._state.session.readWeights()
-    bad_calls = [
-        lambda: training(torch.randn(4, 7), t),                  # shape
-        lambda: training(x.double(), t),                         # dtype
-        lambda: training(x),                                     # structure
-        lambda: training(x[:3], t[:3]),                          # shape (batch)
-    ]
-    for call in bad_calls:
-        with pytest.raises(poptorch.Error):
-            call()
-    opts = poptorch.Options().deviceIterations(4)
-    with pytest.raises(AssertionError):
-        poptorch.trainingModel(Classifier(), opts)(torch.randn(6, 6), torch.zeros(6).long())
-    for k, v in m.state_dict().items():
-        assert torch.equal(v, host[k])
-    for k, v in training._state.session.readWeights().items():
-        assert torch.equal(v, device[k])
-    training(x, t)  # still usable
-
-
-def test_unsupported_optimizers():
-    m = Classifier()
-    with pytest.raises(AssertionError, match="Unsupported optimizer type"):
-        poptorch.trainingModel(m, optimizer=torch.optim.Adagrad(m.parameters()))
-    assert type(m) is Classifier  # not instrumented after the failure
-    with pytest.raises(ValueError, match="Only non-amsgrad Adam/AdamW optimizers are "
-                                         "supported."):
-        poptorch.trainingModel(m, optimizer=torch.optim.Adam(m.parameters(), amsgrad=True))
-
-
-def test_set_optimizer_changes_variable_learning_rate_without_recompiling():
-    m = Classifier()
-    ref = copy.deepcopy(m)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    training = poptorch.trainingModel(m, optimizer=opt)
-    x, t = torch.randn(4, 6), torch.randint(0, 4, (4,))
-    training(x, t)
-    executable = training._state.executable
-    for group in opt.param_groups:
-        group["lr"] = 0.01
-    training.setOptimizer(opt)
-    training(x, t)
-    assert training._state.executable is executable
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    reference_training(ref, ref_opt, x, t, 1, 1, 1)
-    for group in ref_opt.param_groups:
-        group["lr"] = 0.01
-    reference_training(ref, ref_opt, x, t, 1, 1, 1)
-    assert_same_weights(m, ref, rtol=1e-5, atol=1e-6)
-
-
-def test_inference_executor_has_no_set_optimizer():
-    with pytest.raises(AttributeError):
-        poptorch.inferenceModel(Classifier()).setOptimizer(
-            torch.optim.SGD(Classifier().parameters(), lr=0.1))
-
-
-def test_non_scalar_final_loss_behaves_like_its_sum():
-    class M(Linear2):
-        def forward(self, x, t):
-            return F.mse_loss(self.fc(x), t, reduction="none")
-
-    m = M()
-    ref = copy.deepcopy(m)
-    x, t = torch.randn(3, 2), torch.randn(3, 2)
-    poptorch.trainingModel(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))(x, t)
-    F.mse_loss(ref.fc(x), t, reduction="none").sum().backward()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p -= 0.1 * p.grad
-    assert_same_weights(m, ref, rtol=1e-5, atol=1e-6)
-
-
-def test_recompiling_after_destroy_keeps_host_in_sync():
-    """Found by a user: after destroy() a re-used training executor trained on, but the
-    host model was no longer instrumented and kept stale weights."""
-    m = Classifier()
-    training = poptorch.trainingModel(m, optimizer=poptorch.optim.SGD(m.parameters(), lr=0.5))
-    x, t = torch.randn(8, 6), torch.randint(0, 4, (8,))
-    training(x, t)
-    training.destroy()
-    assert type(m) is Classifier
-    before = m.fc1.weight.detach().clone()
-    for _ in range(3):
-        training(x[:4], t[:4])  # recompiles with the new shape
-    assert type(m).__name__ == "PoptorchClassifier"
-    assert not torch.equal(before, m.fc1.weight.detach())
-    out = poptorch.inferenceModel(m)(x)
-    with torch.no_grad():
-        torch.testing.assert_close(out, m(x))
-
-
-def test_destroyed_executor_cannot_retake_a_model_wrapped_again():
-    m = Classifier()
-    first = poptorch.trainingModel(m)
-    x, t = torch.randn(2, 6), torch.randint(0, 4, (2,))
-    first(x, t)
-    first.destroy()
-    second = poptorch.trainingModel(m)
-    second(x, t)
-    with pytest.raises(RuntimeError, match="already been wrapped"):
-        first(x, t)
-    second(x, t)  # unaffected
-
-
-def test_printing_instrumented_tensors_looks_like_plain_ones():
-    m = Classifier()
-    m.register_buffer("steps", torch.zeros(2))
-    training = poptorch.trainingModel(m)
-    training(torch.randn(2, 6), torch.randint(0, 4, (2,)))
-    text = repr(m.fc2.bias)
-    assert text.startswith("Parameter containing:\ntensor(") and "_Instrumented" not in text
-    assert repr(m.steps) == "tensor([0., 0.])"
-    assert torch.equal(m.fc2.bias, training._state.session.readWeights()["fc2.bias"])
-
-
-def test_optimizer_is_logged_once_per_compile(poptorch_logs):
-    m = Classifier()
-    poptorch.trainingModel(m)(torch.randn(2, 6), torch.randint(0, 4, (2,)))
-    assert poptorch_logs.text.count("Updating graph optimizer with SGD") == 1

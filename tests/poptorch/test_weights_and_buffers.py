@@ -1,6 +1,8 @@
-"""Frozen parameters, buffers, and several wrappers of one host model (spec
-semantics S-31…S-36, S-40)."""
+"""Weights and buffers between host and device (spec semantics S-30…S-36, S-40):
+frozen parameters, buffers, host changes and copies, ``load_state_dict``, and several
+wrappers of one host model."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
+from models import SingleLinear
 
 
 class BNNet(nn.Module):
@@ -141,3 +144,130 @@ def test_cases_that_need_explicit_copies():
     training.copyWeightsToHost()
     for k, v in model.state_dict().items():
         assert torch.equal(v, initial[k]), k
+
+
+# -- weights and buffers of inference models (S-30…S-35) -------------------------------
+
+def test_buffer_persists_between_calls_and_needs_explicit_copy_to_host():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("i", torch.tensor([0.]))
+
+        def forward(self, x):
+            self.i += 1
+            return self.i + 0 * x
+
+    m = M()
+    model = poptorch.inferenceModel(m)
+    assert model(torch.zeros(1)).tolist() == [1.0]
+    assert model(torch.zeros(1)).tolist() == [2.0]
+    assert m.i.tolist() == [0.0]  # S-35: inference never marks the host stale
+    model.copyWeightsToHost()
+    assert m.i.tolist() == [2.0]
+
+
+def test_shallow_copy_shares_tensors_not_attributes():
+    m = SingleLinear()
+    model = poptorch.inferenceModel(m)
+    m.foo = 2
+    assert not hasattr(model._state.model, "foo")
+    with torch.no_grad():
+        m.fc.weight.fill_(0)
+        m.fc.bias.fill_(1)
+    assert torch.equal(model(torch.randn(2, 6)), torch.ones(2, 20))  # S-33
+
+
+def test_host_changes_need_copy_weights_to_device():
+    m = SingleLinear()
+    model = poptorch.inferenceModel(m)
+    x = torch.randn(2, 6)
+    before = model(x)
+    with torch.no_grad():
+        m.fc.bias.add_(1)
+    assert torch.equal(model(x), before)  # S-32
+    model.copyWeightsToDevice()
+    torch.testing.assert_close(model(x), before + 1)
+
+
+def test_load_state_dict_through_the_executor():
+    m, other = SingleLinear(), SingleLinear()
+    model = poptorch.inferenceModel(m)
+    x = torch.randn(2, 6)
+    model(x)
+    result = model.load_state_dict(other.state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    torch.testing.assert_close(model(x), other(x).detach())
+
+
+def test_buffer_updates_are_lost_on_reattach_unless_copied():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("i", torch.zeros(()))
+
+        def forward(self, x):
+            self.i += 1
+            return self.i + 0 * x
+
+    model = poptorch.inferenceModel(M())
+    model(torch.zeros(()))
+    model(torch.zeros(()))
+    model.detachFromDevice()
+    model.attachToDevice()
+    assert model(torch.zeros(())).item() == 1.0
+
+
+def test_deep_copy_of_model_is_independent():
+    m = SingleLinear()
+    copied = copy.deepcopy(m)
+    model = poptorch.inferenceModel(copied)
+    x = torch.randn(2, 6)
+    torch.testing.assert_close(model(x), m(x).detach())
+
+
+# -- a second trainer of the model (S-31) ----------------------------------------------
+
+class _Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, y=None):
+        out = self.fc(x)
+        return out if y is None else (out, nn.functional.cross_entropy(out, y))
+
+
+@pytest.mark.parametrize("drop", ["destroy", "garbage_collect"])
+def test_inference_sees_weights_of_a_second_trainer_of_the_model(drop):
+    """S-31: an inference wrapper uploads the trained weights of whichever trainer wraps
+    its model now. A second ``trainingModel`` of the model (after the first one was
+    destroyed or freed) counts its host copies from 1 again; its first copy must not be
+    taken for the first trainer's copy that the inference wrapper already uploaded."""
+    torch.manual_seed(0)
+    model = _Classifier()
+    ref = copy.deepcopy(model)
+    xs, ys, probe = torch.randn(2, 4, 6), torch.randint(0, 3, (2, 4)), torch.randn(4, 6)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    expected = []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        ref(x, y)[1].backward()
+        opt.step()
+        expected.append(ref(probe).detach())
+
+    def trainer():
+        return poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(),
+                                                                       lr=0.1))
+    inference = poptorch.inferenceModel(model)
+    first = trainer()
+    first(xs[0], ys[0])
+    torch.testing.assert_close(inference(probe), expected[0])
+    if drop == "destroy":
+        first.destroy()
+    else:
+        del first
+        gc.collect()
+    second = trainer()
+    second(xs[1], ys[1])
+    torch.testing.assert_close(inference(probe), expected[1])

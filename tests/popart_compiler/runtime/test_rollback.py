@@ -6,31 +6,18 @@ import threading
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
+from models import BNClassifier, export
 from popart_compiler import compiler
 from popart_compiler.runtime.rollback import deferred_interrupts
-from popart_compiler.ir import Graph
 from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.runtime.training import TrainingSession
 from popart_compiler.session_options import SessionOptions
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.bn = nn.BatchNorm1d(4)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x, t):
-        out = self.fc(self.bn(x))
-        return out, F.cross_entropy(out, t)
-
-
 def session(accumulation=1):
     x, t = torch.randn(2, 4), torch.tensor([0, 1])
-    graph = Graph(torch.export.export(Net(), (x, t), strict=False))
+    graph = export(BNClassifier(), x, t)
     opts = SessionOptions(device_iterations=2, gradient_accumulation=accumulation,
                           output_mode=2)
     desc = OptimizerDescription("SGD", defaults=dict(lr=0.1, momentum=0.9), groups=[],
