@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from models import MLP, export
+from popart_compiler import compiler
 from popart_compiler.cost.cost_model import IpuEstimate
 from popart_compiler.errors import Error
 from popart_compiler.passes.base import Compilation
@@ -79,3 +80,31 @@ def test_profile_report_is_written_when_asked_for(run_pass, tmp_path):
     assert report["cycles"]["run"] == int(c.estimate.cycles.run_cycles)
     assert sorted(p.name for p in (tmp_path / "inference").iterdir()) == \
         ["profile.html", "profile.json", "profile.pop"]
+
+
+class Exps(nn.Module):
+    """Four element-wise ops on a [256, 256] tensor in ``dtype``."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        y = x.to(self.dtype)
+        for _ in range(4):
+            y = torch.exp(y) * 0.5
+        return y.float()
+
+
+@pytest.mark.xfail(strict=True, reason="source bug: after demote_float64 the ops run in "
+                   "float32 but keep float64 in node.meta['val'], so the estimate counts "
+                   "8-byte activations (1,048,576 instead of 524,288 bytes here)")
+def test_a_demoted_float64_program_is_estimated_as_float32():
+    """S-44: the IPU has no 64-bit type; a float64 program runs, and is estimated, as
+    the float32 one."""
+    x = torch.randn(256, 256)
+    memory = {}
+    for dtype in (torch.float32, torch.float64):
+        exe = compiler.compile(export(Exps(dtype), x), SessionOptions(), False)
+        memory[dtype] = exe.estimate.memory[0].categories["activations"]
+    assert memory[torch.float64] == memory[torch.float32]
