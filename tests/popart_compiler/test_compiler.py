@@ -2,6 +2,8 @@
 in order, progress and debug logs from the list, a pass's error surfacing with its
 location and a note naming the pass, and the ``Executable`` it returns. Each pass has
 its own graph-in / graph-out test in ``passes/``. Nothing here imports ``poptorch``."""
+import pathlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,6 +11,7 @@ import torch.nn as nn
 from models import MLP, Classifier, export
 from popart_compiler import compiler
 from popart_compiler.errors import Error
+from popart_compiler.passes import simplify
 from popart_compiler.session_options import Anchor, SessionOptions
 
 NAMES = ["check_options", "check_inputs", "demote_float64", "retarget_device",
@@ -21,6 +24,15 @@ NAMES = ["check_options", "check_inputs", "demote_float64", "retarget_device",
 def test_passes_are_the_compiler_in_order():
     assert [p.name for p in compiler.PASSES] == NAMES
     assert all(p.run.__name__ == p.name for p in compiler.PASSES)
+
+
+def test_every_pass_and_rewrite_rule_has_its_test_file():
+    """``passes/test_<name>.py`` for each pass of ``PASSES``, each ``simplify`` rule and
+    the argument rewrite under ``demote_float64`` / ``retarget_device``."""
+    here = pathlib.Path(__file__).parent / "passes"
+    names = [p.name for p in compiler.PASSES] + \
+        [name for name in simplify.__all__ if name != "simplify"] + ["rewrite_args"]
+    assert [n for n in names if not (here / f"test_{n}.py").is_file()] == []
 
 
 def test_compile_runs_every_pass_and_reports_progress(compiler_logs):
