@@ -78,7 +78,7 @@ class Case:
 
     Attributes:
         name: test id (unique).
-        family: op family (README table).
+        family: op family (the table in docs/ops.md).
         fn: ``fn(*tensors)`` for a functional case, ``fn(module, *tensors)`` when
             ``module`` is given.
         inputs: the input tensors.
