@@ -208,7 +208,7 @@ class Compiler:
             graph.random = uses_random_numbers(graph.module)
         report(2, total)
         loss_index = Compiler._check_loss(graph) if training else None
-        Compiler._check_buffers(graph, options, training)
+        Compiler._check_buffers(graph, options)
         Compiler._check_replica_groupings(graph, options)
         steering.check_overlapped_io(graph, options)
         steering.record_available_memory(graph)
@@ -376,12 +376,12 @@ class Compiler:
         return outputs[0]
 
     @staticmethod
-    def _check_buffers(graph: Graph, options: SessionOptions, training: bool) -> None:
-        # Training replicas of other processes take other data too (S-28); inference
-        # processes run independently.
-        replicas = options.global_replicas if training else options.replication_factor
+    def _check_buffers(graph: Graph, options: SessionOptions) -> None:
+        # S-36 compares the local replica count R (replicationFactor, S-28) with the
+        # input groups, as PopTorch does under PopRun: each process keeps its own
+        # buffers, which may drift apart between processes as they would in PopTorch.
         if (graph.mutated_buffers and options.broadcast_buffers
-                and replicas > options.input_group_size):
+                and options.replication_factor > options.input_group_size):
             raise backend_error(
                 "PopTorch does not support broadcasting buffers. If your model is able to "
                 "tolerate buffers becoming out of sync between replicas, you can disable "

@@ -17,20 +17,21 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import stat
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from popart_compiler.errors import backend_error, py_error
+from popart_compiler.errors import Error, backend_error, py_error
 
 from . import _instrument, enums
 from ._logging import logger
 from ._optimizer_record import (device_state_of, optimizer_record, rebuild_optimizer,
                                 write_device_state)
-from ._program import (capture_program, decode_signature, encode_signature,
-                       from_blobs, structure_of, to_blobs)
-from ._serialization import (decode, encode, read_container, tensors_from_bytes,
-                             tensors_to_bytes, write_container)
+from ._exported_file import CheckedFile, check_file, read_file
+from ._file_schema import Invalid, invalid_file
+from ._program import capture_program, decode_signature, encode_signature, from_blobs, to_blobs
+from ._serialization import decode, encode, tensors_to_bytes, write_container
 
 __all__ = ["save", "load_executable", "load", "import_metadata",
            "ExportedModel"]
@@ -46,18 +47,41 @@ _RUNTIME_OPTIONS = frozenset({
 # -- saving ---------------------------------------------------------------------------
 
 def _target_path(filename: str) -> str:
-    """api §5.5: create the parent directory; write ``<dir>/model.poptorch`` when
-    ``filename`` is a directory."""
+    """The regular file ``save`` writes (api §5.5): the parent directory is created;
+    ``<dir>/model.poptorch`` when ``filename`` is a directory; a symbolic link to a
+    regular file is written through (the file it points to is replaced, the link
+    kept).
+
+    Raises:
+        AssertionError: the parent of ``filename`` is not a directory (as PopTorch).
+        poptorch.Error: ``filename`` exists and is not a regular file (a device such as
+            ``/dev/null``, a FIFO, a socket) or is a link to one or to nothing: it is
+            never replaced.
+    """
     filename = os.fspath(filename)
     if os.path.isdir(filename):
         path = os.path.join(filename, "model.poptorch")
         logger.warning("save(): %s is a directory: saving to %s", filename, path)
-        return path
-    parent = os.path.dirname(os.path.abspath(filename))
+        filename = path
+    target = os.path.realpath(filename) if os.path.islink(filename) else filename
+    if os.path.lexists(filename):
+        if os.path.islink(filename) and not os.path.lexists(target):
+            raise backend_error(f"Cannot save to {filename}: it is a symbolic link to "
+                                f"{os.readlink(filename)}, which does not exist. Remove "
+                                "the link or save to another path.")
+        mode = os.stat(target).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+                "a FIFO" if stat.S_ISFIFO(mode) else \
+                "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+            shown = filename if target == filename else f"{filename} (-> {target})"
+            raise backend_error(f"Cannot save to {shown}: it exists and is {what}, which "
+                                "save() never replaces. Save to a regular file path.")
+    parent = os.path.dirname(os.path.abspath(target))
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise AssertionError(f"Cannot save to {filename}: {parent} is not a directory")
     os.makedirs(parent, exist_ok=True)
-    return filename
+    return target
 
 
 def _weights_record(executor) -> Tuple[Dict[str, Any], bytes]:
@@ -134,21 +158,9 @@ def save(executor, filename: str, export_model: bool = True,
 
 # -- loading --------------------------------------------------------------------------
 
-def _read(filename: str) -> Tuple[Dict[str, bytes], Dict[str, Any]]:
-    blobs = read_container(os.fspath(filename))
-    if "metadata.json" not in blobs or "program.json" not in blobs:
-        raise backend_error(f"Invalid file {filename}: it does not contain Poptorch "
-                            "metadata and a program.")
-    meta = json.loads(blobs["metadata.json"])
-    if meta.get("kind") != "executable":
-        raise backend_error(f"Invalid file {filename}: it is an executable-cache entry, "
-                            "not a file written by save() / compileAndExport().")
-    return blobs, meta
-
-
 def import_metadata(filename: str) -> bytes:
     """See :func:`poptorch.importPoptorchMetadataFromFile`."""
-    return _read(filename)[0]["metadata.json"]
+    return read_file(filename)[0]["metadata.json"]
 
 
 def _options_difference(current, stored) -> Optional[str]:
@@ -161,8 +173,7 @@ def _options_difference(current, stored) -> Optional[str]:
     return None
 
 
-def _check_fits(executor, filename: str, meta: Dict[str, Any],
-                structure: Dict[str, Any]) -> None:
+def _check_fits(executor, filename: str, checked: CheckedFile) -> None:
     """S-62: the file must hold an executable for this wrapper's kind of model,
     weights and ``forward`` signature, compiled with the same compile-time options.
 
@@ -175,8 +186,9 @@ def _check_fits(executor, filename: str, meta: Dict[str, Any],
                             "options.")
 
     kind = {True: "training", False: "inference"}
-    if bool(meta["training"]) != executor._training:
-        fail(f"it holds a {kind[bool(meta['training'])]} executable but this is an "
+    meta, structure = checked.meta, checked.structure
+    if meta["training"] != executor._training:
+        fail(f"it holds a {kind[meta['training']]} executable but this is an "
              f"{kind[executor._training]} model")
     with _instrument.syncing():
         host = dict(executor._model.named_parameters(remove_duplicate=False))
@@ -195,28 +207,31 @@ def _check_fits(executor, filename: str, meta: Dict[str, Any],
         t, torch.nn.Parameter))
     if extra:
         fail(f"this model has parameters {extra[:5]} that the executable does not use")
-    stored_sig = decode_signature(meta.get("signature"))
     here = executor._parser._sig
     if here is not None and meta.get("signature") is not None and \
-            list(here.parameters) != list(stored_sig.parameters):
+            list(here.parameters) != list(checked.signature.parameters):
         fail(f"forward takes {list(here.parameters)} here but "
-             f"{list(stored_sig.parameters)} in the executable")
-    difference = _options_difference(executor._options, decode(meta["options"]))
+             f"{list(checked.signature.parameters)} in the executable")
+    difference = _options_difference(executor._options, checked.options)
     if difference is not None:
         fail(f"compile-time option {difference}")
 
 
+def _check_version(filename: str, meta: Dict[str, Any], error: Callable) -> None:
+    from . import __version__
+    if meta.get("poptorch_version") != __version__:
+        raise error(f"Invalid file {filename}: PopTorch version mismatch (the file was "
+                    f"written by {meta.get('poptorch_version')}, this is {__version__}).")
+
+
 def load_executable(executor, filename: str) -> None:
     """See :meth:`poptorch.PoplarExecutor.loadExecutable`."""
-    from . import __version__
-    blobs, meta = _read(filename)
-    if meta.get("poptorch_version") != __version__:
-        raise backend_error(f"Invalid file {filename}: PopTorch version mismatch (the file "
-                            f"was written by {meta.get('poptorch_version')}, this is "
-                            f"{__version__}).")
-    _check_fits(executor, filename, meta, structure_of(blobs))
-    program = from_blobs(blobs)
-    executor._loadProgram(program)
+    filename = os.fspath(filename)
+    blobs, meta = read_file(filename)
+    _check_version(filename, meta, backend_error)
+    checked = check_file(filename, blobs, meta, with_model=False)
+    _check_fits(executor, filename, checked)
+    executor._loadProgram(from_blobs(blobs, filename))
 
 
 class ExportedModel(torch.nn.Module):
@@ -263,7 +278,21 @@ class ExportedModel(torch.nn.Module):
         self.forward = forward
 
 
-def _loaded_model(filename: str, blobs, meta, unpickle_model: bool) -> torch.nn.Module:
+def _from_file(filename: str, what: str, build: Callable[[], Any]) -> Any:
+    """``build()``, a step that applies the checked contents of ``filename``; what it
+    raises is the file's fault."""
+    try:
+        return build()
+    except Invalid as exc:
+        raise invalid_file(filename, exc) from None
+    except Error as exc:
+        raise invalid_file(filename, f"{what}: {exc.message}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+        raise invalid_file(filename, f"{what}: {type(exc).__name__}: {exc}") from None
+
+
+def _loaded_model(filename: str, blobs, checked: CheckedFile,
+                  unpickle_model: bool) -> torch.nn.Module:
     if unpickle_model:
         if "model.pkl" not in blobs:
             raise backend_error(f"Invalid file {filename}: it holds no pickled Python "
@@ -272,50 +301,55 @@ def _loaded_model(filename: str, blobs, meta, unpickle_model: bool) -> torch.nn.
         if _instrument.is_instrumented(model):
             model.__class__ = _instrument.original_class(model)
         return model
-    return ExportedModel(meta["weights"], tensors_from_bytes(blobs["weights.safetensors"]),
-                         meta.get("signature"))
+    return _from_file(filename, "metadata.json.weights", lambda: ExportedModel(
+        checked.meta["weights"], checked.weights, checked.meta["signature"]))
 
 
 def load(filename: str, edit_opts_fn: Optional[Callable] = None,
          unpickle_model: bool = False):
     """See :func:`poptorch.load`."""
     import poptorch
-    blobs, meta = _read(filename)
-    if meta.get("poptorch_version") != poptorch.__version__:
-        raise AssertionError(f"Invalid file {filename}: PopTorch version mismatch (the file "
-                             f"was written by {meta.get('poptorch_version')}, this is "
-                             f"{poptorch.__version__}).")
+    filename = os.fspath(filename)
+    blobs, meta = read_file(filename)
+    _check_version(filename, meta, AssertionError)
     if not meta.get("export_model"):
         raise AssertionError(
             f"Invalid file {filename}: it was saved with export_model=False and holds no "
             "model. Re-create the model and its wrapper (poptorch.trainingModel / "
             "poptorch.inferenceModel) and call wrapper.loadExecutable("
-            f"{os.fspath(filename)!r}) instead.")
-    options = decode(meta["options"])
+            f"{filename!r}) instead.")
+    checked = check_file(filename, blobs, meta, with_model=True)
+    options = decode(meta["options"])  # a copy: checked.options is what the file holds
     options._unfreeze()
     options.deleteIfExists("ipu_version")
     if options.connection_type == enums.ConnectionType.Never.value:
         options.connectionType(enums.ConnectionType.Always)
     if edit_opts_fn is not None:
         edit_opts_fn(options)
-    model = _loaded_model(filename, blobs, meta, unpickle_model)
+    model = _loaded_model(filename, blobs, checked, unpickle_model)
     if meta["training"]:
         optimizer = None
         if "optimizer" in meta:
             with _instrument.syncing():
                 params = dict(model.named_parameters())
-            optimizer = rebuild_optimizer(meta["optimizer"],
-                                          blobs.get("optimizer.safetensors", b""), params)
-        executor = poptorch.trainingModel(model, options, optimizer)
+            optimizer = _from_file(filename, "metadata.json.optimizer",
+                                   lambda: rebuild_optimizer(
+                                       meta["optimizer"], blobs["optimizer.safetensors"],
+                                       params))
+        executor = _from_file(filename, "metadata.json.optimizer",
+                              lambda: poptorch.trainingModel(model, options, optimizer))
     else:
         executor = poptorch.inferenceModel(model, options)
-    for name, grouping in decode(meta.get("replica_groupings") or {"__dict__": []}).items():
+    for name, grouping in checked.groupings.items():
         executor.per_replica_params[name] = grouping
-    _check_fits(executor, filename, meta, structure_of(blobs))
-    executor._loadProgram(from_blobs(blobs))
+    _check_fits(executor, filename, checked)
+    executor._loadProgram(checked.program)
     if meta["training"] and executor._session is not None:
-        write_device_state(executor._optimizer_binding.optimizer, executor._session,
-                           blobs.get("optimizer.safetensors", b""))
+        _from_file(filename, "optimizer.safetensors", lambda: write_device_state(
+            executor._optimizer_binding.optimizer, executor._session,
+            blobs.get("optimizer.safetensors", b"")))
     if meta.get("rng_state") is not None:
-        executor.rng_state = meta["rng_state"]
+        def set_rng():
+            executor.rng_state = meta["rng_state"]
+        _from_file(filename, "metadata.json.rng_state", set_rng)
     return executor

@@ -32,7 +32,7 @@ from popart_compiler.placement import Placement
 from . import _instrument
 from ._args import Spec
 from ._capture import Captured, capture
-from ._serialization import (decode, dtype_name, dtype_of, encode, tensors_from_bytes,
+from ._serialization import (decode, dtype_name, dtype_of, encode,
                              tensors_to_bytes)
 
 __all__ = ["Program", "capture_program", "to_blobs", "from_blobs", "encode_spec", "decode_spec",
@@ -283,36 +283,122 @@ _PROGRAM_BLOBS = ("program.json", "constants.safetensors", "host_outputs.safeten
                   "structure.json")
 
 
-def structure_of(blobs: Dict[str, bytes]) -> Dict[str, Any]:
-    """The decoded ``structure.json`` blob."""
-    return json.loads(blobs["structure.json"])
+def structure_of(blobs: Dict[str, bytes], where: str = "structure.json") -> Dict[str, Any]:
+    """The decoded and checked ``structure.json`` blob.
+
+    Raises:
+        Invalid: missing, not JSON or not of the declared shape.
+    """
+    from . import _file_schema as fs
+    from ._file_shapes import check_structure
+    if "structure.json" not in blobs:
+        raise fs.Invalid("the blob structure.json is missing")
+    try:
+        structure = json.loads(blobs["structure.json"])
+    except (ValueError, RecursionError) as exc:
+        raise fs.Invalid(f"{where}: not JSON ({exc})") from None
+    check_structure(structure, where)
+    return structure
 
 
-def from_blobs(blobs: Dict[str, bytes],
+def _leaves(spec: Optional[Spec]) -> List[Spec]:
+    if spec is None:
+        return []
+    if spec.kind == "tensor":
+        return [spec]
+    return [leaf for child in (spec.children or []) for leaf in _leaves(child)]
+
+
+def _check_consistent(captured: Captured, program: "Program",
+                      structure: Dict[str, Any]) -> None:
+    """The stored structure matches the stored program (same inputs, outputs and
+    weights), so that nothing fails later when the program runs."""
+    from . import _file_schema as fs
+    graph = captured.graph
+    exported = graph.program
+    # The stored input structure is that of a whole call; the program's inputs are one
+    # micro-batch of it (float64 inputs demoted): compare all but the batch dimension.
+    inputs = [(len(s.meta[1]), tuple(s.meta[1])[1:]) for s in _leaves(program.input_spec)]
+    actual = [(len(i.shape), tuple(i.shape)[1:]) if i is not None else None
+              for i in graph.user_inputs]
+    if inputs != actual:
+        raise fs.Invalid(f"structure.json: the inputs {inputs} do not match the "
+                         f"program's {actual}")
+    leaves = captured.output_leaves
+    if len(leaves) != len(_leaves(captured.output_spec)) or any(
+            i is not None and i >= graph.num_user_outputs for i in leaves) or \
+            sum(i is None for i in leaves) != len(captured.host_outputs):
+        raise fs.Invalid("structure.json: output_leaves do not match the program's "
+                         "outputs")
+    signature = {e["name"]: e for e in structure["state"]}
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER) or \
+                spec.target not in exported.state_dict:
+            continue
+        node = next(n for n in graph.module.graph.nodes if n.name == spec.arg.name)
+        val = node.meta.get("val")
+        entry = signature.get(spec.target)
+        if entry is None or not isinstance(val, torch.Tensor) or \
+                list(val.shape) != entry["shape"] or dtype_name(val.dtype) != entry["dtype"]:
+            raise fs.Invalid(f"structure.json: weight {spec.target} does not match the "
+                             "program")
+
+
+def from_blobs(blobs: Dict[str, bytes], where: str,
                types_by_name: Optional[Dict[str, type]] = None) -> Program:
-    """Rebuild a :class:`Program` from :func:`to_blobs`'s blobs.
+    """Rebuild a :class:`Program` from :func:`to_blobs`'s blobs, every part checked
+    before it is used (:mod:`poptorch._program_checks`, :mod:`poptorch._file_shapes`).
 
     Args:
         blobs: the blobs (checked by the container reader).
+        where: the file, for error messages.
         types_by_name: original named-tuple classes of the inputs, when available.
 
     Raises:
-        poptorch.Error: a program this torch cannot read.
+        poptorch.Error: "Invalid file <where>: <blob>: <what>": a missing or malformed
+            part, anything a stored program may not contain (see
+            :mod:`poptorch._program_checks`), or a program this torch cannot read.
     """
-    structure = structure_of(blobs)
-    state = _program_state(structure["state"])
-    constants = tensors_from_bytes(blobs["constants.safetensors"])
+    from . import _file_schema as fs
     try:
-        exported = _deserialize_program(blobs["program.json"], state, constants)
-    except Exception as exc:
-        raise backend_error(f"The stored program cannot be read by torch "
-                            f"{torch.__version__}: {type(exc).__name__}: {exc}") from exc
-    host = tensors_from_bytes(blobs["host_outputs.safetensors"])
-    graph = Graph(exported)
+        return _from_blobs(blobs, types_by_name)
+    except fs.Invalid as exc:
+        raise fs.invalid_file(where, exc) from None
+
+
+def _from_blobs(blobs: Dict[str, bytes],
+                types_by_name: Optional[Dict[str, type]]) -> Program:
+    from . import _file_schema as fs
+    from ._file_shapes import checked_tensors
+    from ._program_checks import checked_program_json
+    missing = [name for name in _PROGRAM_BLOBS if name not in blobs]
+    if missing:
+        raise fs.Invalid(f"the blob {missing[0]} is missing")
+    structure = structure_of(blobs)
+    program_json = checked_program_json(blobs["program.json"])
+    constants = checked_tensors(blobs["constants.safetensors"], "constants.safetensors")
+    host_blob = blobs["host_outputs.safetensors"]
+    host = checked_tensors(host_blob, "host_outputs.safetensors")
+    if set(host) != {str(i) for i in range(len(host))}:
+        raise fs.Invalid("host_outputs.safetensors: tensors must be named 0..n-1")
+    input_spec = decode_spec(structure["inputs"], types_by_name)
+    output_spec = decode_spec(structure["outputs"])
+    try:
+        state = _program_state(structure["state"])
+    except (RuntimeError, ValueError) as exc:  # e.g. an integer weight with a gradient
+        raise fs.Invalid(f"structure.json: state: {exc}") from None
+    try:
+        exported = _deserialize_program(program_json, state, constants)
+        graph = Graph(exported)
+    except Exception as exc:  # noqa: BLE001 - anything torch raises on a bad program
+        raise fs.Invalid(f"program.json: the stored program cannot be read by torch "
+                         f"{torch.__version__} ({type(exc).__name__}: "
+                         f"{str(exc)[:500]})") from None
     graph.blocks = {name: Placement(**where) for name, where in structure["blocks"]}
-    captured = Captured(graph, decode_spec(structure["outputs"]),
-                        list(structure["output_leaves"]),
+    captured = Captured(graph, output_spec, list(structure["output_leaves"]),
                         [host[str(i)] for i in range(len(host))])
-    return Program(captured, decode_spec(structure["inputs"], types_by_name),
-                   list(structure["input_names"]), int(structure["num_positional"]),
-                   blobs={k: v for k, v in blobs.items() if k in _PROGRAM_BLOBS})
+    program = Program(captured, input_spec, list(structure["input_names"]),
+                      int(structure["num_positional"]),
+                      blobs={k: v for k, v in blobs.items() if k in _PROGRAM_BLOBS})
+    _check_consistent(captured, program, structure)
+    return program

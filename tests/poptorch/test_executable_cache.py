@@ -89,7 +89,7 @@ def test_a_corrupt_entry_is_ignored_with_a_warning_and_rebuilt(tmp_path, capture
     out = poptorch.inferenceModel(model, cached(tmp_path))(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
     assert len(captures) == 2
-    assert "Ignoring the unreadable executable cache entry" in poptorch_logs.text
+    assert "Discarding the unusable executable cache entry" in poptorch_logs.text
     assert os.path.getsize(entry) == len(raw)  # rebuilt
     poptorch.inferenceModel(model, cached(tmp_path))(x)
     assert len(captures) == 2
