@@ -48,19 +48,39 @@ def _is_own(module: str) -> bool:
     return module.partition(".")[0] in _OWN
 
 
-def _is_user_module(name: str) -> bool:
-    """Code of ``name`` is the user's: not ``torch`` / ``poptorch``, not the standard
-    library or an installed package."""
-    if not name or _is_own(name):
-        return False
-    module = sys.modules.get(name)
-    path = getattr(module, "__file__", None)
-    if not path:  # __main__ of ``python -c``, exec'd code, notebooks
-        return name not in sys.builtin_module_names
+def _is_library_path(path: str) -> bool:
     path = os.path.realpath(path)
     if any(part in ("site-packages", "dist-packages") for part in path.split(os.sep)):
+        return True
+    return any(path.startswith(d + os.sep) for d in _LIBRARY_DIRS)
+
+
+def _file_of(obj: Any) -> str:
+    """Where ``obj``'s code comes from: a function's code file name (``<string>`` for
+    ``exec``), a class's first method's, else its module's file ('' if none)."""
+    code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+    if isinstance(obj, type):
+        code = next((m.__code__ for m in vars(obj).values()
+                     if isinstance(m, types.FunctionType)), None)
+    if isinstance(code, types.CodeType):
+        return code.co_filename
+    module = sys.modules.get(getattr(obj, "__module__", "") or "")
+    return getattr(module, "__file__", None) or ""
+
+
+def _is_user_code(obj: Any) -> bool:
+    """``obj`` (a function or class) is the user's: not ``torch`` / ``poptorch``, not
+    from the standard library or an installed package."""
+    module = getattr(obj, "__module__", "") or ""
+    if _is_own(module) or module in sys.builtin_module_names:
         return False
-    return not any(path.startswith(d + os.sep) for d in _LIBRARY_DIRS)
+    path = _file_of(obj)
+    return not (os.path.isabs(path) and _is_library_path(path))
+
+
+def _is_user_module(module: types.ModuleType) -> bool:
+    path = getattr(module, "__file__", None)
+    return not _is_own(module.__name__) and not (path and _is_library_path(path))
 
 
 class _Digest:
@@ -93,8 +113,7 @@ class _Digest:
             data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             return f"{value.dtype}{list(value.shape)}:" + \
                 hashlib.sha256(data.numpy().tobytes()).hexdigest()
-        if isinstance(value, (type, *_FUNCTIONS)) and _is_user_module(
-                getattr(value, "__module__", "") or ""):
+        if isinstance(value, (type, *_FUNCTIONS)) and _is_user_code(value):
             self.pending.append(value)
             return f"<{value.__module__}.{getattr(value, '__qualname__', '')}>"
         return f"<{type(value).__module__}.{type(value).__qualname__}>"
@@ -113,7 +132,7 @@ class _Digest:
             if name in scope:
                 target = scope[name]
                 if isinstance(target, types.ModuleType):
-                    if _is_user_module(target.__name__):
+                    if _is_user_module(target):
                         for attr in code.co_names:
                             self.add(name, attr, self.value(getattr(target, attr, None)))
                     continue
