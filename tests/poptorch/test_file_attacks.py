@@ -161,6 +161,28 @@ def test_no_code_runs_from_a_file(files, tmp_path, marker, payload, poptorch_log
     assert not marker.exists()
 
 
+class Normalise(torch.nn.Module):
+    """A program with a symbolic float (``.item()``): torch writes it as
+    ``Symbol('zuf0')`` and a range constraint."""
+
+    def forward(self, x):
+        return x / x.abs().max().item()
+
+
+def test_symbolic_values_torch_writes_are_accepted(tmp_path, captures):
+    x = torch.randn(4, 3)
+    path = tmp_path / "item.poptorch"
+    poptorch.inferenceModel(Normalise()).compileAndExport(str(path), x)
+    program = json.loads(_serialization.read_container(str(path))["program.json"])
+    assert "Symbol('zuf0')" in json.dumps(program)
+    torch.testing.assert_close(poptorch.load(str(path))(x * 3), x * 3 / (x * 3).abs().max())
+    opts = poptorch.Options().enableExecutableCaching(str(tmp_path / "cache"))
+    for _ in range(2):
+        torch.testing.assert_close(poptorch.inferenceModel(Normalise(), opts)(x),
+                                   x / x.abs().max())
+    assert len(captures) == 2  # the export and the first cached compile
+
+
 @pytest.mark.parametrize("target", [
     "torch.os.system", "builtins.eval", "torch.ops.aten.save.default",
     "torch.ops.aten.from_file.default", "torch.ops.load_library",
