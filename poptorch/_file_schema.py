@@ -18,13 +18,13 @@ import math
 import re
 from typing import Any, Callable, Dict, Iterable, Optional
 
-import torch
-
 from popart_compiler.errors import Error, backend_error
+
+from ._serialization import DTYPES
 
 __all__ = ["Invalid", "invalid_file", "check", "Any_", "Bool", "Int", "Num", "Str",
            "OneOf", "Optional_", "ListOf", "MapOf", "Obj", "Pair", "Lazy", "IDENTIFIER",
-           "FQN", "DTYPES", "dtype_named"]
+           "FQN", "DTYPES"]
 
 #: Longest list or string accepted anywhere in a JSON blob.
 _MAX_ITEMS = 10_000_000
@@ -56,21 +56,6 @@ IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}\Z")
 #: A dotted module path (``layers.0.weight``): identifiers and list indices.
 FQN = re.compile(r"[A-Za-z0-9_]{1,200}(?:\.[A-Za-z0-9_]{1,200}){0,63}\Z")
 
-#: ``"float32"`` → ``torch.float32``: every dtype of this torch, by its short name.
-DTYPES: Dict[str, torch.dtype] = {
-    str(v).rpartition(".")[2]: v for v in vars(torch).values()
-    if isinstance(v, torch.dtype)}
-
-
-def dtype_named(name: Any, where: str = "dtype") -> torch.dtype:
-    """The dtype ``name`` names (``"float32"``).
-
-    Raises:
-        Invalid: not the short name of a torch dtype.
-    """
-    if not isinstance(name, str) or name not in DTYPES:
-        _fail(where, "the name of a torch dtype (e.g. 'float32')", name)
-    return DTYPES[name]
 
 
 # -- combinators ----------------------------------------------------------------------

@@ -41,7 +41,8 @@ from safetensors.torch import save as _st_save
 from popart_compiler.errors import Error, backend_error
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "write_container", "read_container", "encode",
-           "decode", "tensors_to_bytes", "tensors_from_bytes", "dtype_name", "dtype_of"]
+           "decode", "tensors_to_bytes", "tensors_from_bytes", "dtype_name", "dtype_of",
+           "DTYPES", "MAX_MANIFEST_BYTES"]
 
 FORMAT = "poptorch-executable"
 #: Bumped whenever the layout or the meaning of a blob changes.
@@ -138,7 +139,7 @@ def read_container(path: str) -> Dict[str, bytes]:
         return backend_error(f"Invalid file {path}: {reason}")
 
     if not os.path.isfile(path):
-        raise invalid("no such file")
+        raise invalid("not a regular file" if os.path.exists(path) else "no such file")
     try:
         file_size = os.path.getsize(path)
         with zipfile.ZipFile(path, "r") as archive:
@@ -225,14 +226,14 @@ def dtype_of(name: str) -> torch.dtype:
     Raises:
         poptorch.Error: not a torch dtype name.
     """
-    value = _DTYPES.get(name) if isinstance(name, str) else None
+    value = DTYPES.get(name) if isinstance(name, str) else None
     if value is None:
         raise backend_error(f"Invalid file: {name!r} is not a torch dtype")
     return value
 
 
 #: ``"float32"`` → ``torch.float32`` for every dtype of this torch.
-_DTYPES = {dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+DTYPES = {dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
 # -- tagged JSON -----------------------------------------------------------------------
