@@ -281,67 +281,77 @@ _KEYS: Dict[tuple, Callable[[Any, str], None]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _plan(tp: Any) -> tuple:
+    """How to check a value of schema type ``tp``: ``(kind, detail)``."""
+    from torch._export.serde import schema
+    if isinstance(tp, str):
+        tp = getattr(schema, tp)
+    if isinstance(tp, typing.ForwardRef):
+        tp = getattr(schema, tp.__forward_arg__)
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = tp.__origin__
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return ("optional", next(a for a in args if a is not type(None)))
+    if isinstance(tp, type) and issubclass(tp, schema._Union):
+        return ("union", tp)
+    if dataclasses.is_dataclass(tp):
+        return ("dataclass", tp)
+    if origin is list:
+        return ("list", args[0])
+    if origin is dict:
+        return ("dict", args[1])
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return ("enum", (tp.__name__, frozenset(m.value for m in tp)))
+    if tp in (bool, int, float, str):
+        return (tp.__name__, None)
+    raise TypeError(f"unexpected schema type {tp!r}")
+
+
+_INT_RANGE = fs.Int(-(1 << 63), (1 << 63) - 1)
+
+
 class _Walker:
     """Checks a JSON value against a schema type of ``torch._export.serde.schema``."""
 
     def __init__(self):
-        from torch._export.serde import schema
-        self.schema = schema
         self.depth = 0
         self.expr_kind = "int"
 
-    def resolve(self, tp: Any) -> Any:
-        if isinstance(tp, str):
-            tp = getattr(self.schema, tp)
-        if isinstance(tp, typing.ForwardRef):
-            tp = getattr(self.schema, tp.__forward_arg__)
-        if typing.get_origin(tp) is typing.Annotated:
-            tp = tp.__origin__
-        return tp
-
     def visit(self, tp: Any, value: Any, where: str, owner: str = "", field: str = ""):
-        tp = self.resolve(tp)
-        origin, args = typing.get_origin(tp), typing.get_args(tp)
-        if origin in (typing.Union, types.UnionType):
-            if value is None and type(None) in args:
-                return
-            return self.visit(next(a for a in args if a is not type(None)), value, where,
-                              owner, field)
-        if isinstance(tp, type) and issubclass(tp, self.schema._Union):
-            return self.union(tp, value, where)
-        if dataclasses.is_dataclass(tp):
-            return self.dataclass(tp, value, where)
-        if origin is list:
+        kind, detail = _plan(tp)
+        if kind == "optional":
+            if value is not None:
+                self.visit(detail, value, where, owner, field)
+        elif kind == "union":
+            self.union(detail, value, where)
+        elif kind == "dataclass":
+            self.dataclass(detail, value, where)
+        elif kind == "list":
             if not isinstance(value, list) or len(value) > 10_000_000:
                 fs._fail(where, "a list", value)
             for i, item in enumerate(value):
-                self.visit(args[0], item, f"{where}[{i}]", owner, field)
-            return
-        if origin is dict:
+                self.visit(detail, item, f"{where}[{i}]", owner, field)
+        elif kind == "dict":
             if not isinstance(value, dict):
                 fs._fail(where, "an object", value)
             key_check = _KEYS.get((owner, field), _text)
             for key, item in value.items():
                 key_check(key, f"{where} key")
-                self.visit(args[1], item, f"{where}[{key!r}]", owner, field)
-            return
-        self.scalar(tp, value, where, owner, field)
-
-    def scalar(self, tp: Any, value: Any, where: str, owner: str, field: str) -> None:
-        if isinstance(tp, type) and issubclass(tp, enum.Enum):
-            if type(value) is not int or value not in {m.value for m in tp}:
-                fs._fail(where, f"a {tp.__name__} code", value)
-        elif tp is bool:
+                self.visit(detail, item, f"{where}[{key!r}]", owner, field)
+        elif kind == "enum":
+            if type(value) is not int or value not in detail[1]:
+                fs._fail(where, f"a {detail[0]} code", value)
+        elif kind == "bool":
             fs.Bool(value, where)
-        elif tp is int:
-            fs.Int(-(1 << 63), (1 << 63) - 1)(value, where)
-        elif tp is float:  # torch writes infinities and NaN as strings
+        elif kind == "int":
+            _INT_RANGE(value, where)
+        elif kind == "float":  # torch writes infinities and NaN as strings
             if type(value) not in (int, float) and value not in _FLOAT_WORDS:
                 fs._fail(where, "a number", value)
-        elif tp is str:
-            _STRINGS.get((owner, field), _text)(value, where)
         else:
-            raise fs.Invalid(f"{where}: unexpected schema type {tp!r}")
+            _STRINGS.get((owner, field), _text)(value, where)
 
     def union(self, cls: type, value: Any, where: str) -> None:
         if not isinstance(value, dict) or len(value) != 1:

@@ -167,27 +167,28 @@ def _scenario_fault(rank, world, fault):
     return "no error"
 
 
+class _BatchNormNet(Net):
+    """:class:`Net` with a BatchNorm between its layers (buffers updated in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x, t):
+        h = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        return h, F.cross_entropy(h, t)
+
+
 def _scenario_buffers(rank, world):
-    """A BatchNorm model, one local replica per process (buffers updated in place)."""
+    """One local replica per process, a model that updates buffers: trains."""
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
-    opts = poptorch.Options()
-    training = poptorch.trainingModel(
-        _WithLoss(model), opts, poptorch.optim.SGD(model.parameters(), lr=0.1))
+    model = _BatchNormNet()
+    training = poptorch.trainingModel(model, poptorch.Options(),
+                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
     torch.manual_seed(10 + rank)
     training(torch.randn(4, 4), torch.zeros(4, dtype=torch.long))
     training.copyWeightsToHost()
-    return f"trained: running_mean {model[1].running_mean.tolist()}"
-
-
-class _WithLoss(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x, t):
-        out = self.model(x)
-        return out, F.cross_entropy(out, t)
+    return f"trained: running_mean {model.bn.running_mean.tolist()}"
 
 
 def _scenario_mismatch(rank, world):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -273,16 +274,22 @@ time.sleep(600)
 '''
 
 
+def _emptied_entry(tmp_path, model, x):
+    """Fill the cache in ``tmp_path`` for ``model`` and delete the entry: its path."""
+    poptorch.inferenceModel(model, cached(tmp_path))(x)
+    (entry,) = entries(tmp_path)
+    os.unlink(entry)
+    return entry
+
+
 def _hold_lock(tmp_path, lock_path, mode):
     """A process that holds ``lock_path`` (``mode="hold"``: until killed; ``"die"``:
     killed with the lock held). Returns it once it holds the lock."""
     ready = tmp_path / f"ready-{mode}"
     proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lock_path),
                              str(ready), mode])
-    for _ in range(6000):  # bounded wait for the child to start (60 s)
-        if ready.exists() or proc.poll() is not None:
-            break
-        import time
+    deadline = time.monotonic() + 120  # bounded wait for the child to start
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ready.exists(), "the lock-holding process did not start"
     return proc
@@ -295,9 +302,7 @@ def test_a_held_lock_is_waited_for_a_bounded_time(tmp_path, captures, poptorch_l
     then compiles without the cache (warning) and does not write the entry."""
     x = torch.randn(4, 6)
     model = Mlp().eval()
-    poptorch.inferenceModel(model, cached(tmp_path))(x)
-    (entry,) = entries(tmp_path)
-    os.unlink(entry)
+    entry = _emptied_entry(tmp_path, model, x)
     holder = _hold_lock(tmp_path, entry + ".lock", "hold")
     try:
         monkeypatch.setenv("POPTORCH_CACHE_LOCK_TIMEOUT", "0.2")
@@ -322,9 +327,7 @@ def test_the_lock_of_a_dead_process_is_taken_over(tmp_path, captures, poptorch_l
     the entry."""
     x = torch.randn(4, 6)
     model = Mlp().eval()
-    poptorch.inferenceModel(model, cached(tmp_path))(x)
-    (entry,) = entries(tmp_path)
-    os.unlink(entry)
+    entry = _emptied_entry(tmp_path, model, x)
     holder = _hold_lock(tmp_path, entry + ".lock", "die")
     assert holder.wait() == -9
     monkeypatch.setenv("POPTORCH_CACHE_LOCK_TIMEOUT", "0")
