@@ -13,14 +13,19 @@ Layout of a ``.poptorch`` file (also used for executable-cache entries, S-61)::
     model.pkl              the pickled Python model (only with ``export_model=True``;
                            read only when the caller opts in)
 
-Every blob is checked against the manifest's SHA-256 before use, so a truncated or
-edited file is refused with an :class:`poptorch.Error` naming the blob. Files are written
-to a temporary name in the target directory and renamed into place (``os.replace``):
-a reader never sees a partial file. JSON values that are not plain JSON (enums,
-dtypes, tuples, option objects) use the tagged encoding of :func:`encode` /
-:func:`decode`, which only ever rebuilds classes of ``poptorch``'s own option and
-enum modules: nothing in a file is unpickled or executed unless the caller asks for
-the pickled model.
+Blobs are stored uncompressed; the reader refuses a compressed entry before inflating
+it and checks every declared size against the size of the file, so a file cannot make
+it allocate more than its own size. Every blob is checked against the manifest's
+SHA-256 before use, so a truncated or edited file is refused with an
+:class:`poptorch.Error` naming the blob. A checksum is no signature (whoever edits a
+file recomputes it): the contents are checked by :mod:`poptorch._file_shapes` and
+:mod:`poptorch._program_checks` before anything is built from them. Files are written
+to a temporary name in the target directory and renamed into place (``os.replace``): a
+reader never sees a partial file, and nothing that is not a regular file is replaced.
+JSON values that are not plain JSON (enums, dtypes, tuples, option objects) use the
+tagged encoding of :func:`encode` / :func:`decode`, which only ever rebuilds classes of
+``poptorch``'s own option and enum modules: nothing in a file is unpickled or executed
+unless the caller asks for the pickled model.
 """
 from __future__ import annotations
 
