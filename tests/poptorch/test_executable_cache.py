@@ -424,3 +424,38 @@ def test_a_model_defined_in_python_c_is_cached(tmp_path):
         captures.append(json.loads(done.stdout.strip().splitlines()[-1])["captures"])
     assert captures == [1, 0]
     assert len(entries(tmp_path)) == 1
+
+
+def test_the_code_key_covers_helpers_in_other_files(tmp_path, captures, monkeypatch):
+    """A helper module the model calls through a module attribute is part of the key
+    (the source-file hash of before only covered the model class's own file)."""
+    import importlib
+    (tmp_path / "helpers_mod.py").write_text("def act(x):\n    return x * 2\n")
+    (tmp_path / "model_mod.py").write_text(textwrap.dedent('''
+        import torch
+        import helpers_mod
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(6, 4)
+
+            def forward(self, x):
+                return helpers_mod.act(self.fc(x))
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import helpers_mod
+    import model_mod
+    try:
+        x = torch.randn(4, 6)
+        for factor in (2, 10):  # sources of different sizes: no stale .pyc
+            (tmp_path / "helpers_mod.py").write_text(
+                f"def act(x):\n    return x * {factor}\n")
+            importlib.reload(helpers_mod)
+            model = model_mod.Net().eval()
+            out = poptorch.inferenceModel(model, cached(tmp_path / "cache"))(x)
+            torch.testing.assert_close(out, model.fc(x) * factor)
+        assert len(captures) == 2 and len(entries(tmp_path / "cache")) == 2
+    finally:
+        sys.modules.pop("helpers_mod", None)
+        sys.modules.pop("model_mod", None)
