@@ -192,12 +192,28 @@ def _flops(node: fx.Node) -> float:
         target, args, kwargs = torch.ops.aten.matmul.default, args[:2], {}
     else:
         target = node.target
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _NoModuleTracking()
     try:
-        with FlopCounterMode(display=False) as counter:
+        with counter:
             target(*args, **kwargs)
     except Exception:  # an op without a meta kernel counts as vector work
         return 0.0
     return float(counter.get_total_flops())
+
+
+class _NoModuleTracking:
+    """Stands in for ``FlopCounterMode``'s module tracker, which registers
+    process-wide module hooks while counting: another thread's training run then met
+    those hooks in its backward pass and failed ("A leaf node was passed to
+    _will_engine_execute_node ..."). Counting one op needs no per-module split."""
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
 
 
 def _layer_key(node: fx.Node) -> str:
