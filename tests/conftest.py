@@ -12,6 +12,7 @@ Every compiler pass is followed by the graph verifier (``POPTORCH_VERIFY=1``, se
 leaves it untouched), so every test can ``import models`` (the shared tiny models).
 """
 import os
+import signal
 import sys
 
 import pytest
@@ -48,3 +49,13 @@ def poptorch_logs(caplog):
     poptorch.setLogLevel("WARN")
     for lg in loggers:
         lg.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's default SIGINT handler, for a test that sends SIGINT: the suite may run
+    with SIGINT ignored (a background job, ``nohup``, some CI runners), and Python then
+    does not install its handler at start-up. The previous handler is restored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
