@@ -43,6 +43,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_VERIFY", "0", "1: verify the graph after every compiler pass"),
     Variable(TIMEOUT_ENV, "300", "seconds a collective of a multi-process run may wait"),
     Variable("TORCHELASTIC_RUN_ID", "", "set by torchrun: the process was launched"),
+    Variable("TORCHELASTIC_USE_AGENT_STORE", "",
+             "set by torchrun: its agent, not process 0, hosts the rendezvous store"),
     Variable("RANK", "", "torchrun's process index"),
     Variable("WORLD_SIZE", "", "torchrun's process count"),
     Variable("LOCAL_RANK", "", "torchrun's process index on this host (CUDA device)"),
@@ -105,9 +107,10 @@ def collective_timeout_text() -> str:
 
 
 def launcher() -> Dict[str, Optional[str]]:
-    """torchrun's variables: ``run_id``, ``rank``, ``world_size``, ``local_rank``,
-    ``master_addr``, ``master_port`` (``None`` when unset)."""
-    names = {"run_id": "TORCHELASTIC_RUN_ID", "rank": "RANK", "world_size": "WORLD_SIZE",
+    """torchrun's variables: ``run_id``, ``agent_store``, ``rank``, ``world_size``,
+    ``local_rank``, ``master_addr``, ``master_port`` (``None`` when unset)."""
+    names = {"run_id": "TORCHELASTIC_RUN_ID", "agent_store": "TORCHELASTIC_USE_AGENT_STORE",
+             "rank": "RANK", "world_size": "WORLD_SIZE",
              "local_rank": "LOCAL_RANK", "master_addr": "MASTER_ADDR",
              "master_port": "MASTER_PORT"}
     return {key: (text(name) or None) for key, name in names.items()}

@@ -20,6 +20,8 @@ __all__ = ["VARIABLES", "set_process_defaults", "text", "flag", "raw", "cache_di
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_CACHE_DIR", "", "executable cache directory of every Options()"),
+    Variable("POPTORCH_CACHE_LOCK_TIMEOUT", "300",
+             "seconds to wait for another process's executable-cache entry lock"),
     Variable("POPTORCH_DEFAULT_OPTIONS", "{}",
              "JSON object of option values applied to every Options()"),
     Variable("POPTORCH_EXECUTION_DEVICE", "cpu", "cpu or cuda: where kernels run"),

@@ -16,6 +16,7 @@ the repository root is not on the path (a plain ``pytest`` with an editable inst
 """
 import importlib.util
 import os
+import signal
 import sys
 
 import pytest
@@ -62,3 +63,13 @@ def poptorch_logs(caplog):
     poptorch.setLogLevel("WARN")
     for lg in loggers:
         lg.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's default SIGINT handler, for a test that sends SIGINT: the suite may run
+    with SIGINT ignored (a background job, ``nohup``, some CI runners), and Python then
+    does not install its handler at start-up. The previous handler is restored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

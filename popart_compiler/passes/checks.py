@@ -120,11 +120,11 @@ def check_buffers(graph: Graph, c: Compilation) -> PassResult:
     """Buffers written in place while replicas take different data need
     ``broadcastBuffers(False)`` (S-36)."""
     options = c.options
-    # Training replicas of other processes take other data too (S-28); inference
-    # processes run independently.
-    replicas = options.global_replicas if c.training else options.replication_factor
+    # S-36 compares the local replica count R (replicationFactor, S-28) with the input
+    # groups, as PopTorch does under PopRun: each process keeps its own buffers, which
+    # may drift apart between processes as they would in PopTorch.
     if (graph.mutated_buffers and options.broadcast_buffers
-            and replicas > options.input_group_size):
+            and options.replication_factor > options.input_group_size):
         raise backend_error(
             "PopTorch does not support broadcasting buffers. If your model is able to "
             "tolerate buffers becoming out of sync between replicas, you can disable "

@@ -19,6 +19,14 @@ Every collective is bounded by the collective timeout (``POPTORCH_DISTRIBUTED_TI
 seconds, default :data:`DEFAULT_TIMEOUT_S`, read when this module creates the process
 group). A peer that died, raised or stopped participating makes the collective fail, and
 the failure is re-raised as a ``poptorch.Error`` that says so.
+
+A process that leaves with an uncaught exception (``sys.excepthook``, KeyboardInterrupt
+included) records "process <i> of <n> ended with <exception>" in the rendezvous store
+and closes its connections at once instead of waiting in the exit barrier: the other
+processes' pending or next collective fails within moments, and their error names the
+failed process and its exception. A killed process (SIGKILL, ``os._exit``) closes its
+connections too; only a process that stops participating without ending is detected
+by the collective timeout.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import atexit
 import contextlib
 import datetime
 import hashlib
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
@@ -132,6 +141,7 @@ class ProcessGroup:
                     "make Options.Distributed.configureProcessId(id, n) match the "
                     "process group (or leave it to the launcher's RANK / WORLD_SIZE).")
             self.backend = str(dist.get_backend())
+            _install_excepthook()
             return
         _check_launcher(self.rank, self.size)
         self.backend = backend_for(device)
@@ -157,6 +167,7 @@ class ProcessGroup:
                 "the same MASTER_ADDR / MASTER_PORT.") from None
         self.owned = True
         atexit.register(self.shutdown)
+        _install_excepthook()
 
     def shutdown(self) -> None:
         """Leave the run cleanly (at exit, for a group this process created): wait
@@ -174,6 +185,49 @@ class ProcessGroup:
         except (RuntimeError, ValueError) as e:
             logger.debug("Leaving the distributed run: %s", e)
 
+    def leave_after_error(self, what: str) -> None:
+        """This process ends with an uncaught error: record ``what`` in the rendezvous
+        store for the other processes (the first record wins) and close this
+        process's connections (for a group it created) so that their collectives fail
+        now rather than after the collective timeout."""
+        if self.failed is not None or not dist.is_initialized():
+            return
+        self.failed = what
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.compare_set(_FAILURE_KEY, "", f"process {self.rank} of {self.size} "
+                              f"ended with {what}")
+        except (RuntimeError, ValueError) as e:  # the store's host has gone
+            logger.debug("Could not record the failure in the store: %s", e)
+        if not self.owned:
+            return
+        self.owned = False
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            dist.destroy_process_group()
+            if self.rank == 0 and config.launcher()["agent_store"] != "True":
+                # this process hosts the store: let the others read it
+                deadline = time.monotonic() + _FAILURE_READ_S
+                while store.add(_SEEN_KEY, 0) < self.size - 1 and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.05)
+        except (RuntimeError, ValueError, AssertionError) as e:
+            logger.debug("Leaving the distributed run after an error: %s", e)
+
+    def _failure_report(self) -> Optional[str]:
+        """What another process recorded about its failure: ``"process 1 of 2 ended
+        with ..."``, ``None`` when none did, or a note that the store is gone."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if not store.check([_FAILURE_KEY]):
+                return None
+            report = store.get(_FAILURE_KEY).decode(errors="replace")
+            store.add(_SEEN_KEY, 1)
+            return report[:1].upper() + report[1:]
+        except (RuntimeError, ValueError) as e:
+            return ("The rendezvous store is unreachable: the process that hosts it "
+                    f"(process 0 unless a launcher hosts it) has ended ({e})")
+
     # -- collectives ------------------------------------------------------------------
 
     def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -187,17 +241,21 @@ class ProcessGroup:
             return fn()
         except (RuntimeError, ValueError) as e:  # DistBackendError is a RuntimeError
             self.failed = what
+            report = self._failure_report()
             if self.owned:
                 try:
                     dist.destroy_process_group()
                 except (RuntimeError, ValueError, AssertionError) as shutdown:
                     logger.debug("destroy_process_group after a failure: %s", shutdown)
-            raise backend_error(
-                f"Distributed {what} failed in process {self.rank} of {self.size}: "
+            cause = report or (
                 "another process died, raised an error or did not reach the same point "
                 f"within the collective timeout ({TIMEOUT_ENV}, default "
-                f"{DEFAULT_TIMEOUT_S:.0f} s). Check the other processes' output. "
-                f"torch.distributed said: {str(e).strip()[:400]}") from None
+                f"{DEFAULT_TIMEOUT_S:.0f} s); no process recorded an error, so one was "
+                "killed or stopped participating")
+            raise backend_error(
+                f"Distributed {what} failed in process {self.rank} of {self.size}: "
+                f"{cause}. Check the other processes' output. torch.distributed said: "
+                f"{str(e).strip()[:400]}") from None
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Sum ``tensors`` over all processes (every process passes the same list of
@@ -296,6 +354,34 @@ class ProcessGroup:
 _GROUP: Optional[ProcessGroup] = None
 #: Longest wait (seconds) for the other processes when a process leaves the run.
 _EXIT_BARRIER_S = 30
+#: Rendezvous-store key of the first failure a process recorded, and the counter of
+#: processes that read it.
+_FAILURE_KEY = "poptorch/failure"
+_SEEN_KEY = "poptorch/failure_seen"
+#: Longest time (seconds) a failed process hosting the store keeps it for the others.
+_FAILURE_READ_S = 5.0
+_HOOKED = [False]
+
+
+def _install_excepthook() -> None:
+    """Wrap ``sys.excepthook`` (once): an uncaught exception makes this process leave
+    the run at once (:meth:`ProcessGroup.leave_after_error`) after the traceback is
+    printed."""
+    if _HOOKED[0]:
+        return
+    _HOOKED[0] = True
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        try:
+            previous(kind, value, traceback)
+        finally:
+            group = _GROUP
+            if group is not None:
+                text = f"{kind.__name__}: {value}".strip()
+                group.leave_after_error(text if len(text) <= 300 else text[:297] + "...")
+
+    sys.excepthook = hook
 
 
 def process_group(process_id: int, num_processes: int, device: str = "cpu"

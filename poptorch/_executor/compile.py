@@ -88,12 +88,11 @@ def _program(state: ExecutorState, bound: BoundArgs, tensors: List[torch.Tensor]
     def recapture() -> Program:
         return capture_program(state, bound, spec, micro, sess_opts.device)
 
-    directory = cache.cache_directory(state.options)
-    key = cache.cache_key(state.model, state.options, state.training,
-                          state.per_replica_params, spec, list(bound.names),
-                          bound.num_positional, sess_opts.device, sess_opts.backend,
-                          state.poptorch_version) if directory else None
-    program = cache.obtain_program(directory, key, recapture)
+    request = cache.CacheRequest(
+        state.model, state.options, state.training, dict(state.per_replica_params), spec,
+        list(bound.names), bound.num_positional, sess_opts.device, sess_opts.backend,
+        state.poptorch_version)
+    program = cache.obtain_program(request, recapture)
     if keep_blobs and program.blobs is None:
         program.blobs = to_blobs(program)
     return program, recapture

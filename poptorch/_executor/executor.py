@@ -593,17 +593,21 @@ def wrap_loaded(loaded: "export.Loaded") -> PoplarExecutor:
     (no capture), the optimizer's device state and the RNG state restored.
 
     Raises:
-        poptorch.Error: the file's program does not fit the rebuilt model.
+        poptorch.Error: "Invalid file <f>: ...": the file's program, optimizer or RNG
+            state does not fit the rebuilt model.
     """
-    executor = wrap(loaded.model, loaded.options, loaded.training, loaded.version,
-                    optimizer=loaded.optimizer)
+    with loaded.part("metadata.json.optimizer"):
+        executor = wrap(loaded.model, loaded.options, loaded.training, loaded.version,
+                        optimizer=loaded.optimizer)
     st = executor._state
     st.per_replica_params.update(loaded.groupings)
     loaded.check(lifecycle.expected(st))
     executor._compile_from(loaded.program)
     if loaded.training and st.session is not None:
-        export.write_device_state(st.binding.optimizer, st.session,
-                                  loaded.optimizer_state)
+        with loaded.part("optimizer.safetensors"):
+            export.write_device_state(st.binding.optimizer, st.session,
+                                      loaded.optimizer_state)
     if loaded.rng_state is not None:
-        executor.rng_state = loaded.rng_state
+        with loaded.part("metadata.json.rng_state"):
+            executor.rng_state = loaded.rng_state
     return executor

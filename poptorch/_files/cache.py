@@ -2,7 +2,7 @@
 ``POPTORCH_CACHE_DIR``.
 
 A cache entry is the captured program in the executable file format
-(:mod:`poptorch._files.container`), without weights: the executor always uploads the
+(:mod:`poptorch._serialization`), without weights: the executor always uploads the
 host model's current weights, so an entry serves any weight values. Its file name is a
 SHA-256 key computed **before** capturing (capture is the work the cache saves) from:
 
@@ -10,46 +10,90 @@ SHA-256 key computed **before** capturing (capture is the work the cache saves) 
   ``backend`` entry (execution backend and device, from the options);
 * the model: for every sub-module its path, class, attribute values (numbers,
   strings, ... and the type of other objects; ``training``, ``Block`` ids included) and
-  forward hooks (``BeginBlock``), the
-  SHA-256 of the source file of every class involved, the name, kind, shape, dtype
-  and ``requires_grad`` of every parameter and buffer, and the values of plain tensor
-  attributes (they become constants of the program);
-* the training flag, every option (except the cache path itself) and the replica
-  grouping of weights;
+  forward hooks (``BeginBlock``); a digest of the code of every class involved and of
+  the user code it reaches (:mod:`poptorch._code_digest`: byte code, never source
+  files, so classes defined in a notebook, ``exec`` or ``python -c`` are cached
+  too); the name, kind, shape, dtype and ``requires_grad`` of every parameter and
+  buffer, and the values of plain tensor attributes (they become constants of the
+  program);
+* the training flag, every option (except the cache path) and the replica grouping of
+  weights;
 * the input signature: argument names, structure, shapes, dtypes and non-tensor values.
 
-Code the model calls outside those source files (helpers in other modules) is not
-part of the key: clear the cache directory after editing such code. When a class's
-source cannot be read (defined in an interactive session) nothing is cached.
+Code of installed packages other than ``torch`` / ``poptorch`` is not part of the key:
+clear the cache directory after upgrading one.
 
 Writes are atomic (temporary file + ``os.replace``); a lock file per entry
-(``<entry>.lock``, an OS file lock released when a process dies) makes concurrent
-processes of one run - e.g. the processes of a distributed run (S-28) - compile once:
-the first captures and fills the entry, the others wait and load it. An entry that
-cannot be read (corrupted, another format version) is ignored with a warning and
-rebuilt. The directory is never pruned. Unlike the Poplar IPU Model, caching works on
-our IPU Model.
+(``<entry>.lock``, an OS file lock that the system releases when its process dies, so
+a dead process's lock is taken over at once) makes concurrent processes of one run -
+e.g. the processes of a distributed run (S-28) - compile once: the first captures and
+fills the entry, the others wait and load it. A process waits for a lock at most
+``POPTORCH_CACHE_LOCK_TIMEOUT`` seconds (default :data:`DEFAULT_LOCK_TIMEOUT_S`),
+logging at INFO which entry it waits for; after that it compiles without the cache and
+says so in a warning. An entry that cannot be read, is malformed in any way or does
+not fit the model (its weights, inputs) gives one warning, is deleted and rebuilt: a
+bad entry never makes a compile fail. The directory is never pruned. Unlike the Poplar
+IPU Model, caching works on our IPU Model.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import inspect
 import json
 import os
+import stat
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
-from popart_compiler.errors import Error
-from poptorch._executor import instrument
-from poptorch._files.container import (FORMAT_VERSION, encode, read_container,
-                                       write_container)
-from poptorch._files.program import Program, encode_spec, from_blobs, to_blobs
+from popart_compiler.errors import Error, backend_error
+
+from poptorch import _config as config
+from poptorch._executor import instrument as _instrument
+from poptorch._files.code_digest import code_digest
+from poptorch._files.structure import encode_spec
 from poptorch._logging import logger
+from poptorch._files.program import Program, from_blobs, structure_of, to_blobs
+from poptorch._files.container import FORMAT_VERSION, encode, read_container, write_container
 
-__all__ = ["cache_directory", "cache_key", "obtain_program"]
+__all__ = ["CacheRequest", "cache_directory", "cache_key", "obtain_program",
+           "lock_timeout", "LOCK_TIMEOUT_ENV", "DEFAULT_LOCK_TIMEOUT_S"]
+
+#: Environment variable: longest wait (seconds) for another process's cache-entry lock.
+LOCK_TIMEOUT_ENV = "POPTORCH_CACHE_LOCK_TIMEOUT"
+#: Wait for a cache-entry lock when :data:`LOCK_TIMEOUT_ENV` is not set (seconds).
+DEFAULT_LOCK_TIMEOUT_S = float(config.VARIABLES[LOCK_TIMEOUT_ENV].default)
+
+
+@dataclasses.dataclass
+class CacheRequest:
+    """One compilation as the executable cache sees it.
+
+    Attributes:
+        model: the module captured (its structure, code and weights make the key; an
+            entry's weights must match its parameters and buffers).
+        options: the executor's ``Options``.
+        training: a training compilation.
+        groupings: replica groupings of weights (S-27), by parameter name.
+        spec: the structure of the bound call arguments.
+        names: the bound argument names.
+        num_positional: how many were passed positionally.
+        device: the torch device the kernels run on.
+        backend: the compiler backend (``eager`` / ``inductor``).
+        version: the PopTorch version.
+    """
+    model: torch.nn.Module
+    options: Any
+    training: bool
+    groupings: Dict[str, Any]
+    spec: Any
+    names: List[str]
+    num_positional: int
+    device: str
+    backend: str
+    version: str
 
 #: Options that do not change the compiled program.
 #: Options that do not change what is compiled: where the cache is, and which process of
@@ -76,22 +120,6 @@ def _simple(value: Any) -> Any:
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
-def _source_hash(cls: type, hashes: Dict[str, str]) -> bool:
-    """Record the SHA-256 of the file defining ``cls``; False if unreadable."""
-    if cls.__module__ in ("torch", "builtins") or cls.__module__.startswith("torch."):
-        return True  # covered by the torch version
-    try:
-        path = inspect.getsourcefile(cls)
-    except TypeError:
-        path = None
-    if path is None or not os.path.isfile(path):
-        return False
-    if path not in hashes:
-        with open(path, "rb") as f:
-            hashes[path] = hashlib.sha256(f.read()).hexdigest()
-    return True
-
-
 def _tensor_hash(value: torch.Tensor) -> str:
     """Dtype, shape and SHA-256 of the bytes of a plain tensor attribute."""
     data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -105,22 +133,20 @@ def _hook_description(hook: Any) -> Any:
             getattr(hook, "__qualname__", ""), {k: _simple(v) for k, v in state.items()}]
 
 
-def _model_description(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
-    hashes: Dict[str, str] = {}
+def _model_description(model: torch.nn.Module) -> Dict[str, Any]:
+    classes: Dict[int, type] = {}
+    hook_functions: List[Any] = []
     modules = []
-    with instrument.syncing():
+    with _instrument.syncing():
         for path, module in model.named_modules(remove_duplicate=False):
-            cls = instrument.original_class(module) if instrument.is_instrumented(
+            cls = _instrument.original_class(module) if _instrument.is_instrumented(
                 module) else type(module)
-            if not _source_hash(cls, hashes):
-                logger.info("Executable cache not used: the source of %s.%s cannot be "
-                            "read.", cls.__module__, cls.__qualname__)
-                return None
+            classes.setdefault(id(cls), cls)
             attrs = {k: _simple(v) for k, v in sorted(vars(module).items())
                      if not isinstance(v, torch.Tensor)}
-            hooks = [_hook_description(h) for table in (
-                module._forward_pre_hooks, module._forward_hooks)
-                for h in table.values()]
+            tables = (module._forward_pre_hooks, module._forward_hooks)
+            hooks = [_hook_description(h) for table in tables for h in table.values()]
+            hook_functions.extend(h for table in tables for h in table.values())
             constants = {k: _tensor_hash(v) for k, v in sorted(vars(module).items())
                          if isinstance(v, torch.Tensor)
                          and not isinstance(v, torch.nn.Parameter)}
@@ -130,37 +156,32 @@ def _model_description(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
                  for n, t in model.named_parameters(remove_duplicate=False)]
         state += [[n, "b", list(t.shape), str(t.dtype)]
                   for n, t in model.named_buffers(remove_duplicate=False)]
-    return {"modules": modules, "sources": sorted(hashes.values()), "state": state}
+    return {"modules": modules, "state": state,
+            "code": code_digest(classes.values(), hook_functions)}
 
 
-def cache_key(model: torch.nn.Module, options: Any, training: bool,
-              groupings: Dict[str, Any], spec, names: List[str], num_positional: int,
-              device: str, backend: str, version: str) -> Optional[str]:
-    """The cache key of compiling ``model`` (training or not, with these options and
-    replica groupings, by PopTorch ``version``) for inputs of structure ``spec``
-    bound to argument ``names``, or ``None`` when the model cannot be keyed
-    (unreadable source, unencodable option or input)."""
-    described = _model_description(model)
-    if described is None:
-        return None
+def cache_key(request: CacheRequest) -> Optional[str]:
+    """The cache key of ``request``, or ``None`` when the inputs or options cannot be
+    encoded (a custom-parser argument, a non-JSON constant)."""
+    described = _model_description(request.model)
     try:
-        options = encode(options)
-        inputs = encode_spec(spec, "the inputs")
-        groupings = encode(dict(groupings))
+        options = encode(request.options)
+        inputs = encode_spec(request.spec, "the inputs")
+        groupings = encode(dict(request.groupings))
     except Error as exc:
         logger.info("Executable cache not used: %s", exc.message)
         return None
     options = _drop_keys(options, _NOT_IN_KEY)
     parts = {
         "format_version": FORMAT_VERSION,
-        "versions": [version, torch.__version__,
+        "versions": [request.version, torch.__version__,
                      f"{sys.version_info[0]}.{sys.version_info[1]}"],
-        "backend": {"name": backend, "device": device},
-        "training": training,
+        "backend": {"name": request.backend, "device": request.device},
+        "training": request.training,
         "model": described,
         "options": options,
         "replica_groupings": groupings,
-        "inputs": [inputs, list(names), num_positional],
+        "inputs": [inputs, list(request.names), request.num_positional],
     }
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -178,54 +199,126 @@ def _drop_keys(value: Any, keys) -> Any:
     return {k: _drop_keys(v, keys) for k, v in value.items()}
 
 
-def _load_entry(path: str) -> Optional[Program]:
+def lock_timeout() -> float:
+    """``POPTORCH_CACHE_LOCK_TIMEOUT`` in seconds (default 300; 0 = do not wait).
+
+    Raises:
+        poptorch.Error: the variable is not a number >= 0.
+    """
+    text = config.text(LOCK_TIMEOUT_ENV)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise backend_error(f"{LOCK_TIMEOUT_ENV}={text!r} is not a valid timeout: give a "
+                            "number of seconds >= 0.")
+    return seconds
+
+
+def _entry_fits(request: CacheRequest, structure: Dict[str, Any]) -> Optional[str]:
+    """Why the checked entry does not fit this compilation, or ``None``."""
+    with _instrument.syncing():
+        host = dict(request.model.named_parameters(remove_duplicate=False))
+        host.update(request.model.named_buffers(remove_duplicate=False))
+    for entry in structure["state"]:
+        tensor = host.get(entry["name"])
+        if tensor is None or entry["name"] not in request.groupings and (
+                list(tensor.shape) != entry["shape"] or
+                str(tensor.dtype).rpartition(".")[2] != entry["dtype"]):
+            return f"weight {entry['name']} does not match the model"
+    if structure["inputs"] != encode_spec(request.spec, "the inputs") or \
+            structure["input_names"] != list(request.names) or \
+            structure["num_positional"] != request.num_positional:
+        return "its inputs do not match this call"
+    return None
+
+
+def _load_entry(path: str, request: CacheRequest) -> Optional[Program]:
+    """The program of the entry at ``path``, or ``None`` when there is none or it is
+    unusable (then it is deleted, with one warning)."""
     if not os.path.exists(path):
         return None
     try:
-        program = from_blobs(read_container(path))
-    except Error as exc:
-        logger.warning("Ignoring the unreadable executable cache entry %s (%s): it is "
-                       "rebuilt.", path, exc.message)
+        blobs = read_container(path)
+        meta = json.loads(blobs.get("metadata.json", b"null"))
+        if not isinstance(meta, dict) or meta.get("kind") != "cache-entry":
+            raise backend_error(f"Invalid file {path}: not an executable-cache entry")
+        structure = structure_of(blobs)
+        reason = _entry_fits(request, structure)
+        if reason is not None:
+            raise backend_error(f"Invalid file {path}: {reason}")
+        program = from_blobs(blobs, path)
+    except Exception as exc:  # noqa: BLE001 - whatever is wrong, the entry is rebuilt
+        message = exc.message if isinstance(exc, Error) else f"{type(exc).__name__}: {exc}"
+        logger.warning("Discarding the unusable executable cache entry %s (%s): it is "
+                       "rebuilt.", path, message)
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):  # never a link, FIFO, device
+                os.unlink(path)
+        except OSError as unlink_error:
+            logger.debug("Could not delete %s: %s", path, unlink_error)
         return None
     logger.info("Loaded the executable from the cache: %s", path)
     return program
 
 
-def obtain_program(directory: Optional[str], key: Optional[str],
-                   capture: Callable[[], Program]) -> Program:
-    """The program for this compilation: from the cache entry ``key`` in ``directory``
-    when present and readable, else ``capture()`` (which then fills the entry).
+def _write_entry(path: str, program: Program) -> None:
+    try:
+        program.blobs = to_blobs(program)
+        blobs = dict(program.blobs)
+        blobs["metadata.json"] = json.dumps({"kind": "cache-entry",
+                                             "torch_version": torch.__version__}
+                                            ).encode()
+        write_container(path, blobs)
+        logger.info("Wrote the executable to the cache: %s", path)
+    except Exception as exc:  # noqa: BLE001 - a program that cannot be stored
+        logger.warning("Could not write the executable cache entry %s: %s", path,
+                       getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
+
+
+def obtain_program(request: CacheRequest, capture: Callable[[], Program]) -> Program:
+    """The program for ``request``: from its cache entry when caching is on and the
+    entry is present and usable, else ``capture()`` (which then fills the entry).
+
+    Waits at most :func:`lock_timeout` seconds for another process holding the entry's
+    lock, then captures without the cache (warning).
 
     Raises:
-        Whatever ``capture()`` raises. Cache I/O failures only log a warning.
+        Whatever ``capture()`` raises. Cache I/O failures and unusable entries only log
+        a warning.
     """
+    directory = cache_directory(request.options)
+    key = cache_key(request) if directory is not None else None
     if directory is None or key is None:
         return capture()
+    path = os.path.join(directory, key + ".poptorch")
+    timeout = lock_timeout()
     try:
         os.makedirs(directory, exist_ok=True)
-        lock = FileLock(os.path.join(directory, key + ".poptorch.lock"))
-        lock.acquire()
+        lock = FileLock(path + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.info("Waiting (at most %.0f s, %s) for another process that holds the "
+                        "lock of the executable cache entry %s", timeout,
+                        LOCK_TIMEOUT_ENV, path)
+            lock.acquire(timeout=timeout)
+    except Timeout:
+        logger.warning("The executable cache entry %s stayed locked by another process "
+                       "for %.0f s (%s): compiling without the cache.", path, timeout,
+                       LOCK_TIMEOUT_ENV)
+        return capture()
     except OSError as exc:
         logger.warning("Executable cache %s not usable (%s): compiling without it.",
                        directory, exc)
         return capture()
     try:
-        path = os.path.join(directory, key + ".poptorch")
-        program = _load_entry(path)
+        program = _load_entry(path, request)
         if program is not None:
             return program
         program = capture()
-        try:
-            program.blobs = to_blobs(program)
-            blobs = dict(program.blobs)
-            blobs["metadata.json"] = json.dumps({"kind": "cache-entry",
-                                                 "torch_version": torch.__version__}
-                                                ).encode()
-            write_container(path, blobs)
-            logger.info("Wrote the executable to the cache: %s", path)
-        except (Error, OSError) as exc:
-            logger.warning("Could not write the executable cache entry %s: %s", path,
-                           getattr(exc, "message", exc))
+        _write_entry(path, program)
         return program
     finally:
         lock.release()

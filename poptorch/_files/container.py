@@ -13,14 +13,19 @@ Layout of a ``.poptorch`` file (also used for executable-cache entries, S-61)::
     model.pkl              the pickled Python model (only with ``export_model=True``;
                            read only when the caller opts in)
 
-Every blob is checked against the manifest's SHA-256 before use, so a truncated or
-edited file is refused with an :class:`poptorch.Error` naming the blob. Files are written
-to a temporary name in the target directory and renamed into place (``os.replace``):
-a reader never sees a partial file. JSON values that are not plain JSON (enums,
-dtypes, tuples, option objects) use the tagged encoding of :func:`encode` /
-:func:`decode`, which only ever rebuilds classes of ``poptorch``'s own option and
-enum modules: nothing in a file is unpickled or executed unless the caller asks for
-the pickled model.
+Blobs are stored uncompressed; the reader refuses a compressed entry before inflating
+it and checks every declared size against the size of the file, so a file cannot make
+it allocate more than its own size. Every blob is checked against the manifest's
+SHA-256 before use, so a truncated or edited file is refused with an
+:class:`poptorch.Error` naming the blob. A checksum is no signature (whoever edits a
+file recomputes it): the contents are checked by :mod:`poptorch._file_shapes` and
+:mod:`poptorch._program_checks` before anything is built from them. Files are written
+to a temporary name in the target directory and renamed into place (``os.replace``): a
+reader never sees a partial file, and nothing that is not a regular file is replaced.
+JSON values that are not plain JSON (enums, dtypes, tuples, option objects) use the
+tagged encoding of :func:`encode` / :func:`decode`, which only ever rebuilds classes of
+``poptorch``'s own option and enum modules: nothing in a file is unpickled or executed
+unless the caller asks for the pickled model.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import hashlib
 import importlib
 import json
 import os
+import stat
 import tempfile
 import zipfile
 from typing import Any, Dict
@@ -40,7 +46,8 @@ from safetensors.torch import save as _st_save
 from popart_compiler.errors import Error, backend_error
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "write_container", "read_container", "encode",
-           "decode", "tensors_to_bytes", "tensors_from_bytes", "dtype_name", "dtype_of"]
+           "decode", "tensors_to_bytes", "tensors_from_bytes", "dtype_name", "dtype_of",
+           "DTYPES", "MAX_MANIFEST_BYTES"]
 
 FORMAT = "poptorch-executable"
 #: Bumped whenever the layout or the meaning of a blob changes.
@@ -77,7 +84,11 @@ def write_container(path: str, blobs: Dict[str, bytes]) -> None:
 
     Raises:
         OSError: the directory is not writable.
+        poptorch.Error: ``path`` exists and is not a regular file (never replaced).
     """
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise backend_error(f"Cannot write {path}: it exists and is not a regular file "
+                            "(a link, device, FIFO or directory), which is never replaced.")
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".poptorch", dir=directory)
     try:
@@ -92,51 +103,107 @@ def write_container(path: str, blobs: Dict[str, bytes]) -> None:
         raise
 
 
+#: Largest ``manifest.json`` accepted (a manifest lists a dozen blobs in 2 KB).
+MAX_MANIFEST_BYTES = 1 << 20
+_CHUNK = 1 << 20
+
+
+def _read_capped(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """The bytes of entry ``info``, read in chunks and never more than ``limit + 1``
+    (an entry whose data runs past its declared size is refused by the caller)."""
+    parts, total = [], 0
+    with archive.open(info) as stream:
+        while total <= limit:
+            chunk = stream.read(min(_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            parts.append(chunk)
+            total += len(chunk)
+    return b"".join(parts)
+
+
 def read_container(path: str) -> Dict[str, bytes]:
     """Read and verify a container.
 
+    Nothing is inflated: PopTorch writes every blob stored (uncompressed), so a
+    compressed entry is refused before any of it is read, and every declared size is
+    checked against the size of the file first. The memory a file can make the reader
+    allocate is therefore bounded by the size of the file (a decompression bomb is
+    refused with no more memory than a good file of its size takes).
+
     Returns:
-        Blob name → bytes, every blob checked against its manifest checksum.
+        Blob name → bytes, every blob checked against its manifest size and checksum.
 
     Raises:
         poptorch.Error: "Invalid file <path>: <reason>": missing file, not a zip /
-            truncated, no manifest (not a PopTorch file), another format or format
-            version, a missing blob or a checksum mismatch.
+            truncated, no manifest (not a PopTorch file), a malformed manifest, another
+            format or format version, a compressed, oversized, duplicated or missing
+            blob or a checksum mismatch.
     """
     def invalid(reason: str) -> Error:
         return backend_error(f"Invalid file {path}: {reason}")
 
     if not os.path.isfile(path):
-        raise invalid("no such file")
+        raise invalid("not a regular file" if os.path.exists(path) else "no such file")
     try:
+        file_size = os.path.getsize(path)
         with zipfile.ZipFile(path, "r") as archive:
-            names = set(archive.namelist())
-            if _MANIFEST not in names:
+            infos: Dict[str, zipfile.ZipInfo] = {}
+            for info in archive.infolist():
+                if info.filename in infos:
+                    raise invalid(f"blob {info.filename} appears twice")
+                infos[info.filename] = info
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise invalid(f"blob {info.filename} is compressed (zip method "
+                                  f"{info.compress_type}); PopTorch files store blobs "
+                                  "uncompressed and compressed ones are not inflated")
+                if max(info.file_size, info.compress_size) > file_size:
+                    raise invalid(f"blob {info.filename} declares {info.file_size} "
+                                  f"bytes, more than the whole file ({file_size} bytes)")
+            if _MANIFEST not in infos:
                 raise invalid("the file does not contain Poptorch metadata (no "
                               f"{_MANIFEST}): it was not written by "
                               "PoplarExecutor.save() / compileAndExport()")
-            manifest = json.loads(archive.read(_MANIFEST))
+            if infos[_MANIFEST].file_size > MAX_MANIFEST_BYTES:
+                raise invalid(f"{_MANIFEST} is {infos[_MANIFEST].file_size} bytes (at "
+                              f"most {MAX_MANIFEST_BYTES})")
+            manifest = json.loads(_read_capped(archive, infos[_MANIFEST],
+                                               MAX_MANIFEST_BYTES))
             if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-                raise invalid(f"unknown format {manifest.get('format')!r} "
+                raise invalid(f"unknown format "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r} "
                               f"(expected {FORMAT!r})")
             version = manifest.get("format_version")
             if version != FORMAT_VERSION:
                 raise invalid(f"format version {version} is not supported by this "
                               f"PopTorch (which reads version {FORMAT_VERSION}): export "
                               "the model again with this version")
-            blobs = {}
-            for name, entry in manifest.get("blobs", {}).items():
-                if name not in names:
+            entries = manifest.get("blobs")
+            if not isinstance(entries, dict) or not all(
+                    isinstance(e, dict) and type(e.get("size")) is int and
+                    isinstance(e.get("sha256"), str) for e in entries.values()):
+                raise invalid(f"malformed {_MANIFEST} (expected blobs: {{name: "
+                              "{sha256, size}}})")
+            declared = sum(e["size"] for e in entries.values())
+            if declared > file_size:
+                raise invalid(f"the manifest declares {declared} bytes of blobs, more "
+                              f"than the whole file ({file_size} bytes)")
+            for name, entry in entries.items():
+                if name not in infos:
                     raise invalid(f"blob {name} is missing (the file is truncated)")
-                data = archive.read(name)
-                if len(data) != entry.get("size") or _sha256(data) != entry.get("sha256"):
+                if infos[name].file_size != entry["size"]:
+                    raise invalid(f"blob {name} is corrupted (size mismatch)")
+            blobs = {}
+            for name, entry in entries.items():
+                data = _read_capped(archive, infos[name], entry["size"])
+                if len(data) != entry["size"] or _sha256(data) != entry["sha256"]:
                     raise invalid(f"blob {name} is corrupted (checksum mismatch)")
                 blobs[name] = data
             return blobs
     except Error:
         raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError,
-            KeyError, json.JSONDecodeError) as exc:
+            KeyError, TypeError, RecursionError, NotImplementedError) as exc:
         raise invalid(f"the file is truncated or corrupted ({type(exc).__name__}: "
                       f"{exc})") from None
 
@@ -164,10 +231,14 @@ def dtype_of(name: str) -> torch.dtype:
     Raises:
         poptorch.Error: not a torch dtype name.
     """
-    value = getattr(torch, str(name), None)
-    if not isinstance(value, torch.dtype):
+    value = DTYPES.get(name) if isinstance(name, str) else None
+    if value is None:
         raise backend_error(f"Invalid file: {name!r} is not a torch dtype")
     return value
+
+
+#: ``"float32"`` → ``torch.float32`` for every dtype of this torch.
+DTYPES = {dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
 # -- tagged JSON -----------------------------------------------------------------------

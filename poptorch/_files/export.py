@@ -14,29 +14,32 @@ caller passes ``unpickle_model=True``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
 import os
 import pickle
-from typing import Any, Callable, Dict, Optional, Tuple
+import stat
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from popart_compiler.errors import backend_error, py_error
+from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.stages import Executable
 from poptorch import enums
 from poptorch._executor import instrument
-from poptorch._files.container import (decode, encode, read_container, tensors_from_bytes,
-                                       tensors_to_bytes, write_container)
+from poptorch._files.container import decode, encode, tensors_to_bytes, write_container
+from poptorch._files.exported_file import CheckedFile, check_file, read_file
 from poptorch._files.optimizer_record import (device_state_of, optimizer_record,
                                               rebuild_optimizer, write_device_state)
-from poptorch._files.program import (Program, decode_signature, encode_signature,
-                                     from_blobs, structure_of, to_blobs)
+from poptorch._files.program import Program, from_blobs, to_blobs
+from poptorch._files.schema import Invalid, invalid_file
+from poptorch._files.structure import decode_signature, encode_signature
 from poptorch._logging import logger
 
 __all__ = ["Saved", "Expected", "Loaded", "save", "load_executable", "read_exported",
-           "import_metadata", "write_device_state", "ExportedModel"]
+           "import_metadata", "write_device_state", "from_file", "ExportedModel"]
 
 #: Options that may differ between the saving and the loading executor (S-62: only
 #: run-time options matter after loading).
@@ -50,18 +53,41 @@ _RUNTIME_OPTIONS = frozenset({
 # -- saving ---------------------------------------------------------------------------
 
 def _target_path(filename: str) -> str:
-    """api §5.5: create the parent directory; write ``<dir>/model.poptorch`` when
-    ``filename`` is a directory."""
+    """The regular file ``save`` writes (api §5.5): the parent directory is created;
+    ``<dir>/model.poptorch`` when ``filename`` is a directory; a symbolic link to a
+    regular file is written through (the file it points to is replaced, the link
+    kept).
+
+    Raises:
+        AssertionError: the parent of ``filename`` is not a directory (as PopTorch).
+        poptorch.Error: ``filename`` exists and is not a regular file (a device such as
+            ``/dev/null``, a FIFO, a socket) or is a link to one or to nothing: it is
+            never replaced.
+    """
     filename = os.fspath(filename)
     if os.path.isdir(filename):
         path = os.path.join(filename, "model.poptorch")
         logger.warning("save(): %s is a directory: saving to %s", filename, path)
-        return path
-    parent = os.path.dirname(os.path.abspath(filename))
+        filename = path
+    target = os.path.realpath(filename) if os.path.islink(filename) else filename
+    if os.path.lexists(filename):
+        if os.path.islink(filename) and not os.path.lexists(target):
+            raise backend_error(f"Cannot save to {filename}: it is a symbolic link to "
+                                f"{os.readlink(filename)}, which does not exist. Remove "
+                                "the link or save to another path.")
+        mode = os.stat(target).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+                "a FIFO" if stat.S_ISFIFO(mode) else \
+                "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+            shown = filename if target == filename else f"{filename} (-> {target})"
+            raise backend_error(f"Cannot save to {shown}: it exists and is {what}, which "
+                                "save() never replaces. Save to a regular file path.")
+    parent = os.path.dirname(os.path.abspath(target))
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise AssertionError(f"Cannot save to {filename}: {parent} is not a directory")
     os.makedirs(parent, exist_ok=True)
-    return filename
+    return target
 
 
 @dataclasses.dataclass
@@ -164,21 +190,9 @@ def save(filename: str, saved: Saved) -> None:
 
 # -- loading --------------------------------------------------------------------------
 
-def _read(filename: str) -> Tuple[Dict[str, bytes], Dict[str, Any]]:
-    blobs = read_container(os.fspath(filename))
-    if "metadata.json" not in blobs or "program.json" not in blobs:
-        raise backend_error(f"Invalid file {filename}: it does not contain Poptorch "
-                            "metadata and a program.")
-    meta = json.loads(blobs["metadata.json"])
-    if meta.get("kind") != "executable":
-        raise backend_error(f"Invalid file {filename}: it is an executable-cache entry, "
-                            "not a file written by save() / compileAndExport().")
-    return blobs, meta
-
-
 def import_metadata(filename: str) -> bytes:
     """See :func:`poptorch.importPoptorchMetadataFromFile`."""
-    return _read(filename)[0]["metadata.json"]
+    return read_file(filename)[0]["metadata.json"]
 
 
 def _options_difference(current, stored) -> Optional[str]:
@@ -213,9 +227,8 @@ class Expected:
     version: str
 
 
-def _check_fits(expected: Expected, filename: str, meta: Dict[str, Any],
-                structure: Dict[str, Any]) -> None:
-    """Raise unless the file's executable fits ``expected``.
+def _check_fits(expected: Expected, filename: str, checked: CheckedFile) -> None:
+    """Raise unless the file's (checked) executable fits ``expected``.
 
     Raises:
         poptorch.Error: naming the first difference.
@@ -226,8 +239,9 @@ def _check_fits(expected: Expected, filename: str, meta: Dict[str, Any],
                             "options.")
 
     kind = {True: "training", False: "inference"}
-    if bool(meta["training"]) != expected.training:
-        fail(f"it holds a {kind[bool(meta['training'])]} executable but this is an "
+    meta, structure = checked.meta, checked.structure
+    if meta["training"] != expected.training:
+        fail(f"it holds a {kind[meta['training']]} executable but this is an "
              f"{kind[expected.training]} model")
     host = expected.tensors
     for entry in structure["state"]:
@@ -244,31 +258,50 @@ def _check_fits(expected: Expected, filename: str, meta: Dict[str, Any],
         t, torch.nn.Parameter))
     if extra:
         fail(f"this model has parameters {extra[:5]} that the executable does not use")
-    stored_sig = decode_signature(meta.get("signature"))
     here = expected.signature
     if here is not None and meta.get("signature") is not None and \
-            list(here.parameters) != list(stored_sig.parameters):
+            list(here.parameters) != list(checked.signature.parameters):
         fail(f"forward takes {list(here.parameters)} here but "
-             f"{list(stored_sig.parameters)} in the executable")
-    difference = _options_difference(expected.options, decode(meta["options"]))
+             f"{list(checked.signature.parameters)} in the executable")
+    difference = _options_difference(expected.options, checked.options)
     if difference is not None:
         fail(f"compile-time option {difference}")
 
 
+def _check_version(filename: str, meta: Dict[str, Any], version: str,
+                   error: Callable) -> None:
+    if meta.get("poptorch_version") != version:
+        raise error(f"Invalid file {filename}: PopTorch version mismatch (the file was "
+                    f"written by {meta.get('poptorch_version')}, this is {version}).")
+
+
 def load_executable(filename: str, expected: Expected) -> Program:
     """See :meth:`poptorch.PoplarExecutor.loadExecutable`: the stored program, once
-    the file is found to fit ``expected``.
+    every part of the file is checked and found to fit ``expected``.
 
     Raises:
         poptorch.Error: "Invalid file <f>: <reason>".
     """
-    blobs, meta = _read(filename)
-    if meta.get("poptorch_version") != expected.version:
-        raise backend_error(f"Invalid file {filename}: PopTorch version mismatch (the file "
-                            f"was written by {meta.get('poptorch_version')}, this is "
-                            f"{expected.version}).")
-    _check_fits(expected, filename, meta, structure_of(blobs))
-    return from_blobs(blobs)
+    filename = os.fspath(filename)
+    blobs, meta = read_file(filename)
+    _check_version(filename, meta, expected.version, backend_error)
+    checked = check_file(filename, blobs, meta, with_model=False)
+    _check_fits(expected, filename, checked)
+    return from_blobs(blobs, filename)
+
+
+@contextlib.contextmanager
+def from_file(filename: str, what: str) -> Iterator[None]:
+    """A step that applies the checked contents of ``filename`` (``what``: the part):
+    what it raises is the file's fault, reported as "Invalid file <f>: <what>: ..."."""
+    try:
+        yield
+    except Invalid as exc:
+        raise invalid_file(filename, exc) from None
+    except Error as exc:
+        raise invalid_file(filename, f"{what}: {exc.message}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+        raise invalid_file(filename, f"{what}: {type(exc).__name__}: {exc}") from None
 
 
 class ExportedModel(torch.nn.Module):
@@ -315,7 +348,8 @@ class ExportedModel(torch.nn.Module):
         self.forward = forward
 
 
-def _loaded_model(filename: str, blobs, meta, unpickle_model: bool) -> torch.nn.Module:
+def _loaded_model(filename: str, blobs, checked: CheckedFile,
+                  unpickle_model: bool) -> torch.nn.Module:
     if unpickle_model:
         if "model.pkl" not in blobs:
             raise backend_error(f"Invalid file {filename}: it holds no pickled Python "
@@ -324,13 +358,14 @@ def _loaded_model(filename: str, blobs, meta, unpickle_model: bool) -> torch.nn.
         if instrument.is_instrumented(model):
             model.__class__ = instrument.original_class(model)
         return model
-    return ExportedModel(meta["weights"], tensors_from_bytes(blobs["weights.safetensors"]),
-                         meta.get("signature"))
+    with from_file(filename, "metadata.json.weights"):
+        return ExportedModel(checked.meta["weights"], checked.weights,
+                             checked.meta["signature"])
 
 
 @dataclasses.dataclass
 class Loaded:
-    """An exported file, read: what ``poptorch.load`` wraps
+    """An exported file, read and checked: what ``poptorch.load`` wraps
     (:func:`poptorch._executor.executor.wrap_loaded`).
 
     Attributes:
@@ -344,6 +379,7 @@ class Loaded:
         groupings: replica groupings of weights (S-27).
         rng_state: the stored RNG state, or ``None``.
         version: the PopTorch version that wrote it (this one).
+        checked: the checked parts of the file.
     """
     filename: str
     options: Any
@@ -355,8 +391,7 @@ class Loaded:
     groupings: Dict[str, Any]
     rng_state: Optional[list]
     version: str
-    meta: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
-    structure: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    checked: CheckedFile = dataclasses.field(repr=False, default=None)
 
     def check(self, expected: Expected) -> None:
         """Raise unless the stored program fits the wrapper built for it.
@@ -364,43 +399,48 @@ class Loaded:
         Raises:
             poptorch.Error: "Invalid file <f>: <reason>".
         """
-        _check_fits(expected, self.filename, self.meta, self.structure)
+        _check_fits(expected, self.filename, self.checked)
+
+    def part(self, what: str):
+        """Context manager: errors while applying ``what`` of the file to the wrapper
+        are the file's (see :func:`from_file`)."""
+        return from_file(self.filename, what)
 
 
 def read_exported(filename: str, version: str, edit_opts_fn: Optional[Callable] = None,
                   unpickle_model: bool = False) -> Loaded:
-    """See :func:`poptorch.load`: read everything an exported file holds.
+    """See :func:`poptorch.load`: read and check everything an exported file holds
+    before building anything from it.
 
     Raises:
-        poptorch.Error: an unreadable file.
+        poptorch.Error: an unreadable or malformed file ("Invalid file <f>: ...").
         AssertionError: another PopTorch version; no model in the file.
     """
-    blobs, meta = _read(filename)
-    if meta.get("poptorch_version") != version:
-        raise AssertionError(f"Invalid file {filename}: PopTorch version mismatch (the file "
-                             f"was written by {meta.get('poptorch_version')}, this is "
-                             f"{version}).")
+    filename = os.fspath(filename)
+    blobs, meta = read_file(filename)
+    _check_version(filename, meta, version, AssertionError)
     if not meta.get("export_model"):
         raise AssertionError(
             f"Invalid file {filename}: it was saved with export_model=False and holds no "
             "model. Re-create the model and its wrapper (poptorch.trainingModel / "
             "poptorch.inferenceModel) and call wrapper.loadExecutable("
-            f"{os.fspath(filename)!r}) instead.")
-    options = decode(meta["options"])
+            f"{filename!r}) instead.")
+    checked = check_file(filename, blobs, meta, with_model=True)
+    options = decode(meta["options"])  # a copy: checked.options is what the file holds
     options._unfreeze()
     options.deleteIfExists("ipu_version")
     if options.connection_type == enums.ConnectionType.Never.value:
         options.connectionType(enums.ConnectionType.Always)
     if edit_opts_fn is not None:
         edit_opts_fn(options)
-    model = _loaded_model(filename, blobs, meta, unpickle_model)
+    model = _loaded_model(filename, blobs, checked, unpickle_model)
     optimizer = None
     if meta["training"] and "optimizer" in meta:
         with instrument.syncing():
             params = dict(model.named_parameters())
-        optimizer = rebuild_optimizer(meta["optimizer"],
-                                      blobs.get("optimizer.safetensors", b""), params)
-    return Loaded(os.fspath(filename), options, model, bool(meta["training"]), optimizer,
-                  blobs.get("optimizer.safetensors", b""), from_blobs(blobs),
-                  decode(meta.get("replica_groupings") or {"__dict__": []}),
-                  meta.get("rng_state"), version, meta, structure_of(blobs))
+        with from_file(filename, "metadata.json.optimizer"):
+            optimizer = rebuild_optimizer(meta["optimizer"], blobs["optimizer.safetensors"],
+                                          params)
+    return Loaded(filename, options, model, bool(meta["training"]), optimizer,
+                  blobs.get("optimizer.safetensors", b""), checked.program,
+                  dict(checked.groupings), meta.get("rng_state"), version, checked)

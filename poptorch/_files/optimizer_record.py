@@ -13,9 +13,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from popart_compiler.errors import backend_error
+from popart_compiler.errors import Error, backend_error
+
 from poptorch import optim
-from poptorch._files.container import decode, encode, tensors_from_bytes, tensors_to_bytes
+from poptorch._files.schema import Invalid
+from poptorch._files.shapes import checked_tensors, decoded
+from poptorch._files.container import encode, tensors_from_bytes, tensors_to_bytes
 
 __all__ = ["device_state_of", "optimizer_record", "rebuild_optimizer",
            "write_device_state"]
@@ -86,37 +89,78 @@ def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, st
     return settings, tensors_to_bytes(tensors)
 
 
+def _check_hyper(hyper: Any, reference: Dict[str, Any], where: str) -> None:
+    """Hyper-parameters of the types the optimizer class uses: numbers, booleans,
+    ``None`` (``foreach``, ``fused``) and tuples of numbers (``betas``)."""
+    def number(v: Any) -> bool:
+        return type(v) in (int, float)
+
+    if not isinstance(hyper, dict) or not all(isinstance(k, str) for k in hyper):
+        raise Invalid(f"{where} must map names to values")
+    for name, value in hyper.items():
+        default = reference.get(name)
+        if isinstance(default, bool) or default is None and name in reference:
+            ok = value is None or isinstance(value, bool)
+        elif isinstance(default, tuple):
+            ok = isinstance(value, tuple) and len(value) == len(default) and \
+                all(number(v) for v in value)
+        else:  # numbers, and entries such as an LR scheduler's initial_lr
+            ok = number(value) or value is None and name not in reference
+        if not ok:
+            raise Invalid(f"{where}: {name} = {value!r} is not a valid value")
+
+
 def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
                       params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer :func:`optimizer_record` described, over ``params`` (by name),
-    with its device state pending upload.
+    with its device state pending upload. ``settings`` has the shape
+    :data:`poptorch._file_shapes.OPTIMIZER`.
 
     Raises:
-        poptorch.Error: an unknown class or a parameter the model does not have.
+        Invalid: an unknown class or attribute, a parameter the model does not have,
+            hyper-parameters the optimizer refuses, or a malformed state blob.
     """
-    cls = _CLASSES.get(settings.get("class"))
+    cls = _CLASSES.get(settings["class"])
     if cls is None:
-        raise backend_error(f"Invalid file: unknown optimizer class {settings.get('class')}")
+        raise Invalid(f"metadata.json.optimizer: unknown optimizer class "
+                      f"{settings['class']!r} (one of {sorted(_CLASSES)})")
     groups: List[Dict[str, Any]] = []
-    for group in settings["groups"]:
+    hypers = [decoded(g["hyper"], f"metadata.json.optimizer.groups[{i}].hyper")
+              for i, g in enumerate(settings["groups"])]
+    defaults = decoded(settings["defaults"], "metadata.json.optimizer.defaults")
+    attributes = decoded(settings["attributes"], "metadata.json.optimizer.attributes")
+    reference = cls([torch.nn.Parameter(torch.zeros(1))], lr=0.1).defaults
+    for i, hyper in enumerate(hypers + [defaults]):
+        where = f"groups[{i}].hyper" if i < len(hypers) else "defaults"
+        _check_hyper(hyper, reference, f"metadata.json.optimizer.{where}")
+    if not isinstance(attributes, dict):
+        raise Invalid("metadata.json.optimizer.attributes must map names to values")
+    unknown = sorted(set(attributes) - set(_ATTRIBUTES))
+    if unknown:
+        raise Invalid(f"metadata.json.optimizer.attributes: unknown attribute "
+                      f"{unknown[0]!r}")
+    for group, hyper in zip(settings["groups"], hypers):
         missing = [n for n in group["params"] if n not in params]
         if missing:
-            raise backend_error(f"Invalid file: the optimizer refers to parameters "
-                                f"{missing} that the model does not have.")
-        groups.append({"params": [params[n] for n in group["params"]],
-                       **decode(group["hyper"])})
-    defaults = decode(settings["defaults"])
-    optimizer = cls(groups, lr=defaults.get("lr", groups[0].get("lr")))
-    optimizer.defaults.clear()
-    optimizer.defaults.update(defaults)
-    for index, group in enumerate(settings["groups"]):
-        optimizer.param_groups[index].update(decode(group["hyper"]))
-    for name, value in decode(settings["attributes"]).items():
-        optimizer.__dict__[name] = value
-    tensors = tensors_from_bytes(state_bytes)
-    if tensors and isinstance(optimizer, optim.Optimizer):
-        optimizer.set_state_dict({
-            part: {k.split("/", 1)[1]: v for k, v in tensors.items()
-                   if k.startswith(part + "/")}
-            for part in ("ipu_state", "ipu_param")})
+            raise Invalid(f"metadata.json.optimizer: the optimizer refers to parameters "
+                          f"{missing} that the model does not have")
+        groups.append({**hyper, "params": [params[n] for n in group["params"]]})
+    tensors = checked_tensors(state_bytes, "optimizer.safetensors")
+    try:
+        optimizer = cls(groups, lr=defaults.get("lr", groups[0].get("lr")))
+        optimizer.defaults.clear()
+        optimizer.defaults.update(defaults)
+        for index, hyper in enumerate(hypers):
+            optimizer.param_groups[index].update(hyper)
+        for name, value in attributes.items():
+            optimizer.__dict__[name] = value
+        if tensors and isinstance(optimizer, optim.Optimizer):
+            optimizer.set_state_dict({
+                part: {k.split("/", 1)[1]: v for k, v in tensors.items()
+                       if k.startswith(part + "/")}
+                for part in ("ipu_state", "ipu_param")})
+    except Error as exc:
+        raise Invalid(f"metadata.json.optimizer: {exc.message}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+        raise Invalid(f"metadata.json.optimizer: {type(exc).__name__}: {exc}") from None
     return optimizer

@@ -1,7 +1,7 @@
 """A captured program as named blobs, and back (spec S-61, S-62).
 
 :class:`Program` is what one capture produces for an executor: the
-:class:`~poptorch._capture.capture.Captured` graph plus the structure of the inputs it was
+:class:`~poptorch._capture.Captured` graph plus the structure of the inputs it was
 captured with. :func:`to_blobs` stores it with ``torch.export``'s serializer (the
 program as JSON, without its weights) and safetensors (constants, host outputs);
 :func:`from_blobs` rebuilds it. Weights are never part of a program: the executor
@@ -12,10 +12,8 @@ source of the model is needed.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import inspect
 import json
 import types
 import typing
@@ -31,11 +29,13 @@ from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import Placement
 from poptorch._capture.args import Spec
 from poptorch._capture.capture import Captured
-from poptorch._files.container import (decode, dtype_name, dtype_of, encode,
-                                       tensors_from_bytes, tensors_to_bytes)
+from poptorch._files import schema as fs
+from poptorch._files.container import dtype_name, dtype_of, tensors_to_bytes
+from poptorch._files.program_checks import checked_program_json
+from poptorch._files.shapes import check_structure, checked_tensors
+from poptorch._files.structure import decode_spec, encode_spec
 
-__all__ = ["Program", "to_blobs", "from_blobs", "encode_spec", "decode_spec",
-           "state_signature", "encode_signature", "decode_signature", "structure_of"]
+__all__ = ["Program", "to_blobs", "from_blobs", "state_signature", "structure_of"]
 
 
 @dataclasses.dataclass
@@ -127,91 +127,6 @@ def _program_state(signature: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     return state
 
 
-# -- argument / output structure ----------------------------------------------------------
-
-def encode_spec(spec: Optional[Spec], where: str) -> Any:
-    """JSON form of an argument / output structure.
-
-    Raises:
-        poptorch.Error: a custom-parser argument or a constant that is not JSON data.
-    """
-    if spec is None:
-        return None
-    if spec.kind == "tensor":
-        dtype, shape = spec.meta
-        return {"kind": "tensor", "dtype": dtype_name(dtype), "shape": list(shape)}
-    if spec.kind == "custom":
-        raise backend_error(f"Cannot export {where}: arguments handled by a custom "
-                            "argument parser cannot be stored in an executable file.")
-    if spec.kind == "const":
-        return {"kind": "const", "value": encode(spec.meta, where)}
-    out: Dict[str, Any] = {"kind": spec.kind,
-                           "children": [encode_spec(c, f"{where}[{i}]")
-                                        for i, c in enumerate(spec.children)]}
-    if spec.kind == "namedtuple":
-        out["type"] = spec.pytype.__name__
-        out["fields"] = list(spec.pytype._fields)
-    if spec.kind == "dict":
-        out["keys"] = encode(list(spec.meta), where)
-    return out
-
-
-def decode_spec(data: Any, types_by_name: Optional[Dict[str, type]] = None
-                ) -> Optional[Spec]:
-    """Inverse of :func:`encode_spec`. Named tuples are rebuilt with
-    ``collections.namedtuple`` unless ``types_by_name`` has the original class."""
-    if data is None:
-        return None
-    kind = data["kind"]
-    if kind == "tensor":
-        return Spec("tensor", torch.Tensor, (dtype_of(data["dtype"]), tuple(data["shape"])))
-    if kind == "const":
-        value = decode(data["value"])
-        return Spec("const", type(value), value)
-    children = [decode_spec(c, types_by_name) for c in data["children"]]
-    if kind == "namedtuple":
-        pytype = (types_by_name or {}).get(data["type"]) or \
-            collections.namedtuple(data["type"], data["fields"])
-        return Spec("namedtuple", pytype, None, children)
-    if kind == "dict":
-        return Spec("dict", dict, decode(data["keys"]), children)
-    return Spec(kind, {"tuple": tuple, "list": list}[kind], None, children)
-
-
-def encode_signature(forward) -> Optional[List[Dict[str, Any]]]:
-    """The parameters of ``forward`` (names, kinds, JSON defaults), or ``None`` when it
-    has no inspectable signature. Defaults that are not JSON data are dropped (the
-    argument becomes mandatory for a model loaded without its Python source)."""
-    try:
-        sig = inspect.signature(forward)
-    except (TypeError, ValueError):
-        return None
-    out = []
-    for p in sig.parameters.values():
-        entry: Dict[str, Any] = {"name": p.name, "kind": int(p.kind)}
-        if p.default is not inspect.Parameter.empty:
-            try:
-                entry["default"] = encode(p.default, f"the default of {p.name}")
-            except Exception:  # a tensor or an object: no default after loading
-                entry["no_default"] = True
-        out.append(entry)
-    return out
-
-
-def decode_signature(data: Optional[List[Dict[str, Any]]]) -> inspect.Signature:
-    """An ``inspect.Signature`` equal to the one :func:`encode_signature` stored."""
-    if data is None:
-        return inspect.Signature([inspect.Parameter(
-            "args", inspect.Parameter.VAR_POSITIONAL)])
-    params = []
-    for entry in data:
-        default = decode(entry["default"]) if "default" in entry else \
-            inspect.Parameter.empty
-        params.append(inspect.Parameter(entry["name"], inspect._ParameterKind(entry["kind"]),
-                                        default=default))
-    return inspect.Signature(params)
-
-
 # -- whole programs ----------------------------------------------------------------------
 
 def to_blobs(program: Program) -> Dict[str, bytes]:
@@ -256,36 +171,117 @@ _PROGRAM_BLOBS = ("program.json", "constants.safetensors", "host_outputs.safeten
                   "structure.json")
 
 
-def structure_of(blobs: Dict[str, bytes]) -> Dict[str, Any]:
-    """The decoded ``structure.json`` blob."""
-    return json.loads(blobs["structure.json"])
+def structure_of(blobs: Dict[str, bytes], where: str = "structure.json") -> Dict[str, Any]:
+    """The decoded and checked ``structure.json`` blob.
+
+    Raises:
+        Invalid: missing, not JSON or not of the declared shape.
+    """
+    if "structure.json" not in blobs:
+        raise fs.Invalid("the blob structure.json is missing")
+    try:
+        structure = json.loads(blobs["structure.json"])
+    except (ValueError, RecursionError) as exc:
+        raise fs.Invalid(f"{where}: not JSON ({exc})") from None
+    check_structure(structure, where)
+    return structure
 
 
-def from_blobs(blobs: Dict[str, bytes],
+def _leaves(spec: Optional[Spec]) -> List[Spec]:
+    if spec is None:
+        return []
+    if spec.kind == "tensor":
+        return [spec]
+    return [leaf for child in (spec.children or []) for leaf in _leaves(child)]
+
+
+def _check_consistent(captured: Captured, program: "Program",
+                      structure: Dict[str, Any]) -> None:
+    """The stored structure matches the stored program (same inputs, outputs and
+    weights), so that nothing fails later when the program runs."""
+    graph = captured.graph
+    exported = graph.program
+    # The stored input structure is that of a whole call; the program's inputs are one
+    # micro-batch of it (float64 inputs demoted): compare all but the batch dimension.
+    inputs = [(len(s.meta[1]), tuple(s.meta[1])[1:]) for s in _leaves(program.input_spec)]
+    actual = [(len(i.shape), tuple(i.shape)[1:]) if i is not None else None
+              for i in graph.user_inputs]
+    if inputs != actual:
+        raise fs.Invalid(f"structure.json: the inputs {inputs} do not match the "
+                         f"program's {actual}")
+    leaves = captured.output_leaves
+    if len(leaves) != len(_leaves(captured.output_spec)) or any(
+            i is not None and i >= graph.num_user_outputs for i in leaves) or \
+            sum(i is None for i in leaves) != len(captured.host_outputs):
+        raise fs.Invalid("structure.json: output_leaves do not match the program's "
+                         "outputs")
+    signature = {e["name"]: e for e in structure["state"]}
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER) or \
+                spec.target not in exported.state_dict:
+            continue
+        node = next(n for n in graph.module.graph.nodes if n.name == spec.arg.name)
+        val = node.meta.get("val")
+        entry = signature.get(spec.target)
+        # (dtypes may differ: float64 weights are captured as float32; a replica-
+        # grouped weight is captured as one group's slice)
+        if entry is None or not isinstance(val, torch.Tensor) or \
+                list(val.shape) not in (entry["shape"], entry["shape"][1:]):
+            raise fs.Invalid(f"structure.json: weight {spec.target} does not match the "
+                             "program")
+
+
+def from_blobs(blobs: Dict[str, bytes], where: str,
                types_by_name: Optional[Dict[str, type]] = None) -> Program:
-    """Rebuild a :class:`Program` from :func:`to_blobs`'s blobs.
+    """Rebuild a :class:`Program` from :func:`to_blobs`'s blobs, every part checked
+    before it is used (:mod:`poptorch._program_checks`, :mod:`poptorch._file_shapes`).
 
     Args:
         blobs: the blobs (checked by the container reader).
+        where: the file, for error messages.
         types_by_name: original named-tuple classes of the inputs, when available.
 
     Raises:
-        poptorch.Error: a program this torch cannot read.
+        poptorch.Error: "Invalid file <where>: <blob>: <what>": a missing or malformed
+            part, anything a stored program may not contain (see
+            :mod:`poptorch._program_checks`), or a program this torch cannot read.
     """
-    structure = structure_of(blobs)
-    state = _program_state(structure["state"])
-    constants = tensors_from_bytes(blobs["constants.safetensors"])
     try:
-        exported = _deserialize_program(blobs["program.json"], state, constants)
-    except Exception as exc:
-        raise backend_error(f"The stored program cannot be read by torch "
-                            f"{torch.__version__}: {type(exc).__name__}: {exc}") from exc
-    host = tensors_from_bytes(blobs["host_outputs.safetensors"])
-    graph = Graph(exported, blocks={name: Placement(**where)
-                                    for name, where in structure["blocks"]})
-    captured = Captured(graph, decode_spec(structure["outputs"]),
-                        list(structure["output_leaves"]),
+        return _from_blobs(blobs, types_by_name)
+    except fs.Invalid as exc:
+        raise fs.invalid_file(where, exc) from None
+
+
+def _from_blobs(blobs: Dict[str, bytes],
+                types_by_name: Optional[Dict[str, type]]) -> Program:
+    missing = [name for name in _PROGRAM_BLOBS if name not in blobs]
+    if missing:
+        raise fs.Invalid(f"the blob {missing[0]} is missing")
+    structure = structure_of(blobs)
+    program_json = checked_program_json(blobs["program.json"])
+    constants = checked_tensors(blobs["constants.safetensors"], "constants.safetensors")
+    host_blob = blobs["host_outputs.safetensors"]
+    host = checked_tensors(host_blob, "host_outputs.safetensors")
+    if set(host) != {str(i) for i in range(len(host))}:
+        raise fs.Invalid("host_outputs.safetensors: tensors must be named 0..n-1")
+    input_spec = decode_spec(structure["inputs"], types_by_name)
+    output_spec = decode_spec(structure["outputs"])
+    try:
+        state = _program_state(structure["state"])
+    except (RuntimeError, ValueError) as exc:  # e.g. an integer weight with a gradient
+        raise fs.Invalid(f"structure.json: state: {exc}") from None
+    try:
+        exported = _deserialize_program(program_json, state, constants)
+        graph = Graph(exported, blocks={name: Placement(**where)
+                                        for name, where in structure["blocks"]})
+    except Exception as exc:  # noqa: BLE001 - anything torch raises on a bad program
+        raise fs.Invalid(f"program.json: the stored program cannot be read by torch "
+                         f"{torch.__version__} ({type(exc).__name__}: "
+                         f"{str(exc)[:500]})") from None
+    captured = Captured(graph, output_spec, list(structure["output_leaves"]),
                         [host[str(i)] for i in range(len(host))])
-    return Program(captured, decode_spec(structure["inputs"], types_by_name),
-                   list(structure["input_names"]), int(structure["num_positional"]),
-                   blobs={k: v for k, v in blobs.items() if k in _PROGRAM_BLOBS})
+    program = Program(captured, input_spec, list(structure["input_names"]),
+                      int(structure["num_positional"]),
+                      blobs={k: v for k, v in blobs.items() if k in _PROGRAM_BLOBS})
+    _check_consistent(captured, program, structure)
+    return program

@@ -270,6 +270,10 @@ class _IExecutionStrategy:
         return placements
 
 
+#: The base class of every execution strategy (PopTorch's ``_IExecutionStrategy``).
+STRATEGY_BASE = _IExecutionStrategy
+
+
 class PipelinedExecution(_IExecutionStrategy):
     """Pipelined execution over several IPUs (the default strategy).
 

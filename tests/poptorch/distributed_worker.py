@@ -147,12 +147,15 @@ def _fault_model(world, rank, accumulation=1, batch=BATCH):
 
 
 def _scenario_fault(rank, world, fault):
-    """Process 1 fails at its second call; process 0 reports what it saw."""
+    """One process fails at its second call (process 1; process 0 for ``raise0``,
+    which hosts the rendezvous store); the other reports what it saw."""
     training, x, t = _fault_model(world, rank)
     training(x, t)
-    if rank == 1:
-        if fault == "raise":
-            raise RuntimeError("process 1 failed on purpose")
+    if rank == (0 if fault == "raise0" else 1):
+        if fault in ("raise", "raise0"):
+            raise RuntimeError(f"process {rank} failed on purpose")
+        if fault == "interrupt":
+            raise KeyboardInterrupt
         if fault == "die":
             os._exit(3)
         time.sleep(60)  # "hang": never reaches the weight update (killed by the test)
@@ -162,6 +165,30 @@ def _scenario_fault(rank, world, fault):
     except poptorch.Error as e:
         return f"{time.monotonic() - start:.1f}s {type(e).__name__}: {e}"
     return "no error"
+
+
+class _BatchNormNet(Net):
+    """:class:`Net` with a BatchNorm between its layers (buffers updated in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x, t):
+        h = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        return h, F.cross_entropy(h, t)
+
+
+def _scenario_buffers(rank, world):
+    """One local replica per process, a model that updates buffers: trains."""
+    torch.manual_seed(1)
+    model = _BatchNormNet()
+    training = poptorch.trainingModel(model, poptorch.Options(),
+                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
+    torch.manual_seed(10 + rank)
+    training(torch.randn(4, 4), torch.zeros(4, dtype=torch.long))
+    training.copyWeightsToHost()
+    return f"trained: running_mean {model.bn.running_mean.tolist()}"
 
 
 def _scenario_mismatch(rank, world):
@@ -188,8 +215,12 @@ def main(argv):
         result = _scenario_inference(rank, world)
     elif scenario == "mismatch":
         result = _scenario_mismatch(rank, world)
+    elif scenario == "buffers":
+        result = _scenario_buffers(rank, world)
     else:
         result = _scenario_fault(rank, world, scenario)
+    if result is None:
+        return
     if isinstance(result, str):
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(result)

@@ -2,6 +2,7 @@
 import gc
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,7 +168,23 @@ def assert_same(a, b):
 
 
 def shm_entries():
-    return set(os.listdir("/dev/shm"))
+    """Entries of /dev/shm that this test process or its workers may have left: torch
+    names them ``torch_<creator pid>_...``. Entries of other processes (other test
+    runs on a shared machine create and remove their own at any time) are left out:
+    a creator that is alive and not this process or its child."""
+    def ours(name):
+        match = re.match(r"torch_(\d+)_", name)
+        if match is None:
+            return False
+        pid = int(match.group(1))
+        if pid == os.getpid():
+            return True
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                return int(f.read().rpartition(")")[2].split()[1]) == os.getpid()
+        except OSError:  # the creator has gone: a leak if it was ours
+            return True
+    return {name for name in os.listdir("/dev/shm") if ours(name)}
 
 
 def mapped_shm_files():
@@ -503,12 +520,13 @@ def test_garbage_collection_terminates_worker():
     assert not os.path.exists(f"/proc/{pid}")
 
 
-def test_keyboard_interrupt_while_waiting_cleans_up_and_can_restart():
+def test_keyboard_interrupt_while_waiting_cleans_up_and_can_restart(default_sigint):
     before = shm_entries()
     # The pass lasts 240 s, so the interrupt lands inside it even when a busy machine
     # starts the timer's thread late.
     acc = AsynchronousDataAccessor(IndexDataset(600, delay=0.4), buffer_size=2, **FORK)
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident,
+                                                       signal.SIGINT))
     timer.start()
     with pytest.raises(KeyboardInterrupt):
         sum(1 for _ in acc)

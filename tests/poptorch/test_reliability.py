@@ -4,7 +4,6 @@ first call commits no compilation; Ctrl-C during capture is deferred; a retry se
 user's fixes to the module's containers."""
 import contextlib
 import copy
-import os
 import signal
 import threading
 import time
@@ -114,7 +113,10 @@ def test_inference_error_leaves_buffers_and_rng():
 
 
 def _interrupt_after(delay):
-    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    """A timer that sends SIGINT to the main thread (not to any thread of the process,
+    as os.kill would) after ``delay`` seconds."""
+    timer = threading.Timer(delay, signal.pthread_kill,
+                            (threading.main_thread().ident, signal.SIGINT))
     timer.daemon = True
     return timer
 
@@ -129,7 +131,7 @@ def _deliver_pending(timer):
 
 
 @pytest.mark.slow
-def test_sigint_during_training_calls_never_half_updates():
+def test_sigint_during_training_calls_never_half_updates(default_sigint):
     """Issue 14 item 2: SIGINT during a long momentum-SGD call on a 12-layer MLP leaves
     weights and momentum together from one step (before the call, or after it if the
     signal came late); the executor stays usable and equals PyTorch; destroy() then
@@ -179,7 +181,7 @@ def test_sigint_during_training_calls_never_half_updates():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_keyboard_interrupt_in_run_rolls_back(monkeypatch):
+def test_keyboard_interrupt_in_run_rolls_back(monkeypatch, default_sigint):
     """A SIGINT delivered in the middle of a run (the second of two weight updates,
     after the first was applied) restores weights and optimizer state exactly."""
     model = DeepMLP(layers=3)
@@ -196,8 +198,8 @@ def test_keyboard_interrupt_in_run_rolls_back(monkeypatch):
     def interrupted_step(self, params):
         calls.append(1)
         if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)  # the handler raises KeyboardInterrupt here
+            signal.raise_signal(signal.SIGINT)  # delivered to this thread at once
+            time.sleep(60)  # the handler raises KeyboardInterrupt by now
         return real_step(self, params)
 
     monkeypatch.setattr(type(device_opt), "finish_step", interrupted_step)
@@ -209,7 +211,7 @@ def test_keyboard_interrupt_in_run_rolls_back(monkeypatch):
     training(x, y)
 
 
-def test_sigint_during_capture_is_deferred():
+def test_sigint_during_capture_is_deferred(default_sigint):
     """Issue 14 item 2: a SIGINT during torch.export (sent from inside forward, ten
     times in one process) is raised as KeyboardInterrupt after the capture; the
     process survives and the executor compiles and runs afterwards."""
@@ -224,7 +226,7 @@ def test_sigint_during_capture_is_deferred():
         def forward(self, x):
             x = self.fc(x)
             if interrupt["on"]:
-                os.kill(os.getpid(), signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
             return torch.relu(self.fc(x))
 
     model = Interrupting()

@@ -109,6 +109,20 @@ def test_op_costs_come_from_shapes_and_the_flop_counter():
     assert costs.num_ipus == 1 and costs.stages == [(0, 0)]
 
 
+def test_counting_flops_registers_no_process_wide_module_hooks(monkeypatch):
+    """FlopCounterMode's module tracker registered global module hooks while the cost
+    model counted, and another thread's training backward failed on them (seen in
+    the full suite, tests/poptorch/test_threads.py, under load)."""
+    import torch.utils.module_tracker as module_tracker
+    registered = []
+    monkeypatch.setattr(module_tracker, "register_module_forward_pre_hook",
+                        lambda hook: registered.append(hook))
+    graph = capture(nn.Linear(32, 16), torch.randn(8, 32))
+    linear = next(op for op in op_costs.collect(graph).ops if op.op == "linear")
+    assert linear.flops == 2 * 8 * 32 * 16
+    assert registered == []
+
+
 def test_placement_metadata_is_read_per_node():
     class Placement:  # contract A: only the attributes are read
         def __init__(self, ipu, stage):

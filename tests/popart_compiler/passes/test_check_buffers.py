@@ -25,6 +25,8 @@ def test_mutated_buffers_are_those_of_batch_norm():
     (SessionOptions(replication_factor=2, broadcast_buffers=False), True),
     (SessionOptions(replication_factor=2, input_group_size=2), True),  # same data
     (SessionOptions(num_processes=2), False),  # inference processes run on their own
+    # PopRun: the rule counts the local replicas (one per process here), as PopTorch
+    (SessionOptions(num_processes=2), True),
 ])
 def test_allowed_in_place_buffer_updates(run_pass, options, training):
     g = bn_graph()
@@ -42,7 +44,6 @@ def test_replicas_without_in_place_buffers_pass(run_pass):
 @pytest.mark.parametrize("options,training", [
     (SessionOptions(replication_factor=2), True),
     (SessionOptions(replication_factor=2), False),
-    (SessionOptions(num_processes=2), True),  # training: replicas of all processes
     (SessionOptions(replication_factor=4, input_group_size=2), True),
 ])
 def test_replicas_with_different_data_need_broadcast_off(options, training):

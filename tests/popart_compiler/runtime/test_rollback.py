@@ -1,6 +1,5 @@
 """Sessions roll a failed run back (S-73) and defer SIGINT where a half-done step
 would corrupt state. Nothing here imports ``poptorch``."""
-import os
 import signal
 import threading
 
@@ -60,28 +59,30 @@ def test_rollback_can_be_turned_off_for_measurement():
     assert not torch.equal(state(s)["fc.weight"], before["fc.weight"])
 
 
-def test_deferred_interrupts_reraise_after_the_block():
+def test_deferred_interrupts_reraise_after_the_block(default_sigint):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     done = []
     with pytest.raises(KeyboardInterrupt):
         with deferred_interrupts():
-            os.kill(os.getpid(), signal.SIGINT)
+            # raise_signal delivers to this thread before it returns (os.kill may pick
+            # another thread of the process, late on a loaded machine)
+            signal.raise_signal(signal.SIGINT)
             for _ in range(1000):  # the handler would have run by now
                 done.append(1)
     assert len(done) == 1000
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_deferred_interrupts_nest_and_let_errors_through():
+def test_deferred_interrupts_nest_and_let_errors_through(default_sigint):
     with pytest.raises(ValueError):
         with deferred_interrupts():
             with deferred_interrupts():
-                os.kill(os.getpid(), signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
             raise ValueError("the block's own error wins")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_deferred_interrupts_do_nothing_outside_the_main_thread():
+def test_deferred_interrupts_do_nothing_outside_the_main_thread(default_sigint):
     seen = []
 
     def body():
