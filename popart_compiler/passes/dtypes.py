@@ -11,6 +11,7 @@ from typing import Any, Dict
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
@@ -49,13 +50,31 @@ def rewrite_args(gm: fx.GraphModule, mapping: Dict[Any, Any]) -> bool:
     return changed
 
 
+def _as_float32(value: Any) -> Any:
+    """``value`` (a node's ``meta["val"]``) with float64 fake tensors described as
+    float32."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_float32(v) for v in value)
+    if isinstance(value, FakeTensor) and value.dtype == torch.float64:
+        with value.fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=torch.float32,
+                                       device=value.device)
+    return value
+
+
 def demote_float64(graph: Graph, c: Compilation) -> PassResult:
     """``torch.float64`` → ``torch.float32`` in op arguments (S-44), with PopTorch's
-    warning."""
+    warning; the values the ops compute are then described as float32 too
+    (``meta["val"]``, which the IPU Model's estimate and the user outputs read)."""
     changed = rewrite_args(graph.module, {torch.float64: torch.float32})
     if changed:
         logger.warning("[DISPATCHER] Type coerced from Double to Float in the graph: "
                        "the IPU has no 64-bit floating point type")
+        for sub in graph.module.modules():
+            if isinstance(sub, fx.GraphModule):
+                for node in sub.graph.nodes:
+                    if node.op != "placeholder" and "val" in node.meta:
+                        node.meta["val"] = _as_float32(node.meta["val"])
     return PassResult(graph, changed)
 
 

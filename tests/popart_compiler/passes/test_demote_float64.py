@@ -48,10 +48,6 @@ def test_graph_without_float64_is_unchanged(run_pass, compiler_logs):
     assert "Type coerced" not in compiler_logs.text
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: demote_float64 rewrites the op "
-                   "arguments but leaves node.meta['val'] float64, so later passes (the "
-                   "IPU Model's estimate, Graph.user_outputs) see 8-byte values that run "
-                   "as float32")
 def test_demoted_values_are_described_as_float32(run_pass):
     g = export(Doubles(), torch.randn(2))
     result = run_pass(demote_float64, g, Compilation(SessionOptions(), False))

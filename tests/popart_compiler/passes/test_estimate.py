@@ -96,9 +96,6 @@ class Exps(nn.Module):
         return y.float()
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: after demote_float64 the ops run in "
-                   "float32 but keep float64 in node.meta['val'], so the estimate counts "
-                   "8-byte activations (1,048,576 instead of 524,288 bytes here)")
 def test_a_demoted_float64_program_is_estimated_as_float32():
     """S-44: the IPU has no 64-bit type; a float64 program runs, and is estimated, as
     the float32 one."""
