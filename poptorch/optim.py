@@ -38,13 +38,13 @@ class VariableAttributes:
     """
 
     def __init__(self, variable_attributes: List[str], allowed_attributes: List[str]):
-        self._allowed = list(allowed_attributes)
-        self._variables = {a for a in variable_attributes if a in self._allowed}
+        self._allowed_attributes = list(allowed_attributes)
+        self._variables = {a for a in variable_attributes if a in self._allowed_attributes}
 
     def _check(self, attr: str) -> None:
-        if attr not in self._allowed:
+        if attr not in self._allowed_attributes:
             raise AssertionError(f"Unknown attribute {attr}, allowed values: "
-                                 f"{self._allowed}")
+                                 f"{self._allowed_attributes}")
 
     def isConstant(self, attr: str) -> bool:
         """``True`` if ``attr`` is compiled as a constant."""

@@ -85,8 +85,10 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
     """Write ``node.meta["placement"]`` on every node of ``gm`` (forward graph).
 
     Ops take their block's placement (ops before the first block: IPU 0, stage 0,
-    phase 0, S-60); ops created by the tracer outside ``forward`` take the latest
-    placement of their inputs; placeholders and ``get_attr`` nodes take the
+    phase 0, S-60); ops without a block tag (created by the tracer outside
+    ``forward``, or checks such as ``_assert_tensor_metadata`` that the tracer records
+    without the capture's metadata) take the latest placement of their inputs, or,
+    reading only graph inputs, the placement of the op before them; placeholders and ``get_attr`` nodes take the
     placement of their first user; the output node the latest placement of its
     inputs.
 
@@ -101,6 +103,7 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
         Error: "No active Block, all the ops must belong to a Block" (S-60).
     """
     graph = gm.graph
+    previous = _ORIGIN
     for node in _ops(graph):
         custom = node.meta.get("custom") or {}
         if custom.get(NO_ACTIVE_BLOCK_KEY):
@@ -116,12 +119,13 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
                     f"The op {node.name} belongs to block '{block}', which has no "
                     f"placement (known blocks: {list(blocks)}). Capture the model again "
                     "so that its blocks are recorded.")
-            node.meta["placement"] = _ORIGIN if block is None else blocks[str(block)]
+            node.meta["placement"] = previous = (_ORIGIN if block is None
+                                                 else blocks[str(block)])
             continue
         inputs = [placement_of(a) for a in node.all_input_nodes if a.op != "placeholder"
                   and "placement" in a.meta]
-        node.meta["placement"] = max(inputs, key=lambda p: (p.stage, p.phase, p.ipu),
-                                     default=_ORIGIN)
+        node.meta["placement"] = previous = max(
+            inputs, key=lambda p: (p.stage, p.phase, p.ipu), default=previous)
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             users = [u for u in node.users if "placement" in u.meta]

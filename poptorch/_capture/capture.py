@@ -28,6 +28,7 @@ from poptorch._capture.args import BoundArgs, Spec, flatten, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
 from poptorch._capture.guard import capture_guard, thread_stderr
+from poptorch._capture.substitution import OverwriteContextManager
 from poptorch._capture.warnings import at_user_code
 from poptorch._logging import logger
 from poptorch._ops import blocks as _blocks
@@ -495,7 +496,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
                 at_user_code(data_dependence.user_frame), \
                 _device_weights(model), opaque.opaque_functions(), \
                 _IpuDeviceMode(device), DtypeRulesMode(), _no_distribution_validation(), \
-                fx_traceback.annotate(scope):
+                OverwriteContextManager(), fx_traceback.annotate(scope):
             program = torch.export.export(model, example, strict=False)
             history = _blocks.block_history()
         _check_state_unchanged(model, before)

@@ -161,7 +161,9 @@ def test_compile_errors():
     with pytest.raises(Error, match="Couldn't find a loss in graph!") as info:
         compiler.compile(export(NoLoss(), torch.randn(2, 4)), SessionOptions(), training=True)
     assert info.value.type == "poptorch_cpp_error"
-    assert str(info.value).startswith("In checks.py:")
+    # rendered as PopTorch users read it: no file of the simulator in the text
+    assert str(info.value).startswith("'poptorch_cpp_error': Couldn't find a loss")
+    assert ".py" not in str(info.value) and type(info.value).__module__ == "poptorch"
     with pytest.raises(Error, match="Return period must be <= to the number of batches"):
         compiler.compile(export(MLP(), torch.randn(2, 4)),
                          SessionOptions(device_iterations=2, output_mode=1,
