@@ -31,6 +31,7 @@ from poptorch._capture.guard import capture_guard, thread_stderr
 from poptorch._capture.substitution import OverwriteContextManager
 from poptorch._capture.warnings import at_user_code
 from poptorch._logging import logger
+from poptorch._ops import autograd_functions
 from poptorch._ops import blocks as _blocks
 from poptorch._ops import dynamic_slicing
 from poptorch._ops import host as _host_ops
@@ -412,6 +413,20 @@ class Captured:
     host_outputs: List[torch.Tensor]
 
 
+def _check_caller_autocast(device: str) -> None:
+    """A caller's ``torch.autocast(dtype=torch.bfloat16)`` would make the model compute
+    and return bfloat16, which the IPU does not have: name autocast as the cause."""
+    device_type = torch.device(device).type
+    if torch.is_autocast_enabled(device_type) and \
+            torch.get_autocast_dtype(device_type) == torch.bfloat16:
+        raise py_error(
+            f"The model is called inside torch.autocast(\"{device_type}\", "
+            "dtype=torch.bfloat16): autocast would make it compute and return bfloat16 "
+            "tensors, and the IPU has no bfloat16 type. Call the model outside "
+            "torch.autocast, or use float16 (model.half(), or poptorch.Options()."
+            "Precision settings) for reduced precision.")
+
+
 def capture(*args, **kwargs) -> Captured:
     """Capture ``forward`` of ``model`` once; see :func:`_capture` for the arguments
     and errors. Captures are serialised process-wide and a ``SIGINT`` arriving during
@@ -449,6 +464,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         AssertionError: an unknown block id or a block without IPU under
             ``AutoStage.SameAsIpu`` (api §9.7).
     """
+    _check_caller_autocast(device)
     out_box: Dict[str, Any] = {}
 
     def flat_forward(*flat: torch.Tensor):
@@ -482,6 +498,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         hook()
     before = _state_identity(model)
     _host_ops.take_captured()
+    autograd_functions.take_captured()
     constants_before = _plain_tensor_attributes(model)
     containers = _container_attributes(model)
     had_forward = "forward" in vars(model)
@@ -496,7 +513,8 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
                 at_user_code(data_dependence.user_frame), \
                 _device_weights(model), opaque.opaque_functions(), \
                 _IpuDeviceMode(device), DtypeRulesMode(), _no_distribution_validation(), \
-                OverwriteContextManager(), fx_traceback.annotate(scope):
+                OverwriteContextManager(), autograd_functions.honoured_backwards(), \
+                fx_traceback.annotate(scope):
             program = torch.export.export(model, example, strict=False)
             history = _blocks.block_history()
         _check_state_unchanged(model, before)
@@ -535,8 +553,9 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         for hook in list(_POST_HOOKS.values()):
             hook()
     _bake_constants(program, constants_before)
-    # host_functions keep inline poptorch.CPU ops alive
-    graph = Graph(program, blocks=blocks, host_functions=_host_ops.take_captured())
+    # host_functions keep inline poptorch.CPU ops and custom autograd Functions alive
+    graph = Graph(program, blocks=blocks, host_functions=_host_ops.take_captured()
+                  + autograd_functions.take_captured())
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
 
