@@ -228,17 +228,17 @@ def _check_pipeline_batches(plan: PlacementPlan, device_iterations: int,
     """Pipelined training needs ``A ≥ 2F − 1``, inference ``D ≥ F`` (S-63)."""
     f = plan.forward_stages
     if plan.training and gradient_accumulation < 2 * f - 1:
+        # PopTorch's wording (its tests match it), then the value that was set
         raise backend_error(
             "poptorch.Options().Training.gradientAccumulation must be greater than or "
             f"equal to the number of pipeline stages ({2 * f - 1}) when using "
-            f"poptorch.PipelinedExecution. Currently it is set to {gradient_accumulation}. "
-            f"Note: the model has {f} forward stages, and training adds {f - 1} extra "
-            "stages for the backward pass (the last forward stage also runs the first "
-            "backward stage).")
+            "poptorch.PipelinedExecution. Please note that a model with "
+            f"{f} pipeline stages in PopTorch will have an additional {f - 1} stages "
+            f"when training. Currently it is set to {gradient_accumulation}.")
     if not plan.training and device_iterations < f:
         raise backend_error(
             "poptorch.Options().deviceIterations must be greater than or equal to the "
-            f"number of pipeline stages ({f}) when using poptorch.PipelinedExecution. "
+            f"number of pipeline stages ({f}) when using PopTorch.PipelinedExecution. "
             f"Currently it is set to {device_iterations}.")
 
 

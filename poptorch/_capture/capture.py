@@ -24,7 +24,7 @@ from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 from poptorch import _impl
 from poptorch._capture import data_dependence
-from poptorch._capture.args import BoundArgs, Spec, flatten, unflatten
+from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
 from poptorch._capture.guard import capture_guard, thread_stderr
@@ -555,7 +555,9 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
     _bake_constants(program, constants_before)
     # host_functions keep inline poptorch.CPU ops and custom autograd Functions alive
     graph = Graph(program, blocks=blocks, host_functions=_host_ops.take_captured()
-                  + autograd_functions.take_captured())
+                  + autograd_functions.take_captured(),
+                  input_names=[n for name, child in zip(bound.names, input_spec.children)
+                               for n in leaf_names(name, child)])
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
 
