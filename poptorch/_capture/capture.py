@@ -35,7 +35,7 @@ from poptorch._ops import autograd_functions
 from poptorch._ops import blocks as _blocks
 from poptorch._ops import dynamic_slicing
 from poptorch._ops import host as _host_ops
-from poptorch._ops import opaque
+from poptorch._ops import opaque, static_counts
 from poptorch._options.execution_strategy import PipelinedExecution
 
 __all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
@@ -137,6 +137,9 @@ class _IpuDeviceMode(TorchFunctionMode):
             result = _read_value(func, args, kwargs)
             self.offsets.record(func, args, result)
             return result
+        static = static_counts.rewrite_for(func, args, kwargs)
+        if static is not None:
+            return static()
         func = opaque.redirect_for(func) or func
         try:
             result = func(*args, **kwargs)

@@ -60,9 +60,11 @@ _ALTERNATIVES = {
     "getitem": _WHERE,
     "unique": "Compute unique values on the host (outside the model), or count values "
               "with F.one_hot(x, num_classes).sum(0) when their range is known.",
-    "bincount": "Count into a fixed number of bins: F.one_hot(x, num_classes).sum(0), or "
-                "torch.zeros(n).scatter_add_(0, x, weights).",
-    "one_hot": "Pass num_classes explicitly: F.one_hot(x, num_classes).",
+    "bincount": "torch.bincount needs minlength on the IPU: pass minlength=<number of "
+                "bins> (torch.bincount(x, minlength=n) counts into exactly n bins on the "
+                "IPU; values outside [0, n) are not counted).",
+    "one_hot": "OneHot num classes must be specified and must be constant: pass "
+               "num_classes explicitly, F.one_hot(x, num_classes).",
     "repeat_interleave": "Pass output_size=<sum of repeats> to torch.repeat_interleave, "
                          "or repeat by a Python int.",
     "pack_padded_sequence": "Packed sequences have data-dependent sizes (the sum of the "
