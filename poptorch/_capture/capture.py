@@ -372,7 +372,8 @@ def _tag_ops() -> None:
         custom[NO_ACTIVE_BLOCK_KEY] = True
         return
     custom.pop(NO_ACTIVE_BLOCK_KEY, None)
-    custom[BLOCK_KEY] = None if block is None else str(block[0])
+    custom[BLOCK_KEY] = None if block is None else _blocks.block_key(
+        block, _blocks.block_history())
 
 
 def _untag_ops() -> None:
