@@ -90,7 +90,7 @@ def _check_markers(graph: Graph, markers: List[fx.Node]) -> None:
                     "poptorch.set_overlap_for_output applied on a node which is not a "
                     "tensor output to the model. (Apply it to the tensors forward "
                     "returns, just before returning them.)")
-            if count > 1:
+            if count + outputs.count(source) > 1:  # the marked value and its source
                 raise backend_error(
                     "poptorch.set_overlap_for_output cannot be used with a tensor that is "
                     "returned twice. Please check all returned tensors including those "
