@@ -5,9 +5,6 @@
 """
 from __future__ import annotations
 
-import inspect
-import os
-
 __all__ = [
     "Error",
     "RecoverableError",
@@ -35,7 +32,7 @@ class Error(Exception):
     """
 
     def __init__(self, message: str = "", type: str = "poptorch_py_error",  # noqa: A002
-                 location: str = "", file: str = "", line: int = 0):
+                 location: str = ""):
         message = str(message)
         if message.count("\n") + 1 > _MAX_MESSAGE_LINES:
             with open("poptorch_error.log", "w", encoding="utf-8") as f:
@@ -44,14 +41,13 @@ class Error(Exception):
         self.message = message
         self.type = type
         self.location = location
-        self._file = file
-        self._line = line
         super().__init__(self._render())
 
     def _render(self) -> str:
-        if self.type == "poptorch_py_error":
-            return f"'{self.type}': {self.message}"
-        text = f"In {self._file or 'popart_compiler'}:{self._line}: '{self.type}': {self.message}"
+        # PopTorch prefixes backend errors with "In <file>:<line>:" naming its C++
+        # source; here that would name a module of the simulator, which tells a user
+        # nothing, so both layers render as "'<type>': <message>".
+        text = f"'{self.type}': {self.message}"
         action = getattr(self, "recovery_action", None)
         if action:
             text += f"\nRecovery action required: {action}"
@@ -104,10 +100,12 @@ def py_error(message: str) -> Error:
 
 def backend_error(message: str, type: str = "poptorch_cpp_error",  # noqa: A002
                   location: str = "") -> Error:
-    """An :class:`Error` raised by the compiler/runtime, rendered as
-    ``In <file>:<line>: '<type>': <message>``."""
-    frame = inspect.currentframe()
-    caller = frame.f_back if frame is not None else None
-    file = os.path.basename(caller.f_code.co_filename) if caller else "popart_compiler"
-    line = caller.f_lineno if caller else 0
-    return Error(message, type, location, file=file, line=line)
+    """An :class:`Error` raised by the compiler/runtime (``type`` defaults to
+    ``"poptorch_cpp_error"``), rendered as ``'<type>': <message>``."""
+    return Error(message, type, location)
+
+
+# Users see these classes as PopTorch's: ``poptorch.Error`` in tracebacks and reprs
+# (``poptorch`` re-exports them; pickles refer to them there too).
+for _cls in (Error, RecoverableError, UnrecoverableError):
+    _cls.__module__ = "poptorch"

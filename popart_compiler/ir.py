@@ -174,6 +174,8 @@ class Graph:
             in order of first use; empty without annotations.
         host_functions: Python callables the graph's host ops call (kept alive with
             the graph).
+        input_names: the user's name of each user input (``x``, ``batch[0]``), for
+            messages; default: the placeholder names.
 
     Attributes:
         program: the exported program.
@@ -183,6 +185,7 @@ class Graph:
             names) in placeholder order.
         trainable: for each parameter, whether it requires a gradient.
         user_inputs: shapes/dtypes of the user inputs (one micro-batch).
+        user_input_names: the user's names of the user inputs.
         user_outputs: shapes/dtypes of the user outputs (one micro-batch).
         mutated_buffers / mutated_constants: names written in place by the graph.
         mutated_inputs: indices of user inputs written in place.
@@ -196,7 +199,8 @@ class Graph:
     """
 
     def __init__(self, program: ExportedProgram, blocks: Optional[Dict[str, object]] = None,
-                 host_functions: Optional[Sequence[object]] = None):
+                 host_functions: Optional[Sequence[object]] = None,
+                 input_names: Optional[Sequence[str]] = None):
         self.program = program
         self.module: fx.GraphModule = program.graph_module
         sig = program.graph_signature
@@ -235,6 +239,7 @@ class Graph:
         self.trainable = [bool(state[p].requires_grad) for p in self.parameters]
         self.user_inputs = [self._info(n) for n in user_nodes]
         self._user_nodes = user_nodes
+        self.user_input_names = list(input_names or [n.name for n in user_nodes])
         self._num_user_outputs = len(self.output_node.args[0])
         self._name_of = {node: spec.target
                          for spec, node in zip(sig.input_specs, placeholders)}

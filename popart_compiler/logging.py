@@ -65,7 +65,14 @@ class _StreamHandler(logging.StreamHandler):
 
 
 def make_logger(name: str, lowercase: bool, dest: str = "stderr") -> logging.Logger:
-    """A logger with PopTorch's line format, not propagating to the root logger."""
+    """A logger with PopTorch's line format on its own handler.
+
+    As PopTorch's loggers do, it passes its records up to the root logger too, so
+    handlers installed with ``logging.basicConfig`` and pytest's ``caplog`` see them.
+    ``warn`` is an alias of ``warning`` on this logger (PopTorch programs call
+    ``poptorch.logger.warn``), without the ``DeprecationWarning`` of
+    ``logging.Logger.warn``.
+    """
     log = logging.getLogger(name)
     if not log.handlers:
         if dest in ("stderr", "stdout"):
@@ -74,7 +81,7 @@ def make_logger(name: str, lowercase: bool, dest: str = "stderr") -> logging.Log
             handler = logging.FileHandler(dest)
         handler.setFormatter(_Formatter(name, lowercase))
         log.addHandler(handler)
-        log.propagate = False
+    log.warn = log.warning  # type: ignore[method-assign]
     return log
 
 

@@ -19,6 +19,7 @@ from popart_compiler.enums import (CommGroupType, ConnectionType, ExecutionMode,
                                    VariableRetrievalMode)
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
+from popart_compiler.popart_enums import OPTION_ENUMS
 
 __all__ = ["SessionOptions", "Anchor", "ReplicaGrouping", "StrategySettings",
            "engine_options", "ipu_model_env"]
@@ -61,25 +62,7 @@ firstDotOp finalDotOp numIOTiles mergeVarUpdateMemThreshold looseThresholdAtPeak
 accumulationFactor swapLimitScheduler globalReplicationFactor globalReplicaOffset
 defaultBufferingDepth defaultPrefetchBufferingDepth compilationProgressTotal
 transitiveClosureOptimizationThreshold automaticLossScalingSettings.updatePeriod
-accumulateOuterFragmentSettings.schedule
 """.split())
-
-#: Enum-valued uint64 keys and the number of values each enum has.
-_ENUM_KEYS = {
-    "autodiffSettings.stitchStrategy": ("AutodiffStitchStrategy", 4),
-    "batchSerializationSettings.transformContext": ("BatchSerializationTransformContext", 2),
-    "batchSerializationSettings.method": ("BatchSerializationMethod", 3),
-    "batchSerializationSettings.batchSchedule": ("BatchSerializationBatchSchedule", 3),
-    "autoRecomputation": ("RecomputationType", 5),
-    "mergeVarUpdate": ("MergeVarUpdateType", 4),
-    "virtualGraphMode": ("VirtualGraphMode", 5),
-    "syntheticDataMode": ("SyntheticDataMode", 4),
-    "subgraphCopyingStrategy": ("SubgraphCopyingStrategy", 2),
-    "accumulationAndReplicationReductionType": ("ReductionType", 3),
-    "meanAccumulationAndReplicationReductionStrategy": ("MeanReductionStrategy", 3),
-    "automaticLossScalingSettings.gradientTensorTrackingMethod":
-        ("GradientTensorTrackingMethod", 3),
-}
 
 _FLOAT_KEYS = frozenset("""
 outlineSequenceBreakCost outlineThreshold timeLimitScheduler
@@ -126,11 +109,11 @@ def _validate(key: str, value: Any) -> None:
     elif isinstance(value, float):
         category, known = "floating point", key in _FLOAT_KEYS
     elif isinstance(value, int):
-        category, known = "uint64", key in _UINT64_KEYS or key in _ENUM_KEYS
-        if key in _ENUM_KEYS:
-            enum_name, count = _ENUM_KEYS[key]
-            if not 0 <= int(value) < count:
-                raise backend_error(f"Value for {enum_name} out of range")
+        category, known = "uint64", key in _UINT64_KEYS or key in OPTION_ENUMS
+        if key in OPTION_ENUMS:
+            enum_cls = OPTION_ENUMS[key]
+            if not 0 <= int(value) < len(enum_cls):
+                raise backend_error(f"Value for {enum_cls.__name__} out of range")
     elif isinstance(value, str):
         category, known = "string", key in _STRING_KEYS
     elif isinstance(value, (list, tuple, set)):

@@ -1,7 +1,9 @@
-"""Per-thread state shared by the capture and the ops.
+"""Per-thread state shared by the capture and the ops, and PopTorch's ``_impl`` names
+that its clients import (``rewrapModelIfNecessary``, ``isWrapped``, ..., see
+:mod:`poptorch._compat.wrapping`).
 
-Each thread has its own: a capture in one thread does not make another thread look
-as if it ran inside a model's ``forward``.
+Each thread has its own state: a capture in one thread does not make another thread
+look as if it ran inside a model's ``forward``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ def isRunningOnIpu() -> bool:
     return getattr(_state, "capturing", False)
 
 
+def isDispatchTracing() -> bool:
+    """``True`` while a model's ``forward`` is being captured (in this thread), as
+    PopTorch's dispatcher tracing; the same as :func:`isRunningOnIpu`."""
+    return isRunningOnIpu()
+
+
 def capturing_training() -> bool:
     """Whether the graph being captured (in this thread) is a training graph."""
     return isRunningOnIpu() and getattr(_state, "training", False)
@@ -36,3 +44,10 @@ def device_context(training: bool) -> Iterator[None]:
         yield
     finally:
         _state.capturing, _state.training = previous
+
+
+# PopTorch's names (imported last: poptorch._compat.wrapping needs the executor)
+from poptorch._compat.wrapping import (isWrapped, rewrapModelIfNecessary,  # noqa: E402,F401
+                                       unwrapIfWrapped, unwrapModelIfNecessary)
+from poptorch._compat.wrapping import (  # noqa: E402,F401
+    restoreWrapperIfNecessary as _restoreWrapperIfNecessary)

@@ -38,30 +38,33 @@ class VariableAttributes:
     """
 
     def __init__(self, variable_attributes: List[str], allowed_attributes: List[str]):
-        self._allowed = list(allowed_attributes)
-        self._variables = {a for a in variable_attributes if a in self._allowed}
+        # PopTorch's attribute names (its tests and clients read and assign them)
+        self._allowed_attributes = list(allowed_attributes)
+        self._variable_attributes = [a for a in dict.fromkeys(variable_attributes)
+                                     if a in self._allowed_attributes]
 
     def _check(self, attr: str) -> None:
-        if attr not in self._allowed:
+        if attr not in self._allowed_attributes:
             raise AssertionError(f"Unknown attribute {attr}, allowed values: "
-                                 f"{self._allowed}")
+                                 f"{self._allowed_attributes}")
 
     def isConstant(self, attr: str) -> bool:
         """``True`` if ``attr`` is compiled as a constant."""
-        return attr not in self._variables
+        return attr not in self._variable_attributes
 
     def markAsConstant(self, attr: str) -> None:
         """Compile ``attr`` as a constant. ``AssertionError`` if unknown."""
         self._check(attr)
-        self._variables.discard(attr)
+        self._variable_attributes = [a for a in self._variable_attributes if a != attr]
 
     def markAsVariable(self, attr: str) -> None:
         """Compile ``attr`` as a variable. ``AssertionError`` if unknown."""
         self._check(attr)
-        self._variables.add(attr)
+        if attr not in self._variable_attributes:
+            self._variable_attributes = list(self._variable_attributes) + [attr]
 
     def __repr__(self) -> str:
-        return f"VariableAttributes(variables={sorted(self._variables)})"
+        return f"VariableAttributes(variables={sorted(self._variable_attributes)})"
 
 
 class Optimizer:
@@ -337,7 +340,7 @@ class Adam(Optimizer, torch.optim.Adam):
             passed, amsgrad=amsgrad, foreach=foreach, maximize=maximize,
             capturable=capturable, differentiable=differentiable, fused=fused)))
         self.max_grad_norm = math.inf if max_grad_norm is None else float(max_grad_norm)
-        self._init_poptorch(passed, loss_scaling, {
+        self._init_poptorch(dict(passed, amsgrad=amsgrad), loss_scaling, {
             "accum_type": accum_type,
             "first_order_momentum_accum_type": first_order_momentum_accum_type,
             "second_order_momentum_accum_type": second_order_momentum_accum_type})
@@ -367,7 +370,7 @@ class AdamW(Optimizer, torch.optim.AdamW):
             capturable=capturable, differentiable=differentiable, fused=fused)))
         self.bias_correction = True if bias_correction is None else bool(bias_correction)
         self.max_grad_norm = math.inf if max_grad_norm is None else float(max_grad_norm)
-        self._init_poptorch(passed, loss_scaling, {
+        self._init_poptorch(dict(passed, amsgrad=amsgrad), loss_scaling, {
             "accum_type": accum_type,
             "first_order_momentum_accum_type": first_order_momentum_accum_type,
             "second_order_momentum_accum_type": second_order_momentum_accum_type})

@@ -47,22 +47,14 @@ def _seed():
 
 @pytest.fixture
 def poptorch_logs(caplog):
-    """Capture the ``poptorch::python`` / ``poptorch:cpp`` loggers with ``caplog``.
-
-    The loggers do not propagate to the root logger (PopTorch formats its own lines), so
-    the fixture attaches caplog's handler to them directly.
-    """
+    """Capture the ``poptorch::python`` / ``poptorch:cpp`` loggers with ``caplog`` at
+    DEBUG level (they pass their records to the root logger, as PopTorch's do)."""
     import logging
     import poptorch
-    loggers = [logging.getLogger("poptorch::python"), logging.getLogger("poptorch:cpp")]
-    for lg in loggers:
-        lg.addHandler(caplog.handler)
     poptorch.setLogLevel("DEBUG")
     caplog.set_level(logging.DEBUG)
     yield caplog
     poptorch.setLogLevel("WARN")
-    for lg in loggers:
-        lg.removeHandler(caplog.handler)
 
 
 @pytest.fixture

@@ -30,8 +30,9 @@ device knows about an optimizer (:class:`OptimizerDescription`, its compile sign
 S-52) is in :mod:`.optimizer_description`. This module holds the shared machinery:
 state allocation and transfer, accumulation and reduction, clipping, loss scaling and
 the combined SGD variant. State tensors carry PopART's names (S-56):
-``Accl___<p>`` (SGD velocity / RMSprop momentum), ``Accl1___<p>`` / ``Accl2___<p>``
-(first / second moments), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and
+``Accl___<p>`` (SGD velocity), ``Accl1___<p>`` / ``Accl2___<p>`` (Adam / LAMB first
+/ second moments; RMSprop mean square / centered mean), ``Accl3___<p>`` (RMSprop
+momentum), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and
 ``lossScaleUpdateFactor`` (automatic loss scaling).
 """
 from __future__ import annotations
@@ -155,11 +156,13 @@ class DeviceOptimizer(UpdateRules):
             elif d.type == "RMSprop":
                 h = d.hyper(name)
                 init = torch.ones_like if d.use_tf_variant else torch.zeros_like
-                self.state[f"Accl2___{name}"] = init(p, dtype=d.second_order_type)
+                # PopART's Adaptive names: Accl1 mean square, Accl2 mean (centered),
+                # Accl3 momentum
+                self.state[f"Accl1___{name}"] = init(p, dtype=d.second_order_type)
                 if h.get("centered", False):
-                    self.state[f"Accl1___{name}"] = zeros(d.first_order_type)
+                    self.state[f"Accl2___{name}"] = zeros(d.first_order_type)
                 if self._has_velocity(name):
-                    self.state[f"Accl___{name}"] = zeros(d.accum_type)
+                    self.state[f"Accl3___{name}"] = zeros(d.accum_type)
                 self.state[f"Step___{name}"] = torch.zeros((), device=p.device)
             if accumulating:
                 self.state[f"Accum___{name}"] = zeros(d.accum_type)

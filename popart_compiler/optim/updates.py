@@ -131,10 +131,10 @@ class UpdateRules:
         momentum = float(h.get("momentum", 0.0))
         centered = bool(h.get("centered", False))
         with float32_work([p for _, p, _ in items]) as params, \
-                float32_work([self.state[f"Accl2___{n}"] for n in names]) as sq, \
-                float32_work([self.state[f"Accl1___{n}"] for n in names] if centered
+                float32_work([self.state[f"Accl1___{n}"] for n in names]) as sq, \
+                float32_work([self.state[f"Accl2___{n}"] for n in names] if centered
                          else []) as avg, \
-                float32_work([self.state[f"Accl___{n}"] for n in names] if momentum != 0
+                float32_work([self.state[f"Accl3___{n}"] for n in names] if momentum != 0
                          else []) as mom:
             _rmsprop.rmsprop(
                 params, [g for _, _, g in items], sq, avg, mom,
@@ -152,8 +152,8 @@ class UpdateRules:
         momentum = float(h.get("momentum", 0.0))
         centered = bool(h.get("centered", False))
         for n, p, g in items:
-            states = [self.state[f"Accl2___{n}"], self.state.get(f"Accl1___{n}"),
-                      self.state.get(f"Accl___{n}") if momentum else None]
+            states = [self.state[f"Accl1___{n}"], self.state.get(f"Accl2___{n}"),
+                      self.state.get(f"Accl3___{n}") if momentum else None]
             with float32_work([p]) as (w,), float32_work(states) as (sq, avg, buf):
                 if wd:
                     g = g + wd * w

@@ -95,11 +95,11 @@ def check_loss(graph: Graph, c: Compilation) -> PassResult:
             "with a PyTorch loss (e.g. torch.nn.functional.cross_entropy) or "
             "poptorch.identity_loss and return it from forward.")
     if len(finals) > 1:
-        raise backend_error(
-            "Multiple independent losses found in graph: "
-            f"{', '.join(n.name for n in finals)}. Graph must have a single final "
-            "loss: wrap the final combined loss in poptorch.identity_loss(loss, "
-            "reduction=...).")
+        raise backend_error(  # PopTorch's wording, then the losses found
+            "Multiple independent losses found in graph. Graph must have one final "
+            "loss. Wrap final graph loss in poptorch.identity_loss. (Losses: "
+            f"{', '.join(n.name for n in finals)}; e.g. poptorch.identity_loss(loss_a + "
+            "loss_b, reduction='none').)")
     outputs = graph.loss_outputs(finals[0])
     if len(outputs) > 1:
         raise backend_error(

@@ -46,47 +46,55 @@ def check_overlapped_io(graph: Graph, c: Compilation) -> PassResult:
     markers = [n for group in inputs for n in group if n.args[1] != "NoOverlap"]
     if not markers:
         return unchanged(graph)
+    _check_markers(graph, markers)
+    # PopTorch's order and wording (its tests match them): markers, strategy, tiles
     options = c.options
     if options.strategy.mode is ExecutionMode.Pipelined:
         raise backend_error(
-            "Overlapped IO is not supported with poptorch.PipelinedExecution. If your "
-            "model uses a single IPU, use poptorch.ShardedExecution instead: "
-            "options.setExecutionStrategy(poptorch.ShardedExecution()).")
+            "Overlapped IO is not supported with poptorch.PipelinedExecution. If you are "
+            "using only one IPU, please switch to poptorch.ShardedExecution. "
+            "(options.setExecutionStrategy(poptorch.ShardedExecution()))")
     if int(options.raw.get("numIOTiles", 0)) < 32:
         raise backend_error(
-            "No IO tiles allocated. Overlapped IO needs at least 32 IO tiles: call "
-            "options.TensorLocations.numIOTiles(32) (or more).")
+            "No IO tiles allocated. You must allocate at least 32 IO tiles using "
+            "poptorch.Options().TensorLocations.numIOTiles. (e.g. "
+            "options.TensorLocations.numIOTiles(32))")
     if options.output_mode not in _OVERLAP_OUTPUT_MODES:
         raise backend_error(
             "Unsupported output mode for overlapped IO: use poptorch.OutputMode.All or "
             "poptorch.OutputMode.Sum (options.outputMode(...)).")
-    user_inputs = set(graph.placeholders[len(graph.placeholders) - graph.num_user_inputs:])
+    return unchanged(graph)
+
+
+def _check_markers(graph: Graph, markers: List[fx.Node]) -> None:
+    """Input markers directly on a model input and its only consumer; output markers
+    on a tensor returned exactly once."""
+    names = dict(zip(graph.user_input_nodes, graph.user_input_names))
     outputs = list(graph.output_nodes)
     for node in markers:
         source = node.args[0]
         if _is_input_marker(node):
-            if source not in user_inputs:
+            if source not in names:
                 raise backend_error(
-                    f"poptorch.set_overlap_for_input was applied to {source}, which is "
-                    "not a tensor input to the model. Apply it directly to the "
-                    "arguments of forward.")
+                    "poptorch.set_overlap_for_input applied on a node which is not a "
+                    "tensor input to the model. (Apply it directly to the arguments of "
+                    "forward.)")
             if len(source.users) != 1:
                 raise backend_error(
-                    f"poptorch.set_overlap_for_input must be the only op applied to an "
-                    f"input: {source} is also used by "
-                    f"{', '.join(u.name for u in source.users if u is not node)}.")
+                    "poptorch.set_overlap_for_input must be the only op applied to an "
+                    f"input. This is not the case for input {names[source]} to the model.")
         else:
             count = outputs.count(node)
             if count == 0:
                 raise backend_error(
-                    f"poptorch.set_overlap_for_output was applied to {source}, which is "
-                    "not a tensor output to the model. Apply it to the tensors forward "
-                    "returns, just before returning them.")
-            if count > 1:
+                    "poptorch.set_overlap_for_output applied on a node which is not a "
+                    "tensor output to the model. (Apply it to the tensors forward "
+                    "returns, just before returning them.)")
+            if count + outputs.count(source) > 1:  # the marked value and its source
                 raise backend_error(
-                    "A tensor marked with poptorch.set_overlap_for_output is returned "
-                    "twice: return each overlapped output once.")
-    return unchanged(graph)
+                    "poptorch.set_overlap_for_output cannot be used with a tensor that is "
+                    "returned twice. Please check all returned tensors including those "
+                    "nested in tuples/lists.")
 
 
 def _is_input_marker(node: fx.Node) -> bool:

@@ -85,8 +85,10 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
     """Write ``node.meta["placement"]`` on every node of ``gm`` (forward graph).
 
     Ops take their block's placement (ops before the first block: IPU 0, stage 0,
-    phase 0, S-60); ops created by the tracer outside ``forward`` take the latest
-    placement of their inputs; placeholders and ``get_attr`` nodes take the
+    phase 0, S-60); ops without a block tag (created by the tracer outside
+    ``forward``, or checks such as ``_assert_tensor_metadata`` that the tracer records
+    without the capture's metadata) take the latest placement of their inputs, or,
+    reading only graph inputs, the placement of the op before them; placeholders and ``get_attr`` nodes take the
     placement of their first user; the output node the latest placement of its
     inputs.
 
@@ -101,6 +103,7 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
         Error: "No active Block, all the ops must belong to a Block" (S-60).
     """
     graph = gm.graph
+    previous = _ORIGIN
     for node in _ops(graph):
         custom = node.meta.get("custom") or {}
         if custom.get(NO_ACTIVE_BLOCK_KEY):
@@ -116,12 +119,13 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
                     f"The op {node.name} belongs to block '{block}', which has no "
                     f"placement (known blocks: {list(blocks)}). Capture the model again "
                     "so that its blocks are recorded.")
-            node.meta["placement"] = _ORIGIN if block is None else blocks[str(block)]
+            node.meta["placement"] = previous = (_ORIGIN if block is None
+                                                 else blocks[str(block)])
             continue
         inputs = [placement_of(a) for a in node.all_input_nodes if a.op != "placeholder"
                   and "placement" in a.meta]
-        node.meta["placement"] = max(inputs, key=lambda p: (p.stage, p.phase, p.ipu),
-                                     default=_ORIGIN)
+        node.meta["placement"] = previous = max(
+            inputs, key=lambda p: (p.stage, p.phase, p.ipu), default=previous)
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             users = [u for u in node.users if "placement" in u.meta]
@@ -224,17 +228,17 @@ def _check_pipeline_batches(plan: PlacementPlan, device_iterations: int,
     """Pipelined training needs ``A ≥ 2F − 1``, inference ``D ≥ F`` (S-63)."""
     f = plan.forward_stages
     if plan.training and gradient_accumulation < 2 * f - 1:
+        # PopTorch's wording (its tests match it), then the value that was set
         raise backend_error(
             "poptorch.Options().Training.gradientAccumulation must be greater than or "
             f"equal to the number of pipeline stages ({2 * f - 1}) when using "
-            f"poptorch.PipelinedExecution. Currently it is set to {gradient_accumulation}. "
-            f"Note: the model has {f} forward stages, and training adds {f - 1} extra "
-            "stages for the backward pass (the last forward stage also runs the first "
-            "backward stage).")
+            "poptorch.PipelinedExecution. Please note that a model with "
+            f"{f} pipeline stages in PopTorch will have an additional {f - 1} stages "
+            f"when training. Currently it is set to {gradient_accumulation}.")
     if not plan.training and device_iterations < f:
         raise backend_error(
             "poptorch.Options().deviceIterations must be greater than or equal to the "
-            f"number of pipeline stages ({f}) when using poptorch.PipelinedExecution. "
+            f"number of pipeline stages ({f}) when using PopTorch.PipelinedExecution. "
             f"Currently it is set to {device_iterations}.")
 
 

@@ -11,7 +11,7 @@ from popart_compiler.errors import py_error
 from poptorch._capture.custom_parsers import getCustomArgParser
 from poptorch._logging import logger
 
-__all__ = ["ArgsParser", "BoundArgs", "Spec", "flatten", "unflatten", "validate",
+__all__ = ["ArgsParser", "BoundArgs", "Spec", "flatten", "unflatten", "validate", "keys_mismatch",
            "RECOMPILE"]
 
 #: What a call with other inputs than the compiled ones must do (S-22).
@@ -34,6 +34,12 @@ class Spec:
     pytype: type
     meta: Any = None
     children: List["Spec"] = dataclasses.field(default_factory=list)
+
+
+def keys_mismatch(unexpected, missing) -> str:
+    """PopTorch's wording: ``Unexpected arguments: z. Missing arguments: x.``"""
+    return (f"Unexpected arguments: {', '.join(map(str, unexpected))}. "
+            f"Missing arguments: {', '.join(map(str, missing))}.")
 
 
 def flatten(value: Any, tensors: List[torch.Tensor]) -> Spec:
@@ -138,8 +144,7 @@ def validate(name: str, compiled: Spec, now: Spec) -> None:
         if set(keys0) != set(keys1):
             unexpected = [k for k in keys1 if k not in keys0]
             missing = [k for k in keys0 if k not in keys1]
-            fail(f"Keys mismatch for {name}: Unexpected arguments: {unexpected}. Missing "
-                 f"arguments: {missing}.")
+            fail(f"Keys mismatch for {name}: {keys_mismatch(unexpected, missing)}")
         children1 = dict(zip(keys1, now.children))
         for key, child in zip(keys0, compiled.children):
             validate(f"{name}[{key}]", child, children1[key])

@@ -24,16 +24,18 @@ from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 from poptorch import _impl
 from poptorch._capture import data_dependence
-from poptorch._capture.args import BoundArgs, Spec, flatten, unflatten
+from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
 from poptorch._capture.guard import capture_guard, thread_stderr
+from poptorch._capture.substitution import OverwriteContextManager
 from poptorch._capture.warnings import at_user_code
 from poptorch._logging import logger
+from poptorch._ops import autograd_functions
 from poptorch._ops import blocks as _blocks
 from poptorch._ops import dynamic_slicing
 from poptorch._ops import host as _host_ops
-from poptorch._ops import opaque
+from poptorch._ops import opaque, static_counts
 from poptorch._options.execution_strategy import PipelinedExecution
 
 __all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
@@ -135,6 +137,9 @@ class _IpuDeviceMode(TorchFunctionMode):
             result = _read_value(func, args, kwargs)
             self.offsets.record(func, args, result)
             return result
+        static = static_counts.rewrite_for(func, args, kwargs)
+        if static is not None:
+            return static()
         func = opaque.redirect_for(func) or func
         try:
             result = func(*args, **kwargs)
@@ -367,7 +372,8 @@ def _tag_ops() -> None:
         custom[NO_ACTIVE_BLOCK_KEY] = True
         return
     custom.pop(NO_ACTIVE_BLOCK_KEY, None)
-    custom[BLOCK_KEY] = None if block is None else str(block[0])
+    custom[BLOCK_KEY] = None if block is None else _blocks.block_key(
+        block, _blocks.block_history())
 
 
 def _untag_ops() -> None:
@@ -411,6 +417,20 @@ class Captured:
     host_outputs: List[torch.Tensor]
 
 
+def _check_caller_autocast(device: str) -> None:
+    """A caller's ``torch.autocast(dtype=torch.bfloat16)`` would make the model compute
+    and return bfloat16, which the IPU does not have: name autocast as the cause."""
+    device_type = torch.device(device).type
+    if torch.is_autocast_enabled(device_type) and \
+            torch.get_autocast_dtype(device_type) == torch.bfloat16:
+        raise py_error(
+            f"The model is called inside torch.autocast(\"{device_type}\", "
+            "dtype=torch.bfloat16): autocast would make it compute and return bfloat16 "
+            "tensors, and the IPU has no bfloat16 type. Call the model outside "
+            "torch.autocast, or use float16 (model.half(), or poptorch.Options()."
+            "Precision settings) for reduced precision.")
+
+
 def capture(*args, **kwargs) -> Captured:
     """Capture ``forward`` of ``model`` once; see :func:`_capture` for the arguments
     and errors. Captures are serialised process-wide and a ``SIGINT`` arriving during
@@ -448,6 +468,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         AssertionError: an unknown block id or a block without IPU under
             ``AutoStage.SameAsIpu`` (api §9.7).
     """
+    _check_caller_autocast(device)
     out_box: Dict[str, Any] = {}
 
     def flat_forward(*flat: torch.Tensor):
@@ -481,6 +502,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         hook()
     before = _state_identity(model)
     _host_ops.take_captured()
+    autograd_functions.take_captured()
     constants_before = _plain_tensor_attributes(model)
     containers = _container_attributes(model)
     had_forward = "forward" in vars(model)
@@ -495,6 +517,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
                 at_user_code(data_dependence.user_frame), \
                 _device_weights(model), opaque.opaque_functions(), \
                 _IpuDeviceMode(device), DtypeRulesMode(), _no_distribution_validation(), \
+                OverwriteContextManager(), autograd_functions.honoured_backwards(), \
                 fx_traceback.annotate(scope):
             program = torch.export.export(model, example, strict=False)
             history = _blocks.block_history()
@@ -534,8 +557,11 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         for hook in list(_POST_HOOKS.values()):
             hook()
     _bake_constants(program, constants_before)
-    # host_functions keep inline poptorch.CPU ops alive
-    graph = Graph(program, blocks=blocks, host_functions=_host_ops.take_captured())
+    # host_functions keep inline poptorch.CPU ops and custom autograd Functions alive
+    graph = Graph(program, blocks=blocks, host_functions=_host_ops.take_captured()
+                  + autograd_functions.take_captured(),
+                  input_names=[n for name, child in zip(bound.names, input_spec.children)
+                               for n in leaf_names(name, child)])
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
 

@@ -60,9 +60,11 @@ _ALTERNATIVES = {
     "getitem": _WHERE,
     "unique": "Compute unique values on the host (outside the model), or count values "
               "with F.one_hot(x, num_classes).sum(0) when their range is known.",
-    "bincount": "Count into a fixed number of bins: F.one_hot(x, num_classes).sum(0), or "
-                "torch.zeros(n).scatter_add_(0, x, weights).",
-    "one_hot": "Pass num_classes explicitly: F.one_hot(x, num_classes).",
+    "bincount": "torch.bincount needs minlength on the IPU: pass minlength=<number of "
+                "bins> (torch.bincount(x, minlength=n) counts into exactly n bins on the "
+                "IPU; values outside [0, n) are not counted).",
+    "one_hot": "OneHot num classes must be specified and must be constant: pass "
+               "num_classes explicitly, F.one_hot(x, num_classes).",
     "repeat_interleave": "Pass output_size=<sum of repeats> to torch.repeat_interleave, "
                          "or repeat by a Python int.",
     "pack_padded_sequence": "Packed sequences have data-dependent sizes (the sum of the "
@@ -72,6 +74,26 @@ _ALTERNATIVES = {
     "linalg_lstsq": "Use torch.linalg.pinv(A) @ B, or torch.linalg.solve(A, B) for "
                     "square A: their shapes do not depend on the rank of A.",
 }
+
+
+#: Advice for data-dependent code of libraries built on PyTorch, by the name of the
+#: library function on the stack.
+_PYG_SELF_LOOPS = (
+    "PyTorch Geometric inserts self-loops (add_self_loops / add_remaining_self_loops "
+    "drop the existing ones by a mask), so the number of edges depends on the graph's "
+    "values. As PopTorch Geometric advised: construct the layer with "
+    "add_self_loops=False (e.g. GCNConv(in, out, add_self_loops=False)) and add the "
+    "self-loops to edge_index on the host, in the data pipeline (for example with "
+    "torch_geometric.transforms.AddSelfLoops()).")
+_LIBRARY_ADVICE = {"add_remaining_self_loops": _PYG_SELF_LOOPS,
+                   "add_self_loops": _PYG_SELF_LOOPS}
+
+
+def _library_advice(frames: List[traceback.FrameSummary]) -> Optional[str]:
+    for frame in reversed(frames):
+        if frame.name in _LIBRARY_ADVICE and "torch_geometric" in frame.filename:
+            return _LIBRARY_ADVICE[frame.name]
+    return None
 
 
 def _alternative(op: str) -> str:
@@ -169,11 +191,26 @@ def shape_error(op: str, frames: List[traceback.FrameSummary]) -> Error:
         f"The model's forward computes a tensor whose shape depends on tensor values "
         f"({op} at {_location(frames, library=False)}). PopTorch captures forward once "
         "into a static graph, so every shape must be known at compile time. "
-        f"{_alternative(op)}")
+        f"{_library_advice(frames) or _alternative(op)}")
+
+
+#: Reads that turn a tensor into a Python number (``int(t)``, ``float(t)``,
+#: ``range(t)``): unlike ``t.item()`` the number cannot stay symbolic.
+_NUMBER_READS = ("int(tensor)", "float(tensor)", "a tensor used as a Python int")
 
 
 def read_error(read: str, frames: List[traceback.FrameSummary]) -> Error:
     """Python code read the value of a tensor that is only known at run time."""
+    if read in _NUMBER_READS:
+        return py_error(
+            f"The model's forward converts a tensor to a Python number ({read} at "
+            f"{_location(frames)}), but its value is known only at run time. PopTorch "
+            "captures forward once into a static graph, and Python's int() and float() "
+            "must return a number at capture. Spell it tensor.item() instead (or keep the "
+            "tensor, e.g. x * t[0]): the graph then computes the value at run time, and "
+            "arithmetic with it works as long as Python does not branch on it (for "
+            "if/else use poptorch.cond or torch.where). A value that is the same on every "
+            "run can be passed to forward as a Python number.")
     cause = _library_cause(frames)
     advice = _LIBRARY_READS.get(cause.name, _CONTROL_FLOW) if cause else _CONTROL_FLOW
     return py_error(

@@ -11,6 +11,7 @@ import torch
 
 from popart_compiler.errors import py_error
 from poptorch._capture.args import (RECOMPILE, BoundArgs, Spec, check_batch, flatten,
+                                    keys_mismatch,
                                     leaf_names, unflatten, validate)
 from poptorch._executor.state import Compiled, ExecutorState
 from poptorch._logging import logger
@@ -90,14 +91,13 @@ def validate_inputs(compiled: Compiled, bound: BoundArgs, spec: Spec) -> None:
     expected = dict(zip(compiled.input_names, compiled.input_spec.children))
     for name, now in zip(bound.names, spec.children):
         if name not in expected:
-            raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: "
-                           f"['{name}']. Missing arguments: "
-                           f"{sorted(set(expected) - set(bound.names))}.\n{RECOMPILE}")
+            raise py_error("Keys mismatch for keyword arguments: " + keys_mismatch(
+                [name], sorted(set(expected) - set(bound.names))) + f"\n{RECOMPILE}")
         validate(name, expected[name], now)
     missing = [n for n in compiled.input_names if n not in bound.names]
     if missing:
-        raise py_error(f"Keys mismatch for keyword arguments: Unexpected arguments: []. "
-                       f"Missing arguments: {missing}.\n{RECOMPILE}")
+        raise py_error("Keys mismatch for keyword arguments: "
+                       + keys_mismatch([], missing) + f"\n{RECOMPILE}")
 
 
 def write_back_inputs(compiled: Compiled, originals: List[torch.Tensor],

@@ -50,6 +50,11 @@ def serialised(method: Callable) -> Callable:
     return wrapper
 
 
+def _unpickled_model(model: torch.nn.Module) -> torch.nn.Module:
+    """What a pickled :class:`PoplarExecutor` loads as: its model."""
+    return model
+
+
 class PoplarExecutor:
     """A model wrapped for the (simulated) IPU. Created by :func:`poptorch.trainingModel`,
     :func:`poptorch.inferenceModel` — not directly.
@@ -146,8 +151,10 @@ class PoplarExecutor:
         self.__deepcopy__({})
 
     def __reduce_ex__(self, protocol):
-        raise py_error("A PoplarExecutor cannot be pickled: save the model (or its "
-                       "state_dict()) instead, and wrap it again after loading.")
+        """Pickling (``torch.save(executor, f)``, as PopTorch programs do) stores the
+        wrapped model: its original class with the latest weights (pulled from the
+        device first); loading gives that plain ``nn.Module``, to wrap again."""
+        return _unpickled_model, (self._state.user_model,)
 
     def __repr__(self) -> str:
         return module_repr(self._state.user_model)

@@ -83,16 +83,24 @@ def copy_named_buffers_to_device(state: ExecutorState) -> None:
     """Upload only the buffers listed with ``Options.updatableNamedBuffers``.
 
     Raises:
-        poptorch.Error: not compiled; option not set.
+        poptorch.Error: not compiled; option not set; a listed name that is not a
+            buffer of the model (nothing is uploaded then).
     """
     state.require_compiled()
     names = state.options._Popart.options.get("updatableNamedBuffers")
     if not names:
         raise py_error("No named buffers marked as updatable via "
                        "updatableNamedBuffers option")
+    buffers = {n for n, _ in state.user_model.named_buffers()}
+    unknown = [n for n in names if n not in buffers]
+    if unknown:
+        raise py_error(f"updatableNamedBuffers lists {', '.join(map(repr, unknown))}, which "
+                       "is not a buffer of the model (its buffers: "
+                       f"{', '.join(sorted(buffers)) or 'none'}): name buffers as "
+                       "model.named_buffers() does.")
     host = host_tensors(state.user_model)
     with instrument.syncing():
-        state.session.writeWeights({n: host[n].detach() for n in names if n in host})
+        state.session.writeWeights({n: host[n].detach() for n in names})
 
 
 def trainer_weights_changed(state: ExecutorState) -> bool:

@@ -20,7 +20,8 @@ import torch
 from popart_compiler.errors import py_error
 
 __all__ = ["HostWeights", "instrument", "uninstrument", "is_instrumented", "suspended",
-           "syncing", "original_class", "executor_of", "host_weights_of", "forget"]
+           "syncing", "original_class", "executor_of", "host_weights_of", "forget",
+           "WRAPPER_TYPES", "restore_tensor"]
 
 
 class HostWeights:
@@ -291,11 +292,16 @@ def uninstrument(model: torch.nn.Module) -> None:
         model.__class__ = original_class(model)
         forget(model)
         for t, is_param in _tensors(model):
-            _restore_tensor(t, is_param)
+            restore_tensor(t, is_param)
 
 
-def _restore_tensor(t: torch.Tensor, is_param: bool) -> None:
-    if type(t) in (_InstrumentedParameter, _InstrumentedBuffer):
+#: The classes of instrumented (PopTorch: "wrapped") parameters and buffers.
+WRAPPER_TYPES = (_InstrumentedParameter, _InstrumentedBuffer)
+
+
+def restore_tensor(t: torch.Tensor, is_param: bool) -> None:
+    """Make an instrumented parameter / buffer plain again (in place)."""
+    if type(t) in WRAPPER_TYPES:
         t.__class__ = torch.nn.Parameter if is_param else torch.Tensor
     t.__dict__.pop("_poptorch_host", None)
 
@@ -308,7 +314,7 @@ def suspended(model: torch.nn.Module) -> Iterator[None]:
         for t, is_param in _tensors(model):
             if type(t) in (_InstrumentedParameter, _InstrumentedBuffer):
                 swapped.append((t, type(t), t.__dict__.get("_poptorch_host")))
-                _restore_tensor(t, is_param)
+                restore_tensor(t, is_param)
     try:
         yield
     finally:

@@ -173,7 +173,10 @@ def to_description(optimizer: torch.optim.Optimizer, param_names: Dict[int, str]
             if name is not None:
                 group_of[name] = index
     if is_poptorch:
-        constant = {a for a in list(optimizer.defaults) + ["loss_scaling"]
+        # only the hyper-parameters the device optimizer reads (PopTorch ignores
+        # torch's flags such as foreach / maximize, and velocity_scaling of the
+        # separate SGD variant, which torch optimizers do not have either)
+        constant = {a for a in list(names) + ["loss_scaling"]
                     if optimizer.variable_attrs.isConstant(a)}
         loss_scaling = _check_number("loss_scaling", optimizer.loss_scaling)
     else:

@@ -137,6 +137,15 @@ def block_history() -> List[BlockInfo]:
     return list(_state.history)
 
 
+def block_key(info: BlockInfo, history: List[BlockInfo]) -> str:
+    """The key a block start tags its ops with: its user id, or ``<id>@ipu<N>`` when
+    that id was first started on another IPU (a phase's block spread over IPUs with
+    ``poptorch.Block(phase, ipu_id=...)``, as PopTorch's phased examples do)."""
+    user_id, ipu_id = info
+    first = next((ipu for uid, ipu in history if uid == user_id), ipu_id)
+    return str(user_id) if first == ipu_id else f"{user_id}@ipu{ipu_id}"
+
+
 def _next_auto_id() -> str:
     user_id = str(_state.next_auto_id)
     _state.next_auto_id += 1

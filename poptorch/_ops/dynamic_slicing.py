@@ -31,6 +31,11 @@ def _window(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
     return (start.reshape(()).to(offsets.dtype) + offsets).remainder(length)
 
 
+def _device_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the IPU holds ``dtype`` as (64-bit types are 32-bit on the device)."""
+    return {torch.int64: torch.int32, torch.float64: torch.float32}.get(dtype, dtype)
+
+
 def _check_common(tensor, dim, start, size) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise py_error(f"dynamic_slice/dynamic_update: the input must be a tensor, got "
@@ -47,9 +52,10 @@ def _check_common(tensor, dim, start, size) -> None:
     if not isinstance(size, int):
         raise py_error("dynamic_slice/dynamic_update: size must be an integer.")
     if size == 0:
-        raise py_error("start and end of a slice must be different")
+        raise py_error("The start and end of a slice must be different.")
     if size < 0:
-        raise py_error(f"Slice size must be positive, got {size}")
+        raise py_error("Taking a slice of a tensor with the end less than the start is not "
+                       f"supported. (size {size})")
     if start.is_floating_point() or start.is_complex() or start.dtype == torch.bool:
         raise py_error(f"dynamic_slice/dynamic_update: start must have an integer dtype, "
                        f"got {start.dtype}")
@@ -91,6 +97,9 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
         index = [slice(None)] * tensor.dim()
         index[dim] = slice(first, first + size, step)
         return tensor[tuple(index)]
+    if tensor.shape[dim] % size:
+        raise py_error(f"The size of the slice ({size}) must be a factor of the slicing "
+                       f"dimension ({tensor.shape[dim]}).")
     return tensor.index_select(dim, _window(tensor, dim, start, size, step))
 
 
@@ -120,10 +129,11 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,  # noqa: A0
     if not isinstance(src, torch.Tensor):
         raise py_error(f"dynamic_update: src must be a tensor, got {type(src).__name__}")
     if src.dim() != input.dim():
-        raise py_error("input and src tensors must have same dimensionality")
+        raise py_error("input and src tensors must have same dimensionality. "
+                       f"({input.dim()}) vs ({src.dim()})")
     if src.dtype != input.dtype:
-        raise py_error(f"dynamic_update: input and src must have the same dtype, got "
-                       f"{input.dtype} and {src.dtype}")
+        raise py_error("input and src tensor must have same dtype. "
+                       f"({_device_dtype(input.dtype)} vs {_device_dtype(src.dtype)})")
     if not isRunningOnIpu():
         first = int(start.reshape(()))
         return input.slice_scatter(src, dim, first, first + size)
@@ -226,8 +236,9 @@ class OffsetTracker:
         (base_a, off_a), (base_b, off_b) = self._base(start), self._base(stop)
         if base_a is not base_b:
             raise py_error(
-                "The bounds of a slice with run-time values must differ by a "
-                "compile-time constant, as in t[x:x + 4] (S-102). Use "
+                "The size of the sliced tensor must be a constant for each execution of "
+                "the model when running on the IPU. The bounds of a slice with run-time "
+                "values must differ by a compile-time constant, as in t[x:x + 4] (S-102). Use "
                 "poptorch.dynamic_slice(t, dim, start, size, step) with a constant size.")
         return dynamic_slice(tensor, dim, start, off_b - off_a, int(step))
 

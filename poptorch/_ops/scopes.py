@@ -19,7 +19,9 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from popart_compiler.ir import module_path_parts
+from popart_compiler.errors import py_error
 from poptorch import enums
+from poptorch._impl import isRunningOnIpu
 
 __all__ = ["NameScope", "Attribute", "MultiConv"]
 
@@ -159,15 +161,15 @@ class MultiConv(_Annotating):
         return self
 
     def partialsTypes(self, value) -> "MultiConv":
-        """``torch.float`` / ``torch.half`` (or ``"float"`` / ``"half"``), or a list.
+        """``torch.float`` / ``torch.half``, or a list of them.
 
         Raises:
             ValueError: any other partials type.
         """
         values = value if isinstance(value, (list, tuple)) else [value]
-        names = {torch.float: "float", torch.half: "half", "float": "float",
-                 "half": "half"}
-        if not values or any(v not in names for v in values):
+        names = {torch.float: "float", torch.half: "half"}  # as PopTorch: no strings
+        if not values or any(not isinstance(v, torch.dtype) or v not in names
+                             for v in values):
             raise ValueError(f"Invalid partials types: {value!r}. Use torch.float or "
                              "torch.half (or a list of them).")
         self._settings["partials_types"] = [names[v] for v in values]
@@ -229,4 +231,23 @@ class MultiConv(_Annotating):
         return {"multi_conv": dict(self._settings, id=_multi_conv_stack[-1])}
 
     def __enter__(self) -> None:
+        """Raises ``poptorch.Error`` "Nested poptorch.MultiConv is not supported." while
+        a model is captured inside another MultiConv (as PopTorch)."""
+        if _multi_conv_stack and isRunningOnIpu():
+            raise py_error("Nested poptorch.MultiConv is not supported.")
         super().__enter__()
+
+    def __exit__(self, *exc) -> bool:
+        """Raises ``poptorch.Error`` "Unexpected end_multi_conv: ..." when a captured
+        MultiConv scope contains no convolution (as PopTorch)."""
+        ident = _multi_conv_stack[-1] if _multi_conv_stack else None
+        super().__exit__(*exc)
+        mode = get_proxy_mode()
+        if exc[0] is None and isRunningOnIpu() and mode is not None and not any(
+                "conv" in str(n.target) and ((n.meta.get("custom") or {}).get(
+                    "multi_conv") or {}).get("id") == ident
+                for n in mode.tracer.graph.nodes):
+            raise py_error("Unexpected end_multi_conv: the poptorch.MultiConv scope "
+                           "contains no convolution. Put the convolutions to plan "
+                           "together inside it, or remove it.")
+        return False

@@ -20,7 +20,7 @@ import torch
 from popart_compiler.errors import py_error
 from popart_compiler.passes.placement import Placement
 from poptorch import enums
-from poptorch._ops.blocks import (NO_ACTIVE_BLOCK, BeginBlock, Block,  # noqa: F401
+from poptorch._ops.blocks import (NO_ACTIVE_BLOCK, BeginBlock, Block, block_key,  # noqa: F401
                                   BlockFunction, BlockInfo, _begin_block_hooks,
                                   _BeginBlockFn, _BeginBlockHook, _end_block, _next_auto_id,
                                   _NoActiveBlock, _reset_block_state, _start_block, _state,
@@ -237,13 +237,17 @@ class _IExecutionStrategy:
             AssertionError: "Unknown Block ..." / "...SameAsIpu was selected but no IPU
                 was specified for block <id>" (api §9.7).
             poptorch.Error: an ``ipu_id`` that is not a non-negative int; one block id
-                started with two different ``ipu_id``s; explicit stages naming blocks
-                the model never starts.
+                started with two different ``ipu_id``s outside phased execution (in a
+                phased strategy each IPU's part gets its own key ``<id>@ipu<N>``, in the
+                block's phase); explicit stages naming blocks the model never starts.
         """
         placements: Dict[str, Placement] = {}
         ipu_of: Dict[str, Optional[int]] = {}
-        for user_id, ipu_id in history:
+        phased = isinstance(self, _IPhasedExecution)
+        for index, (user_id, ipu_id) in enumerate(history):
             key = str(user_id)
+            if phased:
+                key = block_key((user_id, ipu_id), history[:index])
             if ipu_id is not None and (not isinstance(ipu_id, int) or isinstance(ipu_id, bool)
                                        or ipu_id < 0):
                 raise py_error(f"Block '{key}' has ipu_id={ipu_id!r}: an IPU id must be a "
@@ -257,6 +261,10 @@ class _IExecutionStrategy:
                         "same ipu_id).")
                 continue
             ipu_of[key] = ipu_id
+            if key != str(user_id):  # the same phase and stage, on another IPU
+                base = placements[str(user_id)]
+                placements[key] = Placement(ipu_id, base.stage, base.phase)
+                continue
             stage, ipu = self._blockPlacement(user_id, ipu_id)
             placements[key] = Placement(ipu, stage, self._phaseOf(user_id))
         unused = [b for b in self._block_map if b not in placements]

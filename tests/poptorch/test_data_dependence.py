@@ -147,7 +147,7 @@ RAISING = {
     "boolean_mask": (lambda x, i: x[x > 0], "Tensor.__getitem__ (aten::index)",
                      "torch.where"),
     "bincount": (lambda x, i: torch.bincount(i), "torch.bincount (aten::bincount)",
-                 "scatter_add_"),
+                 "minlength="),
     "one_hot_without_num_classes": (lambda x, i: F.one_hot(i),
                                     "torch.nn.functional.one_hot", "num_classes"),
     "repeat_interleave_tensor": (lambda x, i: torch.repeat_interleave(x[0], i[:4]),

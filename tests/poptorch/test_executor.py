@@ -71,15 +71,19 @@ def test_executor_copy_gives_a_clear_error():
     assert model(torch.randn(1, 6)).shape == (1, 20)  # still usable
 
 
-def test_shallow_copies_and_pickles_of_executors_are_refused():
+def test_shallow_copies_of_executors_are_refused_and_pickles_store_the_model():
     """Found by a user: copy.copy(executor) shared the device weights without the host
-    synchronisation."""
-    model = poptorch.inferenceModel(SingleLinear())
+    synchronisation. Pickling (torch.save(executor), PopTorch's test_block_function_
+    saving) stores the wrapped model with its weights."""
+    user = SingleLinear()
+    model = poptorch.inferenceModel(user)
     model(torch.randn(1, 6))
     with pytest.raises(poptorch.Error, match="cannot be copied"):
         copy.copy(model)
-    with pytest.raises(poptorch.Error, match="cannot be pickled"):
-        pickle.dumps(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    assert type(loaded) is SingleLinear
+    for (name, a), b in zip(loaded.state_dict().items(), user.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 # -- inspection ------------------------------------------------------------------------

@@ -160,7 +160,7 @@ def test_rmsprop_tensorflow_variant():
                        momentum=0.5, centered=False)
     desc.use_tf_variant = True
     opt = DeviceOptimizer(desc, ["w"], [w])
-    assert opt.state["Accl2___w"].tolist() == [1.0, 1.0]
+    assert opt.state["Accl1___w"].tolist() == [1.0, 1.0]
     g = torch.tensor([0.5, -1.0])
     ms, mom, ref = torch.ones(2), torch.zeros(2), torch.tensor([1.0, 2.0])
     for _ in range(3):

@@ -70,9 +70,9 @@ def twice(loss):
     (lambda out, t: out * 2,
      r"Couldn't find a loss in graph! A training model must compute its loss"),
     (lambda out, t: (F.cross_entropy(out, t), F.l1_loss(out, out * 0)),
-     r"Multiple independent losses found in graph: cross_entropy_loss, l1_loss\. Graph "
-     r"must have a single final loss: wrap the final combined loss in "
-     r"poptorch\.identity_loss"),
+     r"Multiple independent losses found in graph\. Graph must have one final loss\. "
+     r"Wrap final graph loss in poptorch\.identity_loss\. \(Losses: cross_entropy_loss, "
+     r"l1_loss"),
     (lambda out, t: twice(F.cross_entropy(out, t)),
      r"The model's forward returns 2 different values computed from its final loss "
      r"\(outputs 0, 1\)"),

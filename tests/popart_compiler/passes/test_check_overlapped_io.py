@@ -55,7 +55,8 @@ def test_overlap_that_follows_the_rules(run_pass, module, c):
     ({"execution_mode": 0, "numIOTiles": 32}, OutputMode.All,
      r"Overlapped IO is not supported with poptorch\.PipelinedExecution"),
     ({"execution_mode": 1}, OutputMode.All,
-     r"No IO tiles allocated\. Overlapped IO needs at least 32 IO tiles"),
+     r"No IO tiles allocated\. You must allocate at least 32 IO tiles using "
+     r"poptorch\.Options\(\)\.TensorLocations\.numIOTiles"),
     ({"execution_mode": 1, "numIOTiles": 16}, OutputMode.All, "No IO tiles allocated"),
     ({"execution_mode": 1, "numIOTiles": 32}, OutputMode.Final,
      r"Unsupported output mode for overlapped IO: use poptorch\.OutputMode\.All or "
@@ -68,12 +69,13 @@ def test_options_that_break_the_rules(raw, mode, message):
 
 
 @pytest.mark.parametrize("module,message", [
-    (Overlap(internal=True), r"poptorch\.set_overlap_for_input was applied to mul, which "
-                             r"is not a tensor input to the model"),
+    # PopTorch's wording
+    (Overlap(internal=True), r"poptorch\.set_overlap_for_input applied on a node which is "
+                             r"not a tensor input to the model"),
     (Overlap(input_twice=True), r"poptorch\.set_overlap_for_input must be the only op "
-                                r"applied to an input: x is also used by add"),
-    (Overlap(return_twice=True), r"A tensor marked with poptorch\.set_overlap_for_output "
-                                 r"is returned twice"),
+                                r"applied to an input\. This is not the case for input x"),
+    (Overlap(return_twice=True), r"poptorch\.set_overlap_for_output cannot be used with a "
+                                 r"tensor that is returned twice"),
 ], ids=["internal_input", "input_used_twice", "returned_twice"])
 def test_markers_in_the_wrong_place(module, message):
     g = export(module, torch.randn(2))
@@ -87,6 +89,6 @@ def test_output_marker_on_a_value_that_is_not_returned():
             return ops_library.OVERLAP_OUTPUT(x * 2, MODE) + 1
 
     g = export(Internal(), torch.randn(2))
-    with pytest.raises(Error, match=r"poptorch\.set_overlap_for_output was applied to mul, "
+    with pytest.raises(Error, match=r"poptorch\.set_overlap_for_output applied on a node "
                                     r"which is not a tensor output to the model"):
         check_overlapped_io(g, compilation())
