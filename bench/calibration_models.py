@@ -106,13 +106,18 @@ class BertPretraining(nn.Module):
 
     def __init__(self, hidden: int, layers: int, heads: int, layers_per_ipu: Sequence[int],
                  sequence_length: int = 128, mask_tokens: int = 20,
-                 embedding_serialization: int = 1):
+                 embedding_serialization: int = 1, annotate: bool = True):
         super().__init__()
         config = _bert_config(hidden, layers, heads, sequence_length)
         self.config = config
         self.mask_tokens = mask_tokens
         self.sequence_length = sequence_length
         model = transformers.BertForPreTraining(config)
+        self.model = model
+        if not annotate:  # the same model without placement (for poptorch.plan)
+            for layer in model.bert.encoder.layer:
+                layer.attention.self = _FusedSelfAttention(config)
+            return
         if embedding_serialization > 1:
             decoder = SerializedLinear(hidden, config.vocab_size, embedding_serialization,
                                        bias=True)
@@ -186,7 +191,7 @@ class Gpt2Training(nn.Module):
 
     def __init__(self, hidden: int, layers: int, heads: int, layers_per_ipu: Sequence[int],
                  sequence_length: int = 1024, embedding_serialization: int = 4,
-                 serialized_seq_len: int = 128, training: bool = True):
+                 serialized_seq_len: int = 128, training: bool = True, annotate: bool = True):
         super().__init__()
         config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads,
                                          n_positions=sequence_length, vocab_size=50272,
@@ -195,6 +200,11 @@ class Gpt2Training(nn.Module):
         self.serialized_seq_len = serialized_seq_len
         self.training_model = training
         model = transformers.GPT2LMHeadModel(config)
+        self.model = model
+        if not annotate:  # the same model without placement (for poptorch.plan)
+            model.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+            model.lm_head.weight = model.transformer.wte.weight
+            return
         head = SerializedLinear(hidden, config.vocab_size, embedding_serialization, bias=False)
         head.weight = model.transformer.wte.weight
         model.lm_head = head

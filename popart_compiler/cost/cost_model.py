@@ -25,8 +25,8 @@ from popart_compiler.cost.memory_report import memory_problem
 from popart_compiler.cost.op_costs import ProgramCosts, collect
 from popart_compiler.session_options import SessionOptions
 
-__all__ = ["IpuEstimate", "estimate", "estimate_costs", "memory_settings", "cycle_settings",
-           "check"]
+__all__ = ["IpuEstimate", "estimate", "estimate_costs", "estimate_with", "memory_settings",
+           "cycle_settings", "check"]
 
 
 @dataclasses.dataclass
@@ -198,11 +198,18 @@ def estimate_costs(costs: ProgramCosts, options: SessionOptions, training: bool,
                    target: IpuTarget, optimizer=None, micro_batch: int = 1) -> IpuEstimate:
     """:func:`estimate` of a program already costed (:func:`~.op_costs.collect`)."""
     settings = memory_settings(options, training, optimizer)
+    return estimate_with(costs, target, settings,
+                         cycle_settings(settings, options, training, optimizer, micro_batch))
+
+
+def estimate_with(costs: ProgramCosts, target: IpuTarget, settings: MemorySettings,
+                  cycles_settings: CycleSettings) -> IpuEstimate:
+    """:func:`estimate` of a costed program under explicit memory and cycle settings
+    (what :func:`memory_settings` and :func:`cycle_settings` derive from options)."""
     memory = estimate_memory(costs, target, settings)
-    cycles = estimate_cycles(costs, target, cycle_settings(settings, options, training,
-                                                           optimizer, micro_batch))
-    result = IpuEstimate(target, costs, memory, cycles, settings, micro_batch,
-                         options.replication_factor)
+    cycles = estimate_cycles(costs, target, cycles_settings)
+    result = IpuEstimate(target, costs, memory, cycles, settings, cycles_settings.micro_batch,
+                         settings.replicas)
     logger.info("IPU Model estimate (%s, %d IPU(s) per replica): %s; %d cycles per run; "
                 "%.1f samples/s; pipeline efficiency %.1f %%", target.name, costs.num_ipus,
                 ", ".join(f"IPU {m.ipu} {m.total / 1e6:.1f}/{m.capacity / 1e6:.1f} MB"

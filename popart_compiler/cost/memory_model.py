@@ -51,7 +51,7 @@ from popart_compiler.cost.op_costs import ProgramCosts
 from popart_compiler.cost.op_plans import DEFAULT_AVAILABLE_MEMORY, op_plans
 
 __all__ = ["MemorySettings", "Location", "IpuMemory", "IpuParts", "estimate_memory",
-           "ipu_parts", "finish", "inference_peak",
+           "ipu_parts", "with_stages", "finish", "inference_peak",
            "matmul_temporary", "CATEGORIES", "DEFAULT_AVAILABLE_MEMORY"]
 
 #: Control code, stack and runtime state per tile.
@@ -297,24 +297,35 @@ def ipu_parts(ipu: int, mine: Sequence, weights: Sequence, stages: Sequence,
     cat = dict.fromkeys(CATEGORIES, 0.0)
     listed: List[Tuple[str, str, float]] = []
     off_chip, update = _state(weights, settings, settings.replicas, cat, listed)
-    working = 0.0
     if settings.training:
         cat["gradients"] = float(max((op.weight_grad_bytes for op in mine), default=0))
-        for st in stages:
-            cat["activations"] += st.saved
-            on, off = settings.activation.split(int(st.stash), st.stash, 1)
-            cat["pipeline stash"] += on
-            off_chip += off
-            working = max(working, st.working)
     else:
         cat["activations"] = inference_activations
-    cat["temporaries"] = working
     cat["code"] = float(_code(mine, target, settings.training))
     cat["exchange"] = float(EXCHANGE_BYTES_PER_TILE * target.tiles + 2 * host + 2 * boundary)
     if tensors:
         listed += [(op.name, "activations", float(op.out_bytes)) for op in mine
                    if op.out_bytes]
-    return IpuParts(ipu, cat, off_chip, update, listed if tensors else [])
+    return with_stages(IpuParts(ipu, cat, off_chip, update, listed if tensors else []),
+                       stages, settings)
+
+
+def with_stages(parts: IpuParts, stages: Sequence, settings: MemorySettings) -> IpuParts:
+    """``parts`` (of an IPU without its stages) with the activations, pipeline stash
+    and backward working set of its forward ``stages`` added (training)."""
+    if not settings.training or not stages:
+        return parts
+    cat = dict(parts.categories)
+    off_chip = parts.off_chip
+    working = cat["temporaries"]
+    for st in stages:
+        cat["activations"] += st.saved
+        on, off = settings.activation.split(int(st.stash), st.stash, 1)
+        cat["pipeline stash"] += on
+        off_chip += off
+        working = max(working, st.working)
+    cat["temporaries"] = working
+    return IpuParts(parts.ipu, cat, off_chip, parts.update, parts.tensors)
 
 
 def finish(parts: IpuParts, matmul_temp: float, capacity: int) -> IpuMemory:
