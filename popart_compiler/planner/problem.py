@@ -196,6 +196,13 @@ class Problem:
                     on.update(unit.markers)
         return on
 
+    def valid(self, stages: Sequence[StageSpec]) -> bool:
+        """Whether a placement's stages are what the per-IPU estimate assumes: with
+        planner checkpoints the program must have at least one (else it does not
+        recompute at all: the same program as without planner checkpoints)."""
+        planned = any(st.checkpoint is not None for st in stages)
+        return not planned or self.user_recomputes or bool(self.present(stages))
+
     def _present_around(self, stages: Sequence[StageSpec]):
         """Markers as :meth:`present` for ``stages`` of one IPU; a marker of another
         IPU's unit counts as present when the placement has planner checkpoints (the

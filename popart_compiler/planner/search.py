@@ -29,7 +29,7 @@ from popart_compiler.cost.cycle_model import pipeline_stages, schedule_cycles
 from popart_compiler.planner.candidate import Candidate
 from popart_compiler.planner.problem import IpuEval, Problem, StageSpec
 
-__all__ = ["Space", "Scored", "search", "score", "closest"]
+__all__ = ["Space", "Scored", "search", "score", "closest", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +208,9 @@ class _Layout:
                 return  # out of time: keep the best found
             if ipu == self.n_ipus:
                 scored = self._score(chosen)
-                if best is None or scored.step_cycles < best.step_cycles:
+                if (best is None or scored.step_cycles < best.step_cycles) and \
+                        self.p.valid([st for _, st in
+                                      scored.candidate.stages(len(self.p.units))]):
                     best = scored
                 return
             ends = sorted(self._ranges(ipu, a),
@@ -325,3 +327,32 @@ def closest(problem: Problem, space: Space) -> Optional[Scored]:
         if found is not None and (best is None or max(found.totals) < max(best.totals)):
             best = found
     return best
+
+
+def evaluate(problem: Problem, candidate: Candidate, micro_batches: int) -> Scored:
+    """The search's figures for ``candidate`` (each IPU estimated on its own, as the
+    search does): equal to the estimate of the whole placed program
+    (:func:`~.candidate.full_estimate`) up to float rounding."""
+    n = len(problem.units)
+    per_ipu = {}
+    for ipu in range(candidate.num_ipus):
+        specs = candidate.stages_of(ipu, n)
+        serial = {name: f for name, f in candidate.serialization
+                  if any(problem.units[st.first].lo <= problem.variants.index[name]
+                         < problem.units[st.last].hi for st in specs)}
+        per_ipu[ipu] = (specs, problem.evaluate(ipu, candidate.num_ipus, specs, serial,
+                                                candidate.optimizer_on_chip))
+    forward: Dict[int, float] = {}
+    backward: Dict[int, float] = {}
+    totals = []
+    for ipu, (specs, ev) in per_ipu.items():
+        j = problem.proportions.index(candidate.proportions[ipu])
+        totals.append(float(ev.totals[j]))
+        for st, f, b in zip(specs, ev.forward, ev.backward):
+            forward[st.position], backward[st.position] = float(f[j]), float(b[j])
+    keys = sorted((st.position, ipu) for ipu, (specs, _) in per_ipu.items() for st in specs)
+    stages = pipeline_stages(keys, forward, backward, problem.training)
+    step, samples = score(problem, stages, max(ev.update for _, ev in per_ipu.values()),
+                          micro_batches)
+    capacity = problem.target.memory_bytes
+    return Scored(candidate, step, samples, tuple(totals), all(t <= capacity for t in totals))

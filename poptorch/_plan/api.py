@@ -119,13 +119,13 @@ class _Planner:
         return search(planning.problem, self.space(planning, ipus, m), self.r.time_limit)
 
 
-def _plan_of(planner: _Planner, micro_batch: int, scored: Scored, seconds: float,
-             explored: List[Dict[str, Any]]) -> Plan:
+def _plan_of(planner: _Planner, micro_batch: int, cand: Candidate, seconds: float = 0.0,
+             explored: Optional[List[Dict[str, Any]]] = None) -> Plan:
+    """The :class:`Plan` of candidate ``cand`` (estimated as the whole placed program)."""
     r = planner.r
     planning = planner.planning(micro_batch)
     problem = planning.problem
     m = r.micro_batches(micro_batch)
-    cand = scored.candidate
     estimate = full_estimate(problem, cand, m)
     placement = cand.stages(len(problem.units))
     units = []
@@ -144,7 +144,7 @@ def _plan_of(planner: _Planner, micro_batch: int, scored: Scored, seconds: float
                 cand.checkpoints is not None or problem.user_recomputes,
                 list(cand.checkpoints) if cand.checkpoints is not None else None,
                 list(cand.proportions), serialization, micro_batch, m, r.replicas,
-                cand.optimizer_on_chip, r.training, estimate, seconds, explored,
+                cand.optimizer_on_chip, r.training, estimate, seconds, explored or [],
                 _base_options=r.options)
 
 
@@ -240,7 +240,8 @@ def plan(model: nn.Module, *example_inputs, options: Optional[poptorch.Options] 
             winner = (mb, scored)
     if winner is None:
         raise _nothing_fits(planner, batches, time.perf_counter() - start, explored)
-    return _plan_of(planner, winner[0], winner[1], time.perf_counter() - start, explored)
+    return _plan_of(planner, winner[0], winner[1].candidate, time.perf_counter() - start,
+                    explored)
 
 
 def _check_batches(r: _Request, batches: List[int]) -> None:
@@ -269,7 +270,7 @@ def _nothing_fits(planner: _Planner, batches: List[int], seconds: float,
     mb = max(b for b in batches if r.micro_batches(b) is not None)
     planning = planner.planning(mb)
     near = closest(planning.problem, planner.space(planning, r.ipus, r.micro_batches(mb)))
-    closest_plan = _plan_of(planner, mb, near, seconds, explored) if near else None
+    closest_plan = _plan_of(planner, mb, near.candidate, seconds, explored) if near else None
     suggestions = []
     for extra in range(1, _MAX_EXTRA_IPUS + 1):
         n = r.ipus + extra
