@@ -102,7 +102,9 @@ class BertPretraining(nn.Module):
     embeddings on IPU 0, the layers by ``layers_per_ipu``, pooler and heads on IPU 0,
     the decoder serialised and tied to the word embeddings, the ``mask_tokens`` masked
     positions gathered by a one-hot matmul. ``forward(input_ids, attention_mask,
-    token_type_ids, masked_positions, masked_labels, nsp_labels)`` returns the loss."""
+    token_type_ids, masked_positions, masked_labels, nsp_labels)`` returns the loss.
+    ``annotate=False``: the same model without placement, checkpoints or serialised
+    decoder (what ``poptorch.plan`` places, ``bench/plan.py``)."""
 
     def __init__(self, hidden: int, layers: int, heads: int, layers_per_ipu: Sequence[int],
                  sequence_length: int = 128, mask_tokens: int = 20,
@@ -187,7 +189,9 @@ class Gpt2Training(nn.Module):
     tied to ``wte``, serialised and on IPU 0; the loss over sequence slices of
     ``serialized_seq_len`` tokens; the vocabulary padded to 50,272 as in the examples'
     ``config*.json``. ``forward(input_ids, labels)`` returns the loss; in
-    inference (``training=False``) the logits."""
+    inference (``training=False``) the logits. ``annotate=False``: the same model
+    without placement or checkpoints, its LM head a plain tied ``nn.Linear`` (what
+    ``poptorch.plan`` places, ``bench/plan.py``)."""
 
     def __init__(self, hidden: int, layers: int, heads: int, layers_per_ipu: Sequence[int],
                  sequence_length: int = 1024, embedding_serialization: int = 4,

@@ -119,6 +119,23 @@ class _Planner:
         return search(planning.problem, self.space(planning, ipus, m), self.r.time_limit)
 
 
+def _explored(planner: _Planner, micro_batch: int, scored: Optional[Scored]) -> Dict[str, Any]:
+    """A micro-batch tried: whether something fits and the best placement's figures."""
+    entry: Dict[str, Any] = {"micro_batch": micro_batch, "fits": scored is not None,
+                             "samples_per_second": 0.0}
+    if scored is None:
+        return entry
+    problem = planner.planning(micro_batch).problem
+    cand = scored.candidate
+    stages = [st for _, st in cand.stages(len(problem.units))]
+    present = problem.present(stages)
+    entry.update(samples_per_second=scored.samples_per_second, memory=list(scored.totals),
+                 available_memory_proportion=list(cand.proportions),
+                 checkpointed=[u.name for u in problem.units
+                               if u.markers and all(m in present for m in u.markers)])
+    return entry
+
+
 def _plan_of(planner: _Planner, micro_batch: int, cand: Candidate, seconds: float = 0.0,
              explored: Optional[List[Dict[str, Any]]] = None) -> Plan:
     """The :class:`Plan` of candidate ``cand`` (estimated as the whole placed program)."""
@@ -215,6 +232,40 @@ def plan(model: nn.Module, *example_inputs, options: Optional[poptorch.Options] 
             of ``ipus`` IPUs; a global batch no micro-batch divides.
     """
     start = time.perf_counter()
+    request, batches = _request(
+        model, *example_inputs, options=options, optimizer=optimizer, ipus=ipus,
+        training=training, micro_batch=micro_batch, global_batch=global_batch,
+        available_memory_proportions=available_memory_proportions, serialize=serialize,
+        recomputation=recomputation, head_on_first_ipu=head_on_first_ipu,
+        optimizer_state_on_chip=optimizer_state_on_chip, time_limit=time_limit)
+    planner = _Planner(request)
+    explored: List[Dict[str, Any]] = []
+    winner: Optional[Tuple[int, Scored]] = None
+    for mb in sorted(set(batches), reverse=True):
+        if request.micro_batches(mb) is None:
+            continue
+        scored = planner.best(mb, ipus)
+        explored.append(_explored(planner, mb, scored))
+        if scored is not None and (winner is None or
+                                   scored.samples_per_second > winner[1].samples_per_second):
+            winner = (mb, scored)
+    if winner is None:
+        raise _nothing_fits(planner, batches, time.perf_counter() - start, explored)
+    result = _plan_of(planner, winner[0], winner[1].candidate, time.perf_counter() - start,
+                      explored)
+    if not result.fits:  # the per-IPU estimate and the whole program's must agree
+        raise py_error(f"poptorch.plan: internal error: the chosen placement needs "
+                       f"{result.memory_per_ipu} bytes per IPU, more than the IPUs hold, "
+                       "although each IPU's estimate fitted. Please report it.")
+    return result
+
+
+def _request(model, *example_inputs, options=None, optimizer=None, ipus=1, training=True,
+             micro_batch=None, global_batch=None,
+             available_memory_proportions=DEFAULT_PROPORTIONS, serialize=True,
+             recomputation=True, head_on_first_ipu=True, optimizer_state_on_chip=None,
+             time_limit=600.0) -> Tuple[_Request, List[int]]:
+    """:func:`plan`'s arguments, checked: ``(request, micro-batches to try)``."""
     if not isinstance(ipus, int) or ipus < 1:
         raise py_error(f"poptorch.plan: ipus must be a positive integer, got {ipus!r}")
     if not example_inputs:
@@ -226,22 +277,7 @@ def plan(model: nn.Module, *example_inputs, options: Optional[poptorch.Options] 
                        global_batch, tuple(available_memory_proportions), serialize,
                        recomputation, head_on_first_ipu, optimizer_state_on_chip, time_limit)
     _check_batches(request, batches)
-    planner = _Planner(request)
-    explored: List[Dict[str, Any]] = []
-    winner: Optional[Tuple[int, Scored]] = None
-    for mb in sorted(set(batches), reverse=True):
-        if request.micro_batches(mb) is None:
-            continue
-        scored = planner.best(mb, ipus)
-        explored.append({"micro_batch": mb, "fits": scored is not None,
-                         "samples_per_second": scored.samples_per_second if scored else 0.0})
-        if scored is not None and (winner is None or
-                                   scored.samples_per_second > winner[1].samples_per_second):
-            winner = (mb, scored)
-    if winner is None:
-        raise _nothing_fits(planner, batches, time.perf_counter() - start, explored)
-    return _plan_of(planner, winner[0], winner[1].candidate, time.perf_counter() - start,
-                    explored)
+    return request, batches
 
 
 def _check_batches(r: _Request, batches: List[int]) -> None:

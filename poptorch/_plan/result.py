@@ -43,8 +43,10 @@ class Plan:
         training: a training plan.
         estimate: the IPU Model's estimate of the placed program.
         plan_seconds: time taken to plan (capture, costing, search).
-        explored: per micro-batch tried, the best placement's figures
-            (``{"micro_batch", "fits", "samples_per_second", "memory"}``).
+        explored: per micro-batch tried, the best placement's figures:
+            ``{"micro_batch", "fits", "samples_per_second"}`` and, when it fits,
+            ``"memory"`` (bytes per IPU), ``"available_memory_proportion"`` and
+            ``"checkpointed"`` (layers).
     """
     units: List[Tuple[str, int, int]]
     layers: List[str]
@@ -183,15 +185,18 @@ class Plan:
         for ipu in range(self.num_ipus):
             mine = stages.get(ipu, {})
             names = " + ".join(_span(mine[s]) for s in sorted(mine))
-            ck = "-" if checks is None else "/".join("all" if checks[s] else "input"
-                                                      for s in sorted(mine))
+            layer_set = set(self.layers)
+            ck = "-" if checks is None else "/".join(
+                ("all" if checks[s] else "input") if layer_set & set(mine[s]) else "-"
+                for s in sorted(mine))
             rows.append(f"{ipu:>3}  {names:<58} {layers[ipu]:>6} "
                         f"{self.available_memory_proportion[ipu]:>5.2f} {ck:>7} "
                         f"{memory[ipu] / 1e6:>7.1f} {cap / 1e6:>6.0f}")
         c = self.estimate.cycles
         state = {None: "as the options", True: "on chip", False: "off chip"}
         batches = "gradient accumulation" if self.training else "device iterations"
-        serial = ", ".join(f"{p} x{f}" for p, f in self.serialization.items()) or "none"
+        serial = ", ".join(f"{p} x{f}" for p, f in self.serialization.items()
+                           if f > 1) or "none"
         rows.append(f"micro-batch {self.micro_batch}, {batches} {self.gradient_accumulation}, "
                     f"replicas {self.replicas}; optimizer state "
                     f"{state[self.optimizer_state_on_chip]}; serialised: {serial}")
