@@ -17,10 +17,10 @@ from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, placement_of
 from popart_compiler.planner.problem import Unit
 
-__all__ = ["find_units"]
+__all__ = ["find_units", "check_blocks"]
 
 
-def find_units(graph: Graph, op_names: Sequence[str], layers: Set[str],
+def find_units(graph: Graph, op_names: Sequence[str], modules: Set[str], layers: Set[str],
                markers: Set[str]) -> List[Unit]:
     """The units of ``graph``.
 
@@ -28,6 +28,7 @@ def find_units(graph: Graph, op_names: Sequence[str], layers: Set[str],
         graph: the planning capture (with the planner's markers); each block's id is
             its module's path.
         op_names: its costed ops, in execution order.
+        modules: the paths of the units' modules (the blocks the planner started).
         layers: the paths of the repeated layers.
         markers: names of the planner's checkpoint markers.
 
@@ -36,8 +37,10 @@ def find_units(graph: Graph, op_names: Sequence[str], layers: Set[str],
 
     Raises:
         Error: a unit's ops are not consecutive (a module called again after another
-            unit's module started).
+            unit's module started); a block the planner did not start (the model
+            starts its own ``poptorch.Block`` inside ``forward``).
     """
+    check_blocks(graph, modules)
     stage = {n.name: placement_of(n).stage for n in graph.module.graph.nodes}
     names: Dict[int, str] = {}
     for n in graph.module.graph.nodes:
@@ -63,3 +66,20 @@ def find_units(graph: Graph, op_names: Sequence[str], layers: Set[str],
         units.append(Unit(name, name in layers, start, i, mine))
         start = i
     return units
+
+
+def check_blocks(graph: Graph, modules: Set[str]) -> None:
+    """Every op of the planning capture is in a block the planner started.
+
+    Raises:
+        Error: the model starts its own blocks inside ``forward``.
+    """
+    for n in graph.module.graph.nodes:
+        block = (n.meta.get("custom") or {}).get(BLOCK_KEY)
+        if block is not None and str(block) not in modules:
+            raise backend_error(
+                f"The model starts its own block {block!r} inside forward "
+                "(poptorch.Block, BlockFunction or Block.start): the planner places the "
+                "model's modules itself. Remove the blocks from forward to plan it "
+                "(BeginBlock annotations on modules are fine: plan() ignores them and "
+                "Plan.apply() replaces them).")

@@ -195,6 +195,9 @@ def plan(model: nn.Module, *example_inputs, options: Optional[poptorch.Options] 
 
     The search is exact over that space for the IPU Model's estimate (branch and
     bound over consecutive splits; each IPU's estimate depends only on its own units).
+    While it is captured the model carries the planner's blocks, checkpoints and
+    serialised projections (its own ``BeginBlock``\ s set aside); everything is
+    restored afterwards.
 
     Args:
         model: the model (its ``forward`` returns the loss in training).

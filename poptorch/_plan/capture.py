@@ -33,7 +33,7 @@ from popart_compiler.cost.ipu_model import target_for
 from popart_compiler.cost.op_costs import collect, steering_op, with_serialization
 from popart_compiler.ir import Graph
 from popart_compiler.planner.problem import DEFAULT_PROPORTIONS, Problem
-from popart_compiler.planner.units import find_units
+from popart_compiler.planner.units import check_blocks, find_units
 from popart_compiler.planner.variants import Variants
 from poptorch import enums
 from poptorch._executor import call_io, host_sync, lifecycle
@@ -174,7 +174,8 @@ def _planning_options(options: poptorch.Options, training: bool) -> poptorch.Opt
     return opts
 
 
-def _capture(model, inputs, options, optimizer, training) -> Tuple[Graph, object]:
+def _capture(model, inputs, options, optimizer, training, units: Sequence[str]
+             ) -> Tuple[Graph, object]:
     """Capture ``model`` with ``inputs`` and run the compiler's passes up to the
     lowering; returns ``(graph, optimizer description)``."""
     opts = _planning_options(options, training)
@@ -190,6 +191,7 @@ def _capture(model, inputs, options, optimizer, training) -> Tuple[Graph, object
         description = state.binding.description if training else None
         passes = [p for p in compiler.PASSES if p.name not in ("lower", "estimate")]
         graph = program.captured.graph
+        check_blocks(graph, set(units))
         compiler.compile(graph, sess_opts, training, optimizer=description, passes=passes)
         return graph, description
     finally:
@@ -227,13 +229,13 @@ def capture_for_planning(model: nn.Module, inputs: Sequence, options: poptorch.O
     units = unit_modules(model, layers)
     heads = vocabulary_projections(model) if serialize else {}
     with planning_changes(model, units, layers, list(heads)):
-        graph, description = _capture(model, inputs, options, optimizer, training)
+        graph, description = _capture(model, inputs, options, optimizer, training, units)
     costs_a = collect(graph)
     markers = [n.name for n in graph.module.graph.nodes
                if (n.meta.get("custom") or {}).get(PLAN_MARKER)
                and steering_op(n) == "recomputation_checkpoint"]
     op_names = [op.name for op in costs_a.ops]
-    found = find_units(graph, op_names, set(layers), set(markers))
+    found = find_units(graph, op_names, set(units), set(layers), set(markers))
     head_ops = _head_ops(graph, heads)
     _remove_markers(graph, markers)
     costs_b = collect(graph)
@@ -248,7 +250,8 @@ def capture_for_planning(model: nn.Module, inputs: Sequence, options: poptorch.O
     user = graph.user_inputs
     micro = int(user[0].shape[0]) if user and user[0] is not None and len(user[0].shape) \
         else 1
-    memory = memory_settings(sess, training, description)
+    # a plan over several IPUs is pipelined (Plan.apply sets PipelinedExecution)
+    memory = dataclasses.replace(memory_settings(sess, training, description), pipelined=True)
     cycles = cycle_settings(memory, sess, training, description, micro)
     by_name = {op.name: op for op in costs_b.ops}
     head_variants = {name: {f: with_serialization(graph, costs_b, by_name[name], f)

@@ -325,3 +325,38 @@ def test_command_line(tmp_path):
                              "--ipus", "3"], capture_output=True, text=True, env=env,
                             timeout=300)
     assert failed.returncode == 1 and "needs gradient accumulation >= 5" in failed.stderr
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.layers[0](x).sum()
+
+
+class _OwnBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            poptorch.Block.start(f"mine{i}")
+            x = layer(x * 2)
+        return x.sum()
+
+
+@pytest.mark.parametrize("model,message", [(_Twice, "runs again after other units"),
+                                           (_OwnBlocks, "starts its own block 'mine0'")])
+def test_unplannable_models_are_refused(model, message):
+    instance = model()
+    before = [dict(m._forward_pre_hooks) for m in instance.modules()]
+    with pytest.raises(poptorch.Error, match=message):
+        poptorch.plan(instance, torch.randn(2, 8), training=False)
+    # the planner's capture-time hooks are gone
+    assert [dict(m._forward_pre_hooks) for m in instance.modules()] == before
+    assert all(not m._forward_hooks for m in instance.modules())
