@@ -287,7 +287,11 @@ def test_structure_of_models():
 
 def test_plan_result_fields():
     model = plan_models.TinyLM()
-    plan = poptorch.plan(model, *model.example_inputs(), ipus=2, global_batch=16)
+    options = poptorch.Options()
+    plan = poptorch.plan(model, *model.example_inputs(), ipus=2, global_batch=16,
+                         options=options)
+    options.deviceIterations(2)  # the caller's options are neither changed nor frozen
+    assert options.Training.gradient_accumulation == 1
     config = plan.ipu_config()
     assert config["ipus_per_replica"] == 2
     assert config["layers_per_ipu"] == plan.layers_per_ipu and sum(plan.layers_per_ipu) == 4
