@@ -102,17 +102,24 @@ class BertPretraining(nn.Module):
     embeddings on IPU 0, the layers by ``layers_per_ipu``, pooler and heads on IPU 0,
     the decoder serialised and tied to the word embeddings, the ``mask_tokens`` masked
     positions gathered by a one-hot matmul. ``forward(input_ids, attention_mask,
-    token_type_ids, masked_positions, masked_labels, nsp_labels)`` returns the loss."""
+    token_type_ids, masked_positions, masked_labels, nsp_labels)`` returns the loss.
+    ``annotate=False``: the same model without placement, checkpoints or serialised
+    decoder (what ``poptorch.plan`` places, ``bench/plan.py``)."""
 
     def __init__(self, hidden: int, layers: int, heads: int, layers_per_ipu: Sequence[int],
                  sequence_length: int = 128, mask_tokens: int = 20,
-                 embedding_serialization: int = 1):
+                 embedding_serialization: int = 1, annotate: bool = True):
         super().__init__()
         config = _bert_config(hidden, layers, heads, sequence_length)
         self.config = config
         self.mask_tokens = mask_tokens
         self.sequence_length = sequence_length
         model = transformers.BertForPreTraining(config)
+        self.model = model
+        if not annotate:  # the same model without placement (for poptorch.plan)
+            for layer in model.bert.encoder.layer:
+                layer.attention.self = _FusedSelfAttention(config)
+            return
         if embedding_serialization > 1:
             decoder = SerializedLinear(hidden, config.vocab_size, embedding_serialization,
                                        bias=True)
@@ -182,11 +189,13 @@ class Gpt2Training(nn.Module):
     tied to ``wte``, serialised and on IPU 0; the loss over sequence slices of
     ``serialized_seq_len`` tokens; the vocabulary padded to 50,272 as in the examples'
     ``config*.json``. ``forward(input_ids, labels)`` returns the loss; in
-    inference (``training=False``) the logits."""
+    inference (``training=False``) the logits. ``annotate=False``: the same model
+    without placement or checkpoints, its LM head a plain tied ``nn.Linear`` (what
+    ``poptorch.plan`` places, ``bench/plan.py``)."""
 
     def __init__(self, hidden: int, layers: int, heads: int, layers_per_ipu: Sequence[int],
                  sequence_length: int = 1024, embedding_serialization: int = 4,
-                 serialized_seq_len: int = 128, training: bool = True):
+                 serialized_seq_len: int = 128, training: bool = True, annotate: bool = True):
         super().__init__()
         config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads,
                                          n_positions=sequence_length, vocab_size=50272,
@@ -195,6 +204,11 @@ class Gpt2Training(nn.Module):
         self.serialized_seq_len = serialized_seq_len
         self.training_model = training
         model = transformers.GPT2LMHeadModel(config)
+        self.model = model
+        if not annotate:  # the same model without placement (for poptorch.plan)
+            model.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+            model.lm_head.weight = model.transformer.wte.weight
+            return
         head = SerializedLinear(hidden, config.vocab_size, embedding_serialization, bias=False)
         head.weight = model.transformer.wte.weight
         model.lm_head = head

@@ -32,6 +32,7 @@ from poptorch._executor.executor import PoplarExecutor  # noqa: E402
 from poptorch._files import export as _export  # noqa: E402
 from poptorch import optim  # noqa: E402,F401
 from poptorch import profiling  # noqa: E402,F401
+from poptorch import plan  # noqa: E402,F401  (callable: poptorch.plan(model, ...))
 from poptorch._data.dataloader import DataLoader, AsynchronousDataAccessor  # noqa: E402,F401
 from poptorch import poptorch_core  # noqa: E402,F401
 from poptorch import options, ops  # noqa: E402,F401

@@ -27,10 +27,10 @@ Follows PopART's pipelining (``transforms/pipeline.cpp``) and recomputation:
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, FrozenSet, List, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Sequence, Tuple
 
-__all__ = ["StageMemory", "stage_memory", "recomputation_active", "kept_for_backward",
-           "RECOMPUTE_NONE", "RECOMPUTE_STANDARD", "RECOMPUTE_NORM_ONLY",
+__all__ = ["StageMemory", "stage_memory", "one_stage", "stage_input", "owners",
+           "recomputation_active", "kept_for_backward", "RECOMPUTE_NONE", "RECOMPUTE_STANDARD", "RECOMPUTE_NORM_ONLY",
            "RECOMPUTE_PIPELINE", "RECOMPUTE_ALL"]
 
 #: ``autoRecomputation`` values (PopART ``RecomputationType``).
@@ -83,7 +83,7 @@ def kept_for_backward(op, auto_recomputation: int, recomputing: bool) -> bool:
         (mode == RECOMPUTE_NORM_ONLY and "norm" not in op.op)
 
 
-def _owners(ops) -> Dict[str, str]:
+def owners(ops) -> Dict[str, str]:
     """Op name → the op that allocated its buffer (views, checkpoint markers and
     in-place ops use their first input's)."""
     owner: Dict[str, str] = {}
@@ -93,17 +93,17 @@ def _owners(ops) -> Dict[str, str]:
     return owner
 
 
-def _stage_input(ops, producer_stage: Dict[str, int], user_inputs: Dict[str, int],
-                 sizes: Dict[str, int], owner: Dict[str, str]) -> float:
-    """Bytes a stage receives: tensors produced by another stage, and user inputs."""
-    stage = ops[0].stage
+def stage_input(ops, outside: Callable[[str], bool], user_inputs: Dict[str, int],
+                sizes: Dict[str, int], owner: Dict[str, str]) -> float:
+    """Bytes a stage of ``ops`` receives: user inputs, and the tensors ``outside(name)``
+    says another stage produced (counted once per buffer, ``owner``)."""
     seen = set()
     total = 0.0
     for op in ops:
         for name in op.inputs:
             if name in user_inputs:
                 key, size = name, user_inputs[name]
-            elif producer_stage.get(name, stage) != stage:
+            elif outside(name):
                 key = owner.get(name, name)
                 size = sizes.get(key, 0)
             else:
@@ -133,7 +133,7 @@ def _saved_and_working(ops, auto_recomputation: int, recompute: bool, received: 
     if auto_recomputation in (RECOMPUTE_PIPELINE, RECOMPUTE_ALL):
         return received, float(sum(op.memory_bytes for op in needed)) + grads, \
             frozenset(op.name for op in needed)
-    owner = _owners(ops)
+    owner = owners(ops)
     # buffers a later op of the stage reads (not counting the views and in-place ops
     # that take them over)
     read_in_stage = {owner.get(name, name) for op in ops if not op.view
@@ -162,6 +162,26 @@ def _saved_and_working(ops, auto_recomputation: int, recompute: bool, received: 
     return saved, worst, frozenset(recomputed)
 
 
+def one_stage(mine: Sequence, position: int, count: int, received: float,
+              auto_recomputation: int, recomputing: bool, pipelined: bool) -> StageMemory:
+    """Training memory of one forward stage (module docstring).
+
+    Args:
+        mine: the stage's ops, in order.
+        position / count: its index among the ``count`` merged forward stages.
+        received: bytes it receives (:func:`stage_input`).
+        auto_recomputation: the ``autoRecomputation`` option.
+        recomputing: the program recomputes (:func:`recomputation_active`).
+        pipelined: pipelined execution (else depth 1).
+    """
+    piped = pipelined and count > 1
+    depth = 2 * (count - 1 - position) + 1 if piped else 1
+    saved, working, recomputed = _saved_and_working(
+        mine, auto_recomputation, recomputing, received,
+        keep_tail=piped and position == count - 1)
+    return StageMemory(mine[0].stage, mine[0].ipu, depth, saved, working, recomputed)
+
+
 def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
                  auto_recomputation: int, pipelined: bool) -> List[StageMemory]:
     """Training memory of every forward stage.
@@ -176,20 +196,17 @@ def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
     recomputing = recomputation_active(ops, auto_recomputation, True)
     producer = {op.name: op.stage for op in ops}
     sizes = {op.name: op.out_bytes for op in ops}
-    owner = _owners(ops)
+    owner = owners(ops)
     by_stage: Dict[int, list] = {}
     for op in ops:
         by_stage.setdefault(op.stage, []).append(op)
-    n = len(stages)
     result = []
-    for k, (stage, ipu) in enumerate(stages):
+    for k, (stage, _ipu) in enumerate(stages):
         mine = by_stage.get(stage, [])
         if not mine:
             continue
-        piped = pipelined and n > 1
-        depth = 2 * (n - 1 - k) + 1 if piped else 1
-        received = _stage_input(mine, producer, user_inputs, sizes, owner)
-        saved, working, recomputed = _saved_and_working(
-            mine, auto_recomputation, recomputing, received, keep_tail=piped and k == n - 1)
-        result.append(StageMemory(stage, ipu, depth, saved, working, recomputed))
+        received = stage_input(mine, lambda name, s=stage: producer.get(name, s) != s,
+                               user_inputs, sizes, owner)
+        result.append(one_stage(mine, k, len(stages), received, auto_recomputation,
+                                recomputing, pipelined))
     return result

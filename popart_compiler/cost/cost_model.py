@@ -25,7 +25,8 @@ from popart_compiler.cost.memory_report import memory_problem
 from popart_compiler.cost.op_costs import ProgramCosts, collect
 from popart_compiler.session_options import SessionOptions
 
-__all__ = ["IpuEstimate", "estimate", "memory_settings", "check"]
+__all__ = ["IpuEstimate", "estimate", "estimate_costs", "estimate_with", "memory_settings",
+           "cycle_settings", "check"]
 
 
 @dataclasses.dataclass
@@ -173,21 +174,42 @@ def estimate(graph: Graph, options: SessionOptions, training: bool, target: IpuT
         The :class:`IpuEstimate`. Logs the estimated samples per second at INFO.
     """
     costs = collect(graph, layers_per_ipu, head_ipu)
-    settings = memory_settings(options, training, optimizer)
-    memory = estimate_memory(costs, target, settings)
     user = graph.user_inputs
     micro = int(user[0].shape[0]) if user and user[0] is not None and \
         len(user[0].shape) else 1
-    cycle_settings = CycleSettings(
-        memory=settings, micro_batch=micro,
+    return estimate_costs(costs, options, training, target, optimizer, micro)
+
+
+def cycle_settings(settings: MemorySettings, options: SessionOptions, training: bool,
+                   optimizer, micro_batch: int) -> CycleSettings:
+    """The :class:`CycleSettings` of these options: micro-batches per weight update
+    (training: ``gradientAccumulation``) or per run (``deviceIterations``), the
+    optimizer, ``numIOTiles``."""
+    return CycleSettings(
+        memory=settings, micro_batch=micro_batch,
         micro_batches=options.gradient_accumulation if training
         else options.device_iterations,
         device_iterations=options.device_iterations,
         optimizer=optimizer.type if optimizer is not None else "SGD",
         io_tiles=int(options.raw.get("numIOTiles", 0) or 0))
-    cycles = estimate_cycles(costs, target, cycle_settings)
-    result = IpuEstimate(target, costs, memory, cycles, settings, micro,
-                         options.replication_factor)
+
+
+def estimate_costs(costs: ProgramCosts, options: SessionOptions, training: bool,
+                   target: IpuTarget, optimizer=None, micro_batch: int = 1) -> IpuEstimate:
+    """:func:`estimate` of a program already costed (:func:`~.op_costs.collect`)."""
+    settings = memory_settings(options, training, optimizer)
+    return estimate_with(costs, target, settings,
+                         cycle_settings(settings, options, training, optimizer, micro_batch))
+
+
+def estimate_with(costs: ProgramCosts, target: IpuTarget, settings: MemorySettings,
+                  cycles_settings: CycleSettings) -> IpuEstimate:
+    """:func:`estimate` of a costed program under explicit memory and cycle settings
+    (what :func:`memory_settings` and :func:`cycle_settings` derive from options)."""
+    memory = estimate_memory(costs, target, settings)
+    cycles = estimate_cycles(costs, target, cycles_settings)
+    result = IpuEstimate(target, costs, memory, cycles, settings, cycles_settings.micro_batch,
+                         settings.replicas)
     logger.info("IPU Model estimate (%s, %d IPU(s) per replica): %s; %d cycles per run; "
                 "%.1f samples/s; pipeline efficiency %.1f %%", target.name, costs.num_ipus,
                 ", ".join(f"IPU {m.ipu} {m.total / 1e6:.1f}/{m.capacity / 1e6:.1f} MB"

@@ -41,7 +41,9 @@ from popart_compiler.cost.op_costs import OpCost, ProgramCosts
 from popart_compiler.cost.op_plans import exchange_bytes_per_cycle, op_plans
 
 __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate_cycles",
-           "pipeline_schedule", "op_forward_cycles", "op_backward_cycles"]
+           "pipeline_schedule", "pipeline_stages", "schedule_cycles", "op_forward_cycles",
+           "op_backward_cycles", "weight_update_cycles", "link_bytes_per_cycle",
+           "host_bytes_per_cycle"]
 
 #: Share of a vector op's inputs re-laid out over the exchange.
 VECTOR_EXCHANGE_SHARE = 0.1
@@ -204,6 +206,19 @@ def pipeline_schedule(stages: Sequence[Stage], micro_batches: int, pipelined: bo
     return cycles
 
 
+def link_bytes_per_cycle(target: IpuTarget) -> float:
+    """Bytes an IPU sends over its IPU-Links per cycle (a stage boundary's copy)."""
+    return target.ipu_link_bytes_per_s / target.clock_hz
+
+
+def host_bytes_per_cycle(target: IpuTarget, replicas: int, num_ipus: int) -> float:
+    """Host-link bytes per cycle of one replica: the boards' PCIe links shared by the
+    replicas (4 IPUs per board)."""
+    replicas = max(1, replicas)
+    boards = math.ceil(replicas * num_ipus / 4)
+    return target.host_link_bytes_per_s * boards / replicas / target.clock_hz
+
+
 def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
             ) -> Tuple[List[Stage], List[Tuple[str, int, float, float]]]:
     memory = settings.memory
@@ -213,7 +228,7 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
     recomputed = {name for st in stage_memory(
         costs.ops, costs.stages, costs.user_inputs, memory.auto_recomputation,
         memory.pipelined) for name in st.recomputed} if memory.training else set()
-    link = target.ipu_link_bytes_per_s / target.clock_hz
+    link = link_bytes_per_cycle(target)
     consumers: Dict[str, set] = {}
     for op in costs.ops:
         for name in op.inputs:
@@ -231,47 +246,59 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
         forward[op.stage] = forward.get(op.stage, 0.0) + fwd
         backward[op.stage] = backward.get(op.stage, 0.0) + bwd
         op_cycles.append((op.name, op.ipu, fwd, bwd))
-    replicas = max(1, memory.replicas)
-    boards = math.ceil(replicas * costs.num_ipus / 4)
-    host = target.host_link_bytes_per_s * boards / replicas / target.clock_hz
+    host = host_bytes_per_cycle(target, memory.replicas, costs.num_ipus)
     keys = costs.stages or [(0, 0)]
     first, last = keys[0][0], keys[-1][0]
     if settings.io_tiles <= 0:
         forward[first] = forward.get(first, 0.0) + costs.input_bytes / host
         forward[last] = forward.get(last, 0.0) + costs.output_bytes / host
+    return pipeline_stages(keys, forward, backward, memory.training), op_cycles
+
+
+def pipeline_stages(keys: Sequence[Tuple[int, int]], forward: Dict[int, float],
+                    backward: Dict[int, float], training: bool) -> List[Stage]:
+    """The pipeline stages of merged forward stages ``keys`` (``(stage, ipu)``) with
+    their forward and backward cycles: forward stages in order, the last one also
+    running its backward, then the backward stages in reverse (training)."""
     stages = [Stage(f"forward {s} (IPU {i})", i, forward.get(s, 0.0), forward.get(s, 0.0))
               for s, i in keys]
-    if memory.training:
+    if training:
         s, i = keys[-1]
         stages[-1] = Stage(f"forward+backward {s} (IPU {i})", i,
                            forward.get(s, 0.0) + backward.get(s, 0.0), forward.get(s, 0.0))
         stages += [Stage(f"backward {s} (IPU {i})", i, backward.get(s, 0.0))
                    for s, i in reversed(keys[:-1])]
-    return stages, op_cycles
+    return stages
+
+
+def weight_update_cycles(w, target: IpuTarget, settings: CycleSettings) -> float:
+    """Cycles of the weight update of trainable weight ``w`` on each IPU holding it:
+    the optimizer's vector work, streaming its off-chip state in and out, and the
+    gradient all-reduce between replicas."""
+    memory = settings.memory
+    replicas = max(1, memory.replicas)
+    link = link_bytes_per_cycle(target)
+    streaming = target.streaming_bytes_per_s / target.clock_hz
+    elements = w.elements / (replicas if memory.optimizer.sharded else 1)
+    cycles = elements * OPTIMIZER_OPS.get(settings.optimizer, 8) / (2 * target.tiles)
+    for per_element, location in ((memory.optimizer_bytes_of(w.itemsize), memory.optimizer),
+                                  (memory.accumulator_bytes, memory.accumulator)):
+        off = location.split(w.elements, per_element * w.elements, replicas)[1]
+        cycles += 2 * off / streaming
+    if replicas > 1:
+        cycles += 2 * (replicas - 1) / replicas * w.bytes / link
+    return cycles
 
 
 def _update_cycles(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings) -> float:
-    memory = settings.memory
-    if not memory.training:
+    if not settings.memory.training:
         return 0.0
-    replicas = max(1, memory.replicas)
-    link = target.ipu_link_bytes_per_s / target.clock_hz
-    streaming = target.streaming_bytes_per_s / target.clock_hz
     per_ipu: Dict[int, float] = {}
     for w in costs.weights:
         if not w.trainable:
             continue
+        cycles = weight_update_cycles(w, target, settings)
         for ipu in w.ipus:
-            elements = w.elements / (replicas if memory.optimizer.sharded else 1)
-            cycles = elements * OPTIMIZER_OPS.get(settings.optimizer, 8) / \
-                (2 * target.tiles)
-            for per_element, location in ((memory.optimizer_bytes_of(w.itemsize),
-                                           memory.optimizer),
-                                          (memory.accumulator_bytes, memory.accumulator)):
-                off = location.split(w.elements, per_element * w.elements, replicas)[1]
-                cycles += 2 * off / streaming
-            if replicas > 1:
-                cycles += 2 * (replicas - 1) / replicas * w.bytes / link
             per_ipu[ipu] = per_ipu.get(ipu, 0.0) + cycles
     return max(per_ipu.values(), default=0.0)
 
@@ -288,12 +315,23 @@ def estimate_cycles(costs: ProgramCosts, target: IpuTarget, settings: CycleSetti
     Returns:
         The :class:`CycleEstimate`.
     """
-    memory = settings.memory
     stages, op_cycles = _stages(costs, target, settings)
+    return schedule_cycles(stages, _update_cycles(costs, target, settings), target,
+                           settings, op_cycles)
+
+
+def schedule_cycles(stages: Sequence[Stage], update: float, target: IpuTarget,
+                    settings: CycleSettings,
+                    op_cycles: Sequence[Tuple[str, int, float, float]] = ()
+                    ) -> CycleEstimate:
+    """The :class:`CycleEstimate` of ``stages`` run over ``settings.micro_batches``
+    micro-batches (:func:`pipeline_schedule`), plus ``update`` cycles per weight update
+    (training)."""
+    memory = settings.memory
+    stages = list(stages)
     m = max(1, settings.micro_batches)
     schedule = pipeline_schedule(stages, m, memory.pipelined)
     pipeline = sum(c.cycles * c.repeat for c in schedule)
-    update = _update_cycles(costs, target, settings)
     slowest = max((st.cycles for st in stages), default=0.0) or 1.0
     if memory.pipelined and len(stages) > 1:
         steady = max(c.cycles for c in schedule)
@@ -303,12 +341,11 @@ def estimate_cycles(costs: ProgramCosts, target: IpuTarget, settings: CycleSetti
     if memory.training:
         step = pipeline + update
         run = settings.device_iterations * step
-        samples = settings.micro_batch * m * max(1, memory.replicas)
     else:
+        update = 0.0
         step = run = pipeline
-        samples = settings.micro_batch * m * max(1, memory.replicas)
+    samples = settings.micro_batch * m * max(1, memory.replicas)
     seconds = step / target.clock_hz
-    return CycleEstimate(target.clock_hz, op_cycles, stages, schedule, pipeline, update, run,
-                         samples / seconds if seconds else 0.0, efficiency,
+    return CycleEstimate(target.clock_hz, list(op_cycles), stages, schedule, pipeline,
+                         update, run, samples / seconds if seconds else 0.0, efficiency,
                          [st.cycles / slowest for st in stages])
-

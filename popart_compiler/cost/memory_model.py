@@ -43,14 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from popart_compiler.cost.activation_memory import RECOMPUTE_NONE, stage_memory
 from popart_compiler.cost.ipu_model import IpuTarget
 from popart_compiler.cost.op_costs import ProgramCosts
 from popart_compiler.cost.op_plans import DEFAULT_AVAILABLE_MEMORY, op_plans
 
-__all__ = ["MemorySettings", "Location", "IpuMemory", "estimate_memory",
+__all__ = ["MemorySettings", "Location", "IpuMemory", "IpuParts", "estimate_memory",
+           "ipu_parts", "with_stages", "finish", "inference_peak",
            "matmul_temporary", "CATEGORIES", "DEFAULT_AVAILABLE_MEMORY"]
 
 #: Control code, stack and runtime state per tile.
@@ -168,9 +169,10 @@ class IpuMemory:
         return self.total <= self.capacity
 
 
-def _inference_peak(ops, ipu: int) -> float:
-    """Peak bytes of live tensors produced on ``ipu`` in execution order (views and
-    in-place ops share their input's buffer)."""
+def inference_peak(ops, mine: Callable[[object], bool]) -> float:
+    """Peak bytes of live tensors produced by the ops ``mine`` selects, in the
+    execution order of ``ops`` (views and in-place ops share their input's buffer; a
+    tensor lives until its last reader on any IPU)."""
     owner: Dict[str, str] = {}
     last_use: Dict[str, int] = {}
     for index, op in enumerate(ops):
@@ -183,7 +185,7 @@ def _inference_peak(ops, ipu: int) -> float:
     live, peak = 0.0, 0.0
     frees: Dict[int, float] = {}
     for index, op in enumerate(ops):
-        if op.ipu == ipu and op.memory_bytes:
+        if op.memory_bytes and mine(op):
             live += op.memory_bytes
             frees[last_use.get(op.name, index)] = \
                 frees.get(last_use.get(op.name, index), 0.0) + op.memory_bytes
@@ -256,6 +258,88 @@ def _state(weights, settings: MemorySettings, replicas: int, cat: Dict[str, floa
     return off_chip, update
 
 
+@dataclasses.dataclass
+class IpuParts:
+    """One IPU's memory before the matmul / convolution temporaries are added (they
+    depend on the available memory proportion; :func:`finish` adds them).
+
+    Attributes:
+        ipu: IPU index.
+        categories: bytes per category; ``temporaries`` holds the backward working
+            set only.
+        off_chip: bytes kept in streaming memory.
+        update: optimizer state and accumulators streamed in for the weight update.
+        tensors: ``(name, category, bytes)`` of its tensors (for ``largest``).
+    """
+    ipu: int
+    categories: Dict[str, float]
+    off_chip: float
+    update: float
+    tensors: List[Tuple[str, str, float]]
+
+
+def ipu_parts(ipu: int, mine: Sequence, weights: Sequence, stages: Sequence,
+              boundary: float, host: float, target: IpuTarget, settings: MemorySettings,
+              inference_activations: float = 0.0, tensors: bool = True) -> IpuParts:
+    """What IPU ``ipu`` holds, but its matmul temporaries (see :func:`estimate_memory`).
+
+    Args:
+        ipu: the IPU.
+        mine: its ops.
+        weights: the weights its ops read (``WeightCost``).
+        stages: its forward stages' :class:`~.activation_memory.StageMemory` (training).
+        boundary: bytes of its op outputs read on other IPUs.
+        host: bytes of host inputs / outputs it streams per micro-batch.
+        target / settings: the IPU and the memory settings.
+        inference_activations: inference: its peak of live tensors.
+        tensors: also list its tensors (for the ``largest`` of :func:`finish`).
+    """
+    cat = dict.fromkeys(CATEGORIES, 0.0)
+    listed: List[Tuple[str, str, float]] = []
+    off_chip, update = _state(weights, settings, settings.replicas, cat, listed)
+    if settings.training:
+        cat["gradients"] = float(max((op.weight_grad_bytes for op in mine), default=0))
+    else:
+        cat["activations"] = inference_activations
+    cat["code"] = float(_code(mine, target, settings.training))
+    cat["exchange"] = float(EXCHANGE_BYTES_PER_TILE * target.tiles + 2 * host + 2 * boundary)
+    if tensors:
+        listed += [(op.name, "activations", float(op.out_bytes)) for op in mine
+                   if op.out_bytes]
+    return with_stages(IpuParts(ipu, cat, off_chip, update, listed if tensors else []),
+                       stages, settings)
+
+
+def with_stages(parts: IpuParts, stages: Sequence, settings: MemorySettings) -> IpuParts:
+    """``parts`` (of an IPU without its stages) with the activations, pipeline stash
+    and backward working set of its forward ``stages`` added (training)."""
+    if not settings.training or not stages:
+        return parts
+    cat = dict(parts.categories)
+    off_chip = parts.off_chip
+    working = cat["temporaries"]
+    for st in stages:
+        cat["activations"] += st.saved
+        on, off = settings.activation.split(int(st.stash), st.stash, 1)
+        cat["pipeline stash"] += on
+        off_chip += off
+        working = max(working, st.working)
+    cat["temporaries"] = working
+    return IpuParts(parts.ipu, cat, off_chip, parts.update, parts.tensors)
+
+
+def finish(parts: IpuParts, matmul_temp: float, capacity: int) -> IpuMemory:
+    """The :class:`IpuMemory` of ``parts`` with ``matmul_temp`` bytes of matmul /
+    convolution temporaries (the largest plan of its ops)."""
+    cat = dict(parts.categories)
+    cat["temporaries"] += matmul_temp
+    # the weight update runs after the pipeline has drained: state streamed in for
+    # it reuses the memory of the backward pass's transients
+    cat["optimizer state"] += max(0.0, parts.update - cat["temporaries"] - cat["gradients"])
+    largest = sorted(parts.tensors, key=lambda t: -t[2])[:10]
+    return IpuMemory(parts.ipu, capacity, cat, parts.off_chip, largest)
+
+
 def estimate_memory(costs: ProgramCosts, target: IpuTarget, settings: MemorySettings
                     ) -> List[IpuMemory]:
     """Estimate the memory of each IPU of one replica.
@@ -268,7 +352,6 @@ def estimate_memory(costs: ProgramCosts, target: IpuTarget, settings: MemorySett
     Returns:
         One :class:`IpuMemory` per IPU, in IPU order.
     """
-    capacity = target.memory_bytes
     read_on: Dict[str, set] = {}
     for op in costs.ops:
         for name in op.inputs:
@@ -279,35 +362,14 @@ def estimate_memory(costs: ProgramCosts, target: IpuTarget, settings: MemorySett
     result = []
     for ipu in range(costs.num_ipus):
         mine = [op for op in costs.ops if op.ipu == ipu]
-        cat = dict.fromkeys(CATEGORIES, 0.0)
-        tensors: List[Tuple[str, str, float]] = []
-        weights = [w for w in costs.weights if ipu in w.ipus]
-        off_chip, update = _state(weights, settings, settings.replicas, cat, tensors)
-        working = 0.0
-        if settings.training:
-            cat["gradients"] = float(max((op.weight_grad_bytes for op in mine), default=0))
-            for st in (st for st in stages if st.ipu == ipu):
-                cat["activations"] += st.saved
-                on, off = settings.activation.split(int(st.stash), st.stash, 1)
-                cat["pipeline stash"] += on
-                off_chip += off
-                working = max(working, st.working)
-        else:
-            cat["activations"] = _inference_peak(costs.ops, ipu)
-        temp = max((matmul_temporary(op, settings, target)[0] for op in mine), default=0.0)
-        cat["temporaries"] = working + temp
-        # the weight update runs after the pipeline has drained: state streamed in for
-        # it reuses the memory of the backward pass's transients
-        cat["optimizer state"] += max(0.0, update - cat["temporaries"] - cat["gradients"])
-        cat["code"] = float(_code(mine, target, settings.training))
         boundary = sum(op.out_bytes for op in mine if read_on.get(op.name, {ipu}) - {ipu})
         host = (costs.input_bytes if ipu == 0 else 0) + \
             (costs.output_bytes if ipu == costs.num_ipus - 1 else 0)
-        cat["exchange"] = float(EXCHANGE_BYTES_PER_TILE * target.tiles + 2 * host +
-                                2 * boundary)
-        for op in mine:
-            if op.out_bytes:
-                tensors.append((op.name, "activations", float(op.out_bytes)))
-        tensors.sort(key=lambda t: -t[2])
-        result.append(IpuMemory(ipu, capacity, cat, off_chip, tensors[:10]))
+        peak = 0.0 if settings.training else \
+            inference_peak(costs.ops, lambda op, i=ipu: op.ipu == i)
+        parts = ipu_parts(ipu, mine, [w for w in costs.weights if ipu in w.ipus],
+                          [st for st in stages if st.ipu == ipu], boundary, host, target,
+                          settings, peak)
+        temp = max((matmul_temporary(op, settings, target)[0] for op in mine), default=0.0)
+        result.append(finish(parts, temp, target.memory_bytes))
     return result

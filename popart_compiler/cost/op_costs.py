@@ -26,7 +26,7 @@ from popart_compiler.ir import Graph, _aliased_base, _op_name
 from popart_compiler.cost.matmul_shapes import Product, products
 
 __all__ = ["OpCost", "WeightCost", "ProgramCosts", "collect", "steering_op",
-           "layer_placement", "merge_stages"]
+           "layer_placement", "merge_stages", "with_serialization"]
 
 #: Steering ops (api §8) by op name; any namespace (``poptorch::<name>``).
 CHECKPOINT_OP = "recomputation_checkpoint"
@@ -194,6 +194,8 @@ class ProgramCosts:
             merging consecutive stages on one IPU (:func:`merge_stages`); ``op.stage``
             is the index into this list.
         user_inputs: bytes of each user input (placeholder name → bytes).
+        weight_of: placeholder name of a parameter or buffer → the ``name`` of its
+            :class:`WeightCost`.
     """
     ops: List[OpCost]
     weights: List[WeightCost]
@@ -202,6 +204,7 @@ class ProgramCosts:
     num_ipus: int
     stages: List[Tuple[int, int]]
     user_inputs: Dict[str, int] = dataclasses.field(default_factory=dict)
+    weight_of: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def steering_op(node: fx.Node) -> str:
@@ -511,12 +514,14 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
     weights: Dict[str, WeightCost] = {}
     trainable = {p for p, t in zip(graph.parameters, graph.trainable) if t}
     canonical = _tied_groups(graph)
+    weight_of: Dict[str, str] = {}
     for node, name in zip(state_list, graph.parameters + graph.buffers):
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
         readers = ipus_of.get(node, set())
         key = canonical[name]
+        weight_of[node.name] = key
         if key in weights:  # a tied name: the same tensor, read by more IPUs
             w = weights[key]
             w.ipus = tuple(sorted(set(w.ipus) | readers))
@@ -533,4 +538,32 @@ def collect(graph: Graph, layers_per_ipu: Optional[Sequence[int]] = None,
     num_ipus = max([ipu for _, ipu in stages] +
                    [i for w in weights.values() for i in w.ipus]) + 1
     return ProgramCosts(ops, list(weights.values()), input_bytes, output_bytes, num_ipus,
-                        stages, sizes)
+                        stages, sizes, weight_of)
+
+
+def with_serialization(graph: Graph, costs: ProgramCosts, op: OpCost, factor: int
+                       ) -> OpCost:
+    """``op``, a ``serialized_matmul`` of ``graph``, costed as if its serialisation
+    factor were ``factor`` (its products and weight gradient change; nothing else).
+
+    Raises:
+        Error: ``op`` is not a ``serialized_matmul`` of ``graph``.
+    """
+    node = next((n for n in graph.module.graph.nodes if n.name == op.name), None)
+    if node is None or steering_op(node) != SERIALIZED_MATMUL_OP or len(node.args) < 4:
+        raise backend_error(f"{op.name} is not a serialized_matmul of this graph")
+    num_state = len(graph.parameters) + len(graph.buffers)
+    state_list = graph.placeholders[:num_state]
+    trainable = {n for n, t in zip(graph.placeholders, graph.trainable) if t}
+    by_name = {o.name: o for o in costs.ops}
+    grad = {a for a in node.all_input_nodes
+            if a in trainable or (a.name in by_name and by_name[a.name].requires_grad)}
+    original = node.args
+    node.args = (*original[:3], int(factor), *original[4:])
+    try:
+        found = tuple(products(node, op.half, state_list, grad))
+        gradient = _weight_grad_bytes(node, found, trainable)
+    finally:
+        node.args = original
+    return dataclasses.replace(op, products=found, weight_grad_bytes=gradient,
+                               serialization=(str(original[2]), max(1, int(factor))))

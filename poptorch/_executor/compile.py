@@ -31,19 +31,25 @@ from poptorch._files.program import Program, to_blobs
 from poptorch._files.proto_export import export_proto_if_requested
 from poptorch._logging import logger
 
-__all__ = ["session_options", "model_selection", "capture_program", "compile_program"]
+__all__ = ["session_options", "options_to_session", "model_selection", "capture_program",
+           "compile_program"]
 
 
 def session_options(state: ExecutorState) -> Tuple[SessionOptions, ProgressBar]:
     """The session options and the compilation progress bar (a silent timer when
     ``showCompilationProgressBar(False)``)."""
-    o = state.options
+    return options_to_session(state.options, state.per_replica_params)
+
+
+def options_to_session(o, per_replica_params=None) -> Tuple[SessionOptions, ProgressBar]:
+    """The :class:`SessionOptions` of ``poptorch.Options`` ``o`` (with the replica
+    groupings ``per_replica_params``) and its compilation progress bar."""
     values = o.toDict()
     bar = values.pop("compilation_progress_bar_fn", None) or ProgressBar(show=False)
     anchors = [Anchor(long_name, int(mode), int(period) if int(mode) == 1 else 1, key=short)
                for short, (long_name, _inherit, mode, period) in o.anchored_tensors.items()]
     groupings = {name: ReplicaGrouping(int(cgt), int(shards), int(mode))
-                 for name, (cgt, shards, mode) in state.per_replica_params.items()}
+                 for name, (cgt, shards, mode) in (per_replica_params or {}).items()}
     return SessionOptions.from_dict(values, anchors, replica_groupings=groupings), bar
 
 

@@ -1,0 +1,4 @@
+"""``poptorch.plan``'s implementation: the model's structure (:mod:`.structure`), the
+planning capture (:mod:`.capture`), the ``plan()`` function (:mod:`.api`), the
+:class:`~.result.Plan` and applying it (:mod:`.apply`), the command line
+(:mod:`.cli`). The search itself is :mod:`popart_compiler.planner`."""

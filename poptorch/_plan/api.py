@@ -1,0 +1,351 @@
+"""``poptorch.plan()``: capture a model once per micro-batch size, search the IPU Model's
+estimate for the fastest placement that fits, and say what would fit when nothing does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+import poptorch
+from popart_compiler.errors import py_error
+from popart_compiler.planner.candidate import Candidate, full_estimate
+from popart_compiler.planner.problem import DEFAULT_PROPORTIONS
+from popart_compiler.planner.search import Scored, Space, closest, search
+from poptorch._plan.capture import Planning, capture_for_planning
+from poptorch._plan.result import Plan
+
+__all__ = ["plan"]
+
+#: Micro-batch sizes tried when suggesting a smaller one.
+_MAX_EXTRA_IPUS = 8
+
+
+def _resize(inputs: Sequence, batch: int) -> Tuple:
+    """``inputs`` with ``batch`` samples along the first dimension of every tensor
+    (rows repeated or dropped; meta tensors are new meta tensors)."""
+    result = []
+    for t in inputs:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            result.append(t)
+        elif t.device.type == "meta":
+            result.append(torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device="meta"))
+        else:
+            index = torch.arange(batch) % t.shape[0]
+            result.append(t[index])
+    return tuple(result)
+
+
+def _batch_of(inputs: Sequence) -> int:
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise py_error("poptorch.plan needs at least one tensor input with a batch dimension")
+
+
+@dataclasses.dataclass
+class _Request:
+    model: nn.Module
+    inputs: Tuple
+    options: poptorch.Options
+    optimizer: Any
+    training: bool
+    ipus: int
+    global_batch: Optional[int]
+    proportions: Tuple[float, ...]
+    serialize: bool
+    recomputation: bool
+    head: bool
+    optimizer_state: Optional[bool]
+    time_limit: float
+
+    @property
+    def replicas(self) -> int:
+        return self.options.replication_factor
+
+    def micro_batches(self, micro_batch: int) -> Optional[int]:
+        """Gradient accumulation (training) or device iterations (inference) for
+        ``micro_batch``; ``None`` when the global batch does not divide."""
+        if self.global_batch is None:
+            return self.options.Training.gradient_accumulation if self.training \
+                else self.options.device_iterations
+        per = micro_batch * self.replicas
+        if self.global_batch % per:
+            return None
+        return self.global_batch // per
+
+
+class _Planner:
+    """Captures (once per micro-batch) and searches."""
+
+    def __init__(self, request: _Request):
+        self.r = request
+        self.captures: Dict[int, Planning] = {}
+
+    def planning(self, micro_batch: int) -> Planning:
+        if micro_batch not in self.captures:
+            r = self.r
+            self.captures[micro_batch] = capture_for_planning(
+                r.model, _resize(r.inputs, micro_batch), r.options, r.optimizer,
+                r.training, r.micro_batches(micro_batch), r.proportions, r.serialize)
+        return self.captures[micro_batch]
+
+    def space(self, planning: Planning, ipus: int, micro_batches: int) -> Space:
+        r = self.r
+        units = planning.problem.units
+        last_layer = max((k for k, u in enumerate(units) if u.layer), default=-1)
+        heads = tuple(k for k in range(last_layer + 1, len(units))) if r.head else ()
+        stateful = planning.optimizer is not None and (
+            planning.problem.memory.optimizer_bytes > 0 or
+            planning.problem.memory.optimizer_param_tensors > 0)
+        if r.optimizer_state is not None:
+            on_chip: Tuple[Optional[bool], ...] = (r.optimizer_state,)
+        else:
+            on_chip = (True, False) if stateful else (None,)
+        modes = (False, True) if r.recomputation and r.training else (False,)
+        serial = tuple((planning.head_ops[p], f) for p, f in planning.heads.items()
+                       if p in planning.head_ops)
+        return Space(ipus, micro_batches, heads, modes, on_chip, serial)
+
+    def best(self, micro_batch: int, ipus: int) -> Optional[Scored]:
+        m = self.r.micro_batches(micro_batch)
+        if m is None:
+            return None
+        planning = self.planning(micro_batch)
+        return search(planning.problem, self.space(planning, ipus, m), self.r.time_limit)
+
+
+def _explored(planner: _Planner, micro_batch: int, scored: Optional[Scored]) -> Dict[str, Any]:
+    """A micro-batch tried: whether something fits and the best placement's figures."""
+    entry: Dict[str, Any] = {"micro_batch": micro_batch, "fits": scored is not None,
+                             "samples_per_second": 0.0}
+    if scored is None:
+        return entry
+    problem = planner.planning(micro_batch).problem
+    cand = scored.candidate
+    stages = [st for _, st in cand.stages(len(problem.units))]
+    present = problem.present(stages)
+    entry.update(samples_per_second=scored.samples_per_second, memory=list(scored.totals),
+                 available_memory_proportion=list(cand.proportions),
+                 checkpointed=[u.name for u in problem.units
+                               if u.markers and all(m in present for m in u.markers)])
+    return entry
+
+
+def _plan_of(planner: _Planner, micro_batch: int, cand: Candidate, seconds: float = 0.0,
+             explored: Optional[List[Dict[str, Any]]] = None) -> Plan:
+    """The :class:`Plan` of candidate ``cand`` (estimated as the whole placed program)."""
+    r = planner.r
+    planning = planner.planning(micro_batch)
+    problem = planning.problem
+    m = r.micro_batches(micro_batch)
+    estimate = full_estimate(problem, cand, m)
+    placement = cand.stages(len(problem.units))
+    units = []
+    for ipu, st in sorted(placement, key=lambda s: s[1].first):
+        for k in range(st.first, st.last + 1):
+            units.append((problem.units[k].name, ipu, st.position))
+    present = problem.present([st for _, st in placement])
+    checkpointed = [u.name for u in problem.units if u.markers and
+                    all(mk in present for mk in u.markers)]
+    head_ipu = 0 if cand.head is not None else cand.num_ipus - 1
+    op_to_path = {op: path for path, op in planning.head_ops.items()}
+    serialization = {op_to_path[name]: f for name, f in cand.serialization}
+    for path in planning.heads:
+        serialization.setdefault(path, 1)  # captured as a serialised matmul: keep it one
+    return Plan(units, planning.layers, cand.num_ipus, head_ipu, checkpointed,
+                cand.checkpoints is not None or problem.user_recomputes,
+                list(cand.checkpoints) if cand.checkpoints is not None else None,
+                list(cand.proportions), serialization, micro_batch, m, r.replicas,
+                cand.optimizer_on_chip, r.training, estimate, seconds, explored or [],
+                _base_options=r.options)
+
+
+def plan(model: nn.Module, *example_inputs, options: Optional[poptorch.Options] = None,
+         optimizer: Optional[torch.optim.Optimizer] = None, ipus: int = 1,
+         training: bool = True, micro_batch: Union[None, int, Sequence[int]] = None,
+         global_batch: Optional[int] = None,
+         available_memory_proportions: Sequence[float] = DEFAULT_PROPORTIONS,
+         serialize: bool = True, recomputation: bool = True, head_on_first_ipu: bool = True,
+         optimizer_state_on_chip: Optional[bool] = None,
+         time_limit: float = 600.0) -> Plan:
+    """Choose the placement of ``model`` on ``ipus`` IPUs that fits and runs fastest on
+    the IPU Model, with the knobs PopTorch users tuned by hand.
+
+    The model is captured once per micro-batch size tried (build it on the ``meta``
+    device to plan without weights: only shapes are read). Its repeated layers (the
+    modules of its largest ``nn.ModuleList`` / ``nn.Sequential`` family) and the
+    modules with weights around them (embeddings, heads) are the *units*; a plan puts
+    consecutive units on each IPU (a pipeline stage per IPU, optionally the units after
+    the last layer as one more stage on IPU 0, where tied embeddings are), and chooses:
+
+    * per stage, whether every layer output is a recomputation checkpoint or the stage
+      recomputes from its input, or no recomputation at all;
+    * per IPU, the available memory proportion (``available_memory_proportions``);
+    * the serialisation factor of vocabulary projections (``nn.Linear`` layers tied to
+      an embedding or with ≥ 16384 outputs): ``poptorch.serializedMatMul``;
+    * the optimizer state on or off chip (with replicated tensor sharding when
+      replicated);
+    * the micro-batch (among ``micro_batch``) and with it the gradient accumulation
+      a ``global_batch`` allows.
+
+    The search is exact over that space for the IPU Model's estimate (branch and
+    bound over consecutive splits; each IPU's estimate depends only on its own units).
+    While it is captured the model carries the planner's blocks, checkpoints and
+    serialised projections (its own ``BeginBlock``\ s set aside); everything is
+    restored afterwards.
+
+    Args:
+        model: the model (its ``forward`` returns the loss in training).
+        *example_inputs: ``forward``'s arguments for one micro-batch (the first
+            dimension of every tensor is the batch).
+        options: ``poptorch.Options`` (replicas, precision, target via
+            ``useOfflineIpuTarget``, ``gradientAccumulation`` without
+            ``global_batch``); not modified. Default: ``poptorch.Options()``.
+        optimizer: the training optimizer (its state counts); default PopTorch's SGD.
+        ipus: IPUs per replica.
+        training: plan a training program (else inference).
+        micro_batch: the micro-batch, or candidates to try (one capture each);
+            default: the examples' batch.
+        global_batch: samples per weight update of all replicas: gradient
+            accumulation = global_batch / (micro_batch × replicas). Default: the
+            options' gradient accumulation (device iterations in inference).
+        available_memory_proportions: proportions tried per IPU.
+        serialize: allow serialising vocabulary projections.
+        recomputation: allow recomputation checkpoints.
+        head_on_first_ipu: allow the head as a stage on IPU 0.
+        optimizer_state_on_chip: force the optimizer-state location (``None``: try
+            both).
+        time_limit: seconds per search (the best found so far is kept).
+
+    Returns:
+        The :class:`~poptorch.plan.Plan` (``plan.apply(model, options)`` applies it;
+        ``print(plan)`` shows it).
+
+    Raises:
+        poptorch.Error: nothing fits: the message gives the closest placement (memory
+            per IPU, samples/s) and what would fit (more IPUs, a smaller micro-batch);
+            the error's ``closest`` attribute is that :class:`Plan` and
+            ``suggestions`` a list of ``{"ipus", "micro_batch", "samples_per_second"}``.
+            Also: no repeated layers; a gradient accumulation too small for a pipeline
+            of ``ipus`` IPUs; a global batch no micro-batch divides.
+    """
+    start = time.perf_counter()
+    request, batches = _request(
+        model, *example_inputs, options=options, optimizer=optimizer, ipus=ipus,
+        training=training, micro_batch=micro_batch, global_batch=global_batch,
+        available_memory_proportions=available_memory_proportions, serialize=serialize,
+        recomputation=recomputation, head_on_first_ipu=head_on_first_ipu,
+        optimizer_state_on_chip=optimizer_state_on_chip, time_limit=time_limit)
+    planner = _Planner(request)
+    explored: List[Dict[str, Any]] = []
+    winner: Optional[Tuple[int, Scored]] = None
+    for mb in sorted(set(batches), reverse=True):
+        if request.micro_batches(mb) is None:
+            continue
+        scored = planner.best(mb, ipus)
+        explored.append(_explored(planner, mb, scored))
+        if scored is not None and (winner is None or
+                                   scored.samples_per_second > winner[1].samples_per_second):
+            winner = (mb, scored)
+    if winner is None:
+        raise _nothing_fits(planner, batches, time.perf_counter() - start, explored)
+    result = _plan_of(planner, winner[0], winner[1].candidate, time.perf_counter() - start,
+                      explored)
+    if not result.fits:  # the per-IPU estimate and the whole program's must agree
+        raise py_error(f"poptorch.plan: internal error: the chosen placement needs "
+                       f"{result.memory_per_ipu} bytes per IPU, more than the IPUs hold, "
+                       "although each IPU's estimate fitted. Please report it.")
+    return result
+
+
+def _request(model, *example_inputs, options=None, optimizer=None, ipus=1, training=True,
+             micro_batch=None, global_batch=None,
+             available_memory_proportions=DEFAULT_PROPORTIONS, serialize=True,
+             recomputation=True, head_on_first_ipu=True, optimizer_state_on_chip=None,
+             time_limit=600.0) -> Tuple[_Request, List[int]]:
+    """:func:`plan`'s arguments, checked: ``(request, micro-batches to try)``."""
+    if not isinstance(ipus, int) or ipus < 1:
+        raise py_error(f"poptorch.plan: ipus must be a positive integer, got {ipus!r}")
+    if not example_inputs:
+        raise py_error("poptorch.plan needs the model's example inputs (one micro-batch)")
+    options = options if options is not None else poptorch.Options()
+    batches = [_batch_of(example_inputs)] if micro_batch is None else \
+        [micro_batch] if isinstance(micro_batch, int) else list(micro_batch)
+    request = _Request(model, tuple(example_inputs), options, optimizer, training, ipus,
+                       global_batch, tuple(available_memory_proportions), serialize,
+                       recomputation, head_on_first_ipu, optimizer_state_on_chip, time_limit)
+    _check_batches(request, batches)
+    return request, batches
+
+
+def _check_batches(r: _Request, batches: List[int]) -> None:
+    if any(not isinstance(b, int) or b < 1 for b in batches):
+        raise py_error(f"poptorch.plan: micro_batch must be positive integers, got {batches}")
+    if all(r.micro_batches(b) is None for b in batches):
+        raise py_error(
+            f"poptorch.plan: global_batch {r.global_batch} is not a multiple of micro_batch "
+            f"x replicas for any micro-batch in {batches} (replicas {r.replicas}). Choose a "
+            "global batch that one of them divides.")
+    if r.ipus > 1:
+        m = max(r.micro_batches(b) or 0 for b in batches)
+        need = 2 * r.ipus - 1 if r.training else r.ipus
+        if m < need:
+            what = "gradient accumulation" if r.training else "device iterations"
+            raise py_error(
+                f"poptorch.plan: a pipeline over {r.ipus} IPUs needs {what} >= {need}, "
+                f"but it is {m}. Pass global_batch= (samples per weight update) or set "
+                f"{'Options().Training.gradientAccumulation' if r.training else 'Options().deviceIterations'}.")
+
+
+def _nothing_fits(planner: _Planner, batches: List[int], seconds: float,
+                  explored: List[Dict[str, Any]]) -> poptorch.Error:
+    """The error when nothing fits: the closest placement and what would fit."""
+    r = planner.r
+    mb = max(b for b in batches if r.micro_batches(b) is not None)
+    planning = planner.planning(mb)
+    near = closest(planning.problem, planner.space(planning, r.ipus, r.micro_batches(mb)))
+    closest_plan = _plan_of(planner, mb, near.candidate, seconds, explored) if near else None
+    suggestions = []
+    for extra in range(1, _MAX_EXTRA_IPUS + 1):
+        n = r.ipus + extra
+        if n > len(planning.problem.units) or (r.training and r.micro_batches(mb) < 2 * n - 1):
+            break
+        found = planner.best(mb, n)
+        if found is not None:
+            suggestions.append({"ipus": n, "micro_batch": mb,
+                                "samples_per_second": found.samples_per_second})
+            break
+    smaller = mb // 2
+    while smaller >= 1:
+        if r.micro_batches(smaller) is not None:
+            found = planner.best(smaller, r.ipus)
+            if found is not None:
+                suggestions.append({"ipus": r.ipus, "micro_batch": smaller,
+                                    "samples_per_second": found.samples_per_second})
+                break
+        smaller //= 2
+    lines = [f"poptorch.plan: no placement of {type(r.model).__name__} on {r.ipus} IPU(s) "
+             f"fits with micro-batch {mb} (tried {sorted(set(batches))})."]
+    if closest_plan is not None:
+        cap = closest_plan.estimate.target.memory_bytes / 1e6
+        mem = ", ".join(f"IPU {i} {m / 1e6:,.0f} MB" for i, m in
+                        enumerate(closest_plan.memory_per_ipu))
+        lines.append(f"The closest, layers per IPU {closest_plan.layers_per_ipu}, needs {mem} "
+                     f"of {cap:,.0f} MB each ({closest_plan.samples_per_second:,.1f} "
+                     "samples/s if it fitted).")
+    for s in suggestions:
+        lines.append(f"It fits on {s['ipus']} IPU(s) with micro-batch {s['micro_batch']}: "
+                     f"{s['samples_per_second']:,.1f} samples/s.")
+    if not suggestions:
+        lines.append("Neither more IPUs (up to "
+                     f"{r.ipus + _MAX_EXTRA_IPUS}) nor a smaller micro-batch fits: reduce "
+                     "the model, or keep state off chip (Options.TensorLocations).")
+    error = py_error(" ".join(lines))
+    error.closest = closest_plan
+    error.suggestions = suggestions
+    return error

@@ -1,0 +1,366 @@
+"""poptorch.plan: the pipeline planner (issue 25).
+
+The planner's answer is the exhaustive optimum of the same estimate; every IPU estimated
+on its own adds up to the estimate of the whole placed program; applying a plan and
+compiling gives the plan's estimate and the unplaced model's numerics; every plan fits;
+when nothing fits the error says what would.
+"""
+import copy
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import poptorch
+from popart_compiler.planner.candidate import Candidate, full_estimate
+from popart_compiler.planner.search import Space, evaluate, search
+from poptorch._plan import api
+from poptorch._plan.structure import repeated_layers, unit_modules, vocabulary_projections
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plan_models  # noqa: E402
+
+MICRO_BATCHES = 8
+PROPORTIONS = (0.1, 0.6)
+
+
+@pytest.fixture
+def small_ipu(monkeypatch):
+    """The 4-tile small IPU Model: 2.4 MB per IPU, so that placements compete."""
+    monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
+
+
+def _planner(model, inputs, optimizer=None, options=None, global_batch=None, **kw):
+    options = options or poptorch.Options()
+    request = api._Request(model, tuple(inputs), options, optimizer, True, 2,
+                           global_batch, PROPORTIONS, True, True, True, None, 600.0)
+    request.__dict__.update(kw)
+    return api._Planner(request)
+
+
+def _candidates(problem, num_ipus, serial, on_chip=(True, False)):
+    """Every placement of the search space (planned checkpoints only where valid)."""
+    units = len(problem.units)
+    last_layer = max(k for k, u in enumerate(problem.units) if u.layer)
+    for head in [None] + list(range(last_layer + 1, units)):
+        end = head if head is not None else units
+        stages = num_ipus + (head is not None)
+        if MICRO_BATCHES < 2 * stages - 1:
+            continue
+        for cuts in itertools.combinations(range(1, end), num_ipus - 1):
+            bounds = (0,) + cuts + (end,)
+            ranges = tuple((bounds[i], bounds[i + 1] - 1) for i in range(num_ipus))
+            checks = [None] + [c + ((False,) if head is not None else ())
+                               for c in itertools.product((True, False), repeat=num_ipus)]
+            for check in checks:
+                for props in itertools.product(PROPORTIONS, repeat=num_ipus):
+                    for factors in itertools.product(*[[(n, f) for f in fs]
+                                                       for n, fs in serial]):
+                        for chip in on_chip:
+                            c = Candidate(ranges, head, check, props, tuple(factors), chip)
+                            if problem.valid([st for _, st in c.stages(units)]):
+                                yield c
+
+
+def _problem(model, inputs, optimizer):
+    from poptorch._plan.capture import capture_for_planning
+    return capture_for_planning(model, inputs, poptorch.Options(), optimizer, True,
+                                MICRO_BATCHES, PROPORTIONS)
+
+
+@pytest.mark.parametrize("num_ipus,layers", [(2, 4), (3, 5)])
+def test_plan_is_the_exhaustive_optimum(small_ipu, num_ipus, layers):
+    """On a model where memory binds (half the placements do not fit), the search's
+    answer is the best of every placement of its space, each estimated as the whole
+    placed program; and every placement estimated IPU by IPU (as the search does)
+    equals that estimate."""
+    model = plan_models.TinyLM(layers=layers)
+    planning = _problem(model, model.example_inputs(), poptorch.optim.Adam(model.parameters()))
+    problem = planning.problem
+    serial = tuple((name, (1, 4)) for name in planning.head_ops.values())
+    if num_ipus == 3:
+        serial, on_chip = (), (False,)
+    else:
+        on_chip = (True, False)
+    units = len(problem.units)
+    last_layer = max(k for k, u in enumerate(problem.units) if u.layer)
+    space = Space(num_ipus, MICRO_BATCHES, tuple(range(last_layer + 1, units)),
+                  (False, True), on_chip, serial)
+    best = search(problem, space)
+    results, fitting = [], 0
+    for c in _candidates(problem, num_ipus, serial, on_chip):
+        whole = full_estimate(problem, c, MICRO_BATCHES)
+        alone = evaluate(problem, c, MICRO_BATCHES)
+        assert [m.total for m in whole.memory] == list(alone.totals)
+        assert alone.samples_per_second == pytest.approx(whole.samples_per_second, rel=1e-12)
+        fitting += whole.fits
+        if whole.fits:
+            results.append((whole.samples_per_second, c))
+    assert 0 < fitting < sum(1 for _ in _candidates(problem, num_ipus, serial, on_chip))
+    top = max(s for s, _ in results)
+    assert best is not None
+    assert best.samples_per_second == pytest.approx(top, rel=1e-12)
+    assert full_estimate(problem, best.candidate, MICRO_BATCHES).fits
+
+
+def _compare(plan_summary, compiled):
+    """The plan's estimate equals the compiled program's (floats to 1e-9)."""
+    if isinstance(plan_summary, dict):
+        assert set(plan_summary) == set(compiled)
+        for key in plan_summary:
+            _compare(plan_summary[key], compiled[key])
+    elif isinstance(plan_summary, list):
+        assert len(plan_summary) == len(compiled)
+        for a, b in zip(plan_summary, compiled):
+            _compare(a, b)
+    elif isinstance(plan_summary, float):
+        assert plan_summary == pytest.approx(compiled, rel=1e-9)
+    else:
+        assert plan_summary == compiled
+
+
+@pytest.mark.parametrize("candidate", [
+    # head (norm + LM head) on IPU 0, every layer checkpointed, LM head serialised by 4
+    Candidate(((0, 2), (3, 4)), 5, (True, True, False), (0.6, 0.1), (("serialized_matmul", 4),), False),
+    # no head stage; IPU 0 recomputes from its input, IPU 1 checkpoints each layer
+    Candidate(((0, 3), (4, 6)), None, (False, True), (0.1, 0.6), (("serialized_matmul", 2),), True),
+    # only the LM head on IPU 0 after the pipeline, no recomputation
+    Candidate(((0, 1), (2, 5)), 6, None, (0.6, 0.6), (("serialized_matmul", 1),), True),
+])
+def test_applied_plan_compiles_to_the_plans_estimate(small_ipu, candidate):
+    """Applying a plan (blocks, checkpoints, serialised head, options) and compiling
+    gives exactly the plan's estimate."""
+    model = plan_models.TinyLM()
+    inputs = model.example_inputs()
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=1e-3)
+    planner = _planner(model, inputs, optimizer, global_batch=2 * MICRO_BATCHES)
+    plan = api._plan_of(planner, 2, candidate)
+    options = plan.apply(model)
+    wrapper = poptorch.trainingModel(model, options, optimizer)
+    wrapper.compile(*model.example_inputs(batch=2 * MICRO_BATCHES))
+    _compare(plan.estimate.summary(), wrapper.ipuModelEstimate())
+    wrapper.destroy()
+
+
+def _train_both(model, reference, plan, steps=2):
+    """Train the planned model and the unplaced one on the same batches; their losses
+    and weights agree."""
+    options = plan.apply(model)
+    planned = poptorch.trainingModel(model, options,
+                                     poptorch.optim.Adam(model.parameters(), lr=1e-3))
+    ref_options = poptorch.Options()
+    ref_options.Training.gradientAccumulation(plan.gradient_accumulation)
+    unplaced = poptorch.trainingModel(reference, ref_options,
+                                      poptorch.optim.Adam(reference.parameters(), lr=1e-3))
+    batch = model.example_inputs(batch=plan.global_batch)
+    for _ in range(steps):
+        torch.testing.assert_close(planned(*batch), unplaced(*batch), rtol=1e-5, atol=1e-6)
+    _compare(plan.estimate.summary(), planned.ipuModelEstimate())
+    planned.copyWeightsToHost()
+    unplaced.copyWeightsToHost()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    planned.destroy()
+    unplaced.destroy()
+
+
+def test_plan_end_to_end_matches_compile_and_unplaced_numerics(small_ipu):
+    """poptorch.plan's chosen plan: compiling the applied plan reports its estimate, and
+    training it gives the unplaced model's losses and weights."""
+    model = plan_models.TinyLM()
+    reference = copy.deepcopy(model)
+    plan = poptorch.plan(model, *model.example_inputs(), ipus=2, global_batch=16,
+                         optimizer=poptorch.optim.Adam(model.parameters(), lr=1e-3),
+                         available_memory_proportions=PROPORTIONS)
+    assert plan.fits and plan.num_ipus == 2 and plan.gradient_accumulation == 8
+    _train_both(model, reference, plan)
+
+
+def test_checkpointed_serialised_plan_trains_like_the_unplaced_model(small_ipu):
+    """Head on IPU 0 after the pipeline, recomputation checkpoints, LM head serialised
+    by 4, optimizer state off chip: same numerics as the unplaced model."""
+    model = plan_models.TinyLM()
+    reference = copy.deepcopy(model)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=1e-3)
+    planner = _planner(model, model.example_inputs(), optimizer, global_batch=16)
+    plan = api._plan_of(planner, 2, Candidate(((0, 2), (3, 4)), 5, (True, True, False),
+                                              (0.6, 0.1), (("serialized_matmul", 4),), False))
+    assert plan.checkpointed == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert plan.head_ipu == 0 and plan.serialization == {"head": 4}
+    _train_both(model, reference, plan)
+
+
+def test_inference_plan(small_ipu):
+    """An inference plan: device iterations feed the pipeline; compiling the applied
+    plan gives its estimate and the unplaced model's outputs."""
+    model = plan_models.Classifier()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32)
+    options = poptorch.Options()
+    options.deviceIterations(4)
+    plan = poptorch.plan(model, x, ipus=2, training=False, options=options)
+    assert plan.fits and not plan.training and plan.stage_checkpoints is None
+    wrapper = poptorch.inferenceModel(model, plan.apply(model))
+    batch = torch.randn(16, 32)
+    torch.testing.assert_close(wrapper(batch), reference(batch), rtol=1e-5, atol=1e-6)
+    _compare(plan.estimate.summary(), wrapper.ipuModelEstimate())
+
+
+def test_serialised_head_keeps_inference_numerics():
+    """The applied plan's model computes what the original computes (on the CPU)."""
+    torch.manual_seed(0)
+    model = plan_models.TinyLM()
+    reference = copy.deepcopy(model)
+    plan = poptorch.plan(model, *model.example_inputs(), ipus=2, global_batch=16)
+    plan.serialization = {"head": 4}
+    plan.apply(model)
+    inputs = model.example_inputs(batch=4)
+    torch.testing.assert_close(model(*inputs), reference(*inputs), rtol=1e-6, atol=1e-6)
+    assert model.head.factor == 4 and model.head.weight is model.emb.weight
+
+
+@pytest.mark.parametrize("ipus,micro", [(1, 1), (2, 2), (3, 4)])
+def test_every_plan_fits(small_ipu, ipus, micro):
+    model = plan_models.TinyLM(layers=5)
+    plan = poptorch.plan(model, *model.example_inputs(batch=micro), ipus=ipus,
+                         global_batch=micro * 16,
+                         optimizer=poptorch.optim.Adam(model.parameters()))
+    capacity = plan.estimate.target.memory_bytes
+    assert plan.fits
+    assert all(m <= capacity for m in plan.memory_per_ipu)
+    assert len(plan.memory_per_ipu) == ipus
+    assert sum(plan.layers_per_ipu) == 5
+    assert plan.samples_per_second > 0 and 0 < plan.pipeline_efficiency <= 1
+
+
+def test_micro_batch_search_keeps_the_fastest(small_ipu):
+    model = plan_models.TinyLM()
+    plan = poptorch.plan(model, *model.example_inputs(), ipus=2, micro_batch=[1, 2, 4],
+                         global_batch=32)
+    tried = {e["micro_batch"]: e for e in plan.explored}
+    assert set(tried) == {1, 2, 4}
+    best = max((e for e in plan.explored if e["fits"]), key=lambda e: e["samples_per_second"])
+    assert plan.micro_batch == best["micro_batch"]
+    assert plan.gradient_accumulation * plan.micro_batch == 32
+
+
+def test_nothing_fits_says_what_would(small_ipu):
+    """One IPU cannot hold the model with its Adam state; the error gives the closest
+    placement's memory and a placement that fits on more IPUs."""
+    model = plan_models.TinyLM()
+    with pytest.raises(poptorch.Error) as info:
+        poptorch.plan(model, *model.example_inputs(batch=4), ipus=1, global_batch=64,
+                      optimizer=poptorch.optim.Adam(model.parameters()),
+                      optimizer_state_on_chip=True)
+    error = info.value
+    assert "no placement of TinyLM on 1 IPU(s) fits" in error.message
+    assert "The closest" in error.message
+    assert error.closest is not None and not error.closest.fits
+    assert max(error.closest.memory_per_ipu) > error.closest.estimate.target.memory_bytes
+    assert error.suggestions and error.suggestions[0]["ipus"] > 1
+    assert f"It fits on {error.suggestions[0]['ipus']} IPU(s)" in error.message
+
+
+def test_pipeline_needs_enough_micro_batches():
+    model = plan_models.TinyLM()
+    with pytest.raises(poptorch.Error, match="needs gradient accumulation >= 7"):
+        poptorch.plan(model, *model.example_inputs(), ipus=4)
+
+
+def test_structure_of_models():
+    lm = plan_models.TinyLM()
+    assert repeated_layers(lm) == [f"layers.{i}" for i in range(4)]
+    assert unit_modules(lm, repeated_layers(lm)) == \
+        ["emb"] + [f"layers.{i}" for i in range(4)] + ["norm", "head"]
+    assert vocabulary_projections(lm) == {"head": (1, 2, 4, 8, 16)}
+    mlp = plan_models.Classifier()
+    assert repeated_layers(mlp) == [f"body.{i}" for i in range(4)]
+    assert vocabulary_projections(mlp) == {}
+    with pytest.raises(poptorch.Error, match="no repeated layers"):
+        repeated_layers(nn.Linear(3, 3))
+
+
+def test_plan_result_fields():
+    model = plan_models.TinyLM()
+    options = poptorch.Options()
+    plan = poptorch.plan(model, *model.example_inputs(), ipus=2, global_batch=16,
+                         options=options)
+    options.deviceIterations(2)  # the caller's options are neither changed nor frozen
+    assert options.Training.gradient_accumulation == 1
+    config = plan.ipu_config()
+    assert config["ipus_per_replica"] == 2
+    assert config["layers_per_ipu"] == plan.layers_per_ipu and sum(plan.layers_per_ipu) == 4
+    assert config["matmul_proportion"] == plan.available_memory_proportion
+    assert config["gradient_accumulation_steps"] == 8
+    assert [u for u, _, _ in plan.units] == unit_modules(model, repeated_layers(model))
+    assert plan.blocks()[0] == ("emb", 0)
+    text = plan.table()
+    assert "samples/s" in text and "micro-batch 2" in text
+    assert str(plan) == text
+
+
+def test_poptorch_plan_is_a_callable_module():
+    import poptorch.plan as module
+    assert module is poptorch.plan
+    assert callable(poptorch.plan) and poptorch.plan.plan is api.plan
+    assert poptorch.plan.Plan.__name__ == "Plan"
+
+
+def test_command_line(tmp_path):
+    """``python -m poptorch.plan MODULE:FACTORY`` prints the table and writes the
+    chosen plan's profile report."""
+    report = tmp_path / "report"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__))] + sys.path))
+    out = subprocess.run(
+        [sys.executable, "-m", "poptorch.plan", "plan_models:factory", "--ipus", "2",
+         "--batch", "16", "--report", str(report)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "samples/s" in out.stdout and "IPUConfig" in out.stdout
+    profile = json.loads((report / "TinyLM" / "profile.json").read_text())
+    assert profile["fits"] and len(profile["memory"]) == 2
+    failed = subprocess.run([sys.executable, "-m", "poptorch.plan", "plan_models:factory",
+                             "--ipus", "3"], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert failed.returncode == 1 and "needs gradient accumulation >= 5" in failed.stderr
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.layers[0](x).sum()
+
+
+class _OwnBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            poptorch.Block.start(f"mine{i}")
+            x = layer(x * 2)
+        return x.sum()
+
+
+@pytest.mark.parametrize("model,message", [(_Twice, "runs again after other units"),
+                                           (_OwnBlocks, "starts its own block 'mine0'")])
+def test_unplannable_models_are_refused(model, message):
+    instance = model()
+    before = [dict(m._forward_pre_hooks) for m in instance.modules()]
+    with pytest.raises(poptorch.Error, match=message):
+        poptorch.plan(instance, torch.randn(2, 8), training=False)
+    # the planner's capture-time hooks are gone
+    assert [dict(m._forward_pre_hooks) for m in instance.modules()] == before
+    assert all(not m._forward_hooks for m in instance.modules())
