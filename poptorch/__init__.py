@@ -7,7 +7,7 @@ IPU Model that executes the captured graph with PyTorch kernels.
 """
 import faulthandler as _faulthandler
 
-__version__ = "3.4.0"
+from poptorch._version import __version__  # noqa: E402
 
 import torch as _torch  # noqa: E402
 
@@ -27,7 +27,7 @@ from poptorch.options import *  # noqa: E402,F401,F403
 from poptorch.ops import *  # noqa: E402,F401,F403
 from poptorch._ops.printing import *  # noqa: E402,F401,F403
 from poptorch._capture.capture import registerPreCompileHook, registerPostCompileHook  # noqa: E402,F401
-from poptorch._executor import executor as _executor_module  # noqa: E402
+from poptorch._executor import wrapping as _wrapping  # noqa: E402
 from poptorch._executor.executor import PoplarExecutor  # noqa: E402
 from poptorch._files import export as _export  # noqa: E402
 from poptorch import optim  # noqa: E402,F401
@@ -60,7 +60,7 @@ def trainingModel(model: _torch.nn.Module, options: "Options" = None,
             ``torch.Tensor``.
         AssertionError / ValueError: unsupported optimizer.
     """
-    return _executor_module.wrap(model, options, True, __version__, optimizer=optimizer)
+    return _wrapping.wrap(model, options, True, optimizer=optimizer)
 
 
 def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> PoplarExecutor:
@@ -77,7 +77,7 @@ def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> Poplar
     Raises:
         poptorch.Error: ``options`` is not an ``Options``; gradient accumulation is not 1.
     """
-    return _executor_module.wrap(model, options, False, __version__)
+    return _wrapping.wrap(model, options, False)
 
 
 def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
@@ -109,7 +109,7 @@ def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
         AssertionError: another PopTorch version; a file saved with
             ``export_model=False`` (use ``loadExecutable``).
     """
-    return _executor_module.wrap_loaded(_export.read_exported(filename, __version__, edit_opts_fn,
+    return _wrapping.wrap_loaded(_export.read_exported(filename, __version__, edit_opts_fn,
                                                        unpickle_model))
 
 

@@ -1,52 +1,46 @@
 """``poptorch.Options``: the top-level options (spec options.md, api §2.x, S-10…S-95).
 
-Public names: :class:`Options`, :class:`TensorLocationSettings`,
-:class:`ConfigFileError`. Behaviour follows PopTorch 3.x. The storage
-(:class:`OptionsDict`, options §1) is in ``_options_dict.py``; the sub-groups
-(``Training``, ``Precision``, ``TensorLocations``, ``Distributed``, ``Jit``,
-``_Popart``) are in ``_options_groups.py``; ``loadFromFile`` / ``from_json`` in
-``_options_loading.py``.
+Public names: :class:`Options`, :class:`TensorLocationSettings`, :class:`ConfigFileError`.
+Behaviour follows PopTorch 3.x. The storage (:class:`OptionsDict`, options §1) is in
+``_options/dict.py``; the sub-groups (``Training``, ``Precision``, ``TensorLocations``,
+``Distributed``, ``Jit``, ``_Popart``) in ``_options/groups.py``; ``loadFromFile`` /
+``from_json`` in ``_options/loading.py``; the removed 2.4 names in ``_options/deprecated.py``.
 
-For the executor:
-
-* ``opts._freeze()`` / ``opts._unfreeze()`` (freeze/unfreeze ``opts`` and all its
-  sub-groups), ``opts._is_frozen``; ``opts.clone()`` is an unfrozen deep copy.
-* private flags: ``opts._execution_strategy``, ``opts._show_compilation_progress_bar``
-  (bool), ``opts._relax_optimizer_attributes_checks`` (bool),
-  ``opts._module_namescope_enabled`` (bool), ``opts._source_location_excludes`` (list).
-* ``opts.toDict()`` contains ``compilation_progress_bar_fn`` (a callable
-  ``(progress, total)``) when the progress bar is enabled.
+For the executor: ``opts._freeze()`` / ``opts._unfreeze()`` (the options and all their
+sub-groups), ``opts._is_frozen``; ``opts.clone()`` is an unfrozen deep copy; private flags
+``_execution_strategy``, ``_show_compilation_progress_bar``,
+``_relax_optimizer_attributes_checks``, ``_module_namescope_enabled`` (bools) and
+``_source_location_excludes`` (list); ``opts.toDict()`` holds
+``compilation_progress_bar_fn`` (a callable ``(progress, total)``) when the progress bar is on.
 """
 from __future__ import annotations
 
 import copy
-import enum
 import os
 from typing import Dict, List, Optional
 
 import torch
 
-from poptorch import enums
-from poptorch import _config
-from poptorch._options.backend import _BackendOptions
-from poptorch._options.execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
-                                  SerialPhasedExecution, ShardedExecution)
-from poptorch._logging import logger
-from poptorch._options.dict import (OptionsDict, check_bool, check_int, check_proportion,
-                            check_strings, check_type)
-from poptorch._options.loading import ConfigFileError, apply_json, load_file
-from poptorch._options.groups import (TensorLocationSettings, _DistributedOptions, _JitOptions,
-                              _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
-                              _TrainingOptions)
+from poptorch import _config, enums
 from poptorch._executor.progress import ProgressBar
+from poptorch._logging import logger
+from poptorch._options.backend import _BackendOptions
+from poptorch._options.deprecated import DeprecatedAnchorMode
+from poptorch._options.dict import (OptionsDict, check_bool, check_int, check_proportion,
+                                    check_strings, check_type)
+from poptorch._options.execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
+                                                  SerialPhasedExecution, ShardedExecution)
+from poptorch._options.groups import (TensorLocationSettings, _DistributedOptions, _JitOptions,
+                                      _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
+                                      _TrainingOptions)
+from poptorch._options.loading import ConfigFileError, apply_json, load_file
 
-_DEFAULT_SOURCE_LOCATION_EXCLUDES = [
-    "install/poptorch", "site-packages/torch", "site-packages/poptorch"
-]
+_DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",
+                                     "site-packages/poptorch"]
 _UINT64_MAX = 2**64 - 1
 
 
-class Options(OptionsDict):
+class Options(DeprecatedAnchorMode, OptionsDict):
     """Configuration of ``trainingModel``, ``inferenceModel`` and ``DataLoader``
     (spec options.md). Behaviour follows PopTorch 3.x.
 
@@ -100,21 +94,12 @@ class Options(OptionsDict):
         self._source_location_excludes = list(_DEFAULT_SOURCE_LOCATION_EXCLUDES)
         # 4. Top-level values.
         super().__init__(
-            device_iterations=1,
-            log_dir=".",
-            auto_round_num_ipus=False,
-            anchored_tensors={},
-            output_mode=enums.OutputMode.Default.value,
-            output_return_period=1,
-            replication_factor=1,
-            input_group_size=1,
-            input_cgt=enums.CommGroupType.Consecutive,
-            broadcast_buffers=True,
-            connection_type=enums.ConnectionType.Always.value,
-            sync_pattern=enums.SyncPattern.Full.value,
-            available_memory_proportion={},
-            max_repeat_logs=4,
-        )
+            device_iterations=1, log_dir=".", auto_round_num_ipus=False, anchored_tensors={},
+            output_mode=enums.OutputMode.Default.value, output_return_period=1,
+            replication_factor=1, input_group_size=1, input_cgt=enums.CommGroupType.Consecutive,
+            broadcast_buffers=True, connection_type=enums.ConnectionType.Always.value,
+            sync_pattern=enums.SyncPattern.Full.value, available_memory_proportion={},
+            max_repeat_logs=4)
         # 5. Executable cache from the environment.
         cache_dir = _config.cache_dir()
         if cache_dir:
@@ -575,27 +560,6 @@ class Options(OptionsDict):
         check_strings("appendToLocationExcludes", list(excludes))
         self._source_location_excludes = self._source_location_excludes + list(excludes)
         return self
-
-    # -- deprecated shims (options §9) ----------------------------------------------
-    def anchorMode(self, anchor_mode, anchor_return_period: Optional[int] = None):
-        """Removed in 2.5; compatibility shim forwarding to :meth:`outputMode`
-        (accepts an ``OutputMode``, an enum member with the same name, or its int
-        value) with a deprecation warning. Returns self."""
-        logger.warning("poptorch.Options.anchorMode is deprecated since version 2.4 and "
-                       "was removed in 2.5. Use outputMode instead.")
-        if not isinstance(anchor_mode, enums.OutputMode):
-            if isinstance(anchor_mode, enum.Enum):
-                anchor_mode = enums.OutputMode[anchor_mode.name]
-            elif isinstance(anchor_mode, int):
-                anchor_mode = enums.OutputMode(anchor_mode)
-        return self.outputMode(anchor_mode, anchor_return_period)
-
-    def defaultAnchorMode(self) -> bool:
-        """Removed in 2.5; compatibility shim for :meth:`defaultOutputMode` with a
-        deprecation warning."""
-        logger.warning("poptorch.Options.defaultAnchorMode is deprecated since version "
-                       "2.4 and was removed in 2.5. Use defaultOutputMode instead.")
-        return self.defaultOutputMode()
 
     # -- serialisation -------------------------------------------------------------
     def clone(self) -> "Options":

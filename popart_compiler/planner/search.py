@@ -23,11 +23,10 @@ import math
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-import numpy as np
 
 from popart_compiler.cost.cycle_model import pipeline_stages, schedule_cycles
 from popart_compiler.planner.candidate import Candidate
-from popart_compiler.planner.problem import IpuEval, Problem, StageSpec
+from popart_compiler.planner.problem import Problem, StageSpec
 
 __all__ = ["Space", "Scored", "search", "score", "closest", "evaluate"]
 

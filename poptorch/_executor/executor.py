@@ -7,13 +7,11 @@ executor's lock and hands the state to the module that does the work:
 :mod:`.compile` (capture, compile, session), :mod:`.call_io` (a call's arguments and
 results), :mod:`.host_sync` (weight, buffer and RNG copies), :mod:`.inspection` (the
 read-only inspection API), :mod:`.optimizer_binding` (the optimizer and its device
-state) and :mod:`poptorch._files.export` (files). :func:`wrap_loaded` is the one entry
-that builds a wrapper from a loaded program (``poptorch.load``).
+state) and :mod:`poptorch._files.export` (files). :mod:`.wrapping` creates executors.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import functools
 import threading
@@ -37,7 +35,7 @@ from poptorch._logging import logger
 from poptorch._ops.printing import module_repr
 from poptorch.options import Options
 
-__all__ = ["PoplarExecutor", "NO_EXECUTABLE", "wrap", "wrap_loaded"]
+__all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
 
 
 def serialised(method: Callable) -> Callable:
@@ -567,54 +565,3 @@ class PoplarExecutor:
         available memory; api §8)."""
         return inspection.program_text(self._state)
 
-
-def wrap(model: torch.nn.Module, options: Optional[Options], training: bool, version: str,
-         optimizer: Optional[torch.optim.Optimizer] = None) -> PoplarExecutor:
-    """``trainingModel`` / ``inferenceModel``: wrap ``model`` (or the user model of a
-    wrapper). The executor captures a shallow copy of it (the user's instance is never
-    patched) and syncs weights with the user's model itself.
-
-    Raises:
-        RuntimeError: training: the model is already wrapped by a live training
-            executor.
-    """
-    user_model = model.model if isinstance(model, PoplarExecutor) else model
-    if training and id(user_model) in host_sync.TRAINING_WRAPPERS and \
-            instrument.is_instrumented(user_model):
-        raise RuntimeError(
-            "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-            "model.destroy() on the model to unwrap it before wrapping it again.")
-    with instrument.syncing():
-        model_copy = copy.copy(user_model)
-    if instrument.is_instrumented(model_copy):
-        model_copy.__class__ = instrument.original_class(model_copy)
-        instrument.forget(model_copy)
-    return PoplarExecutor(model_copy, options, training, version, optimizer=optimizer,
-                          user_model=user_model)
-
-
-def wrap_loaded(loaded: "export.Loaded") -> PoplarExecutor:
-    """Build the wrapper of a file read by :func:`poptorch._files.export.read_exported`
-    (``poptorch.load``): a training or inference executor of the loaded model with the
-    stored options and optimizer, its replica groupings, the stored program compiled
-    (no capture), the optimizer's device state and the RNG state restored.
-
-    Raises:
-        poptorch.Error: "Invalid file <f>: ...": the file's program, optimizer or RNG
-            state does not fit the rebuilt model.
-    """
-    with loaded.part("metadata.json.optimizer"):
-        executor = wrap(loaded.model, loaded.options, loaded.training, loaded.version,
-                        optimizer=loaded.optimizer)
-    st = executor._state
-    st.per_replica_params.update(loaded.groupings)
-    loaded.check(lifecycle.expected(st))
-    executor._compile_from(loaded.program)
-    if loaded.training and st.session is not None:
-        with loaded.part("optimizer.safetensors"):
-            export.write_device_state(st.binding.optimizer, st.session,
-                                      loaded.optimizer_state)
-    if loaded.rng_state is not None:
-        with loaded.part("metadata.json.rng_state"):
-            executor.rng_state = loaded.rng_state
-    return executor

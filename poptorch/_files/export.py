@@ -366,7 +366,7 @@ def _loaded_model(filename: str, blobs, checked: CheckedFile,
 @dataclasses.dataclass
 class Loaded:
     """An exported file, read and checked: what ``poptorch.load`` wraps
-    (:func:`poptorch._executor.executor.wrap_loaded`).
+    (:func:`poptorch._executor.wrapping.wrap_loaded`).
 
     Attributes:
         filename: the file.

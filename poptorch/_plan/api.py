@@ -4,20 +4,19 @@ estimate for the fastest placement that fits, and say what would fit when nothin
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-import poptorch
-from popart_compiler.errors import py_error
+from popart_compiler.errors import Error, py_error
 from popart_compiler.planner.candidate import Candidate, full_estimate
 from popart_compiler.planner.problem import DEFAULT_PROPORTIONS
 from popart_compiler.planner.search import Scored, Space, closest, search
 from poptorch._plan.capture import Planning, capture_for_planning
 from poptorch._plan.result import Plan
+from poptorch.options import Options
 
 __all__ = ["plan"]
 
@@ -51,7 +50,7 @@ def _batch_of(inputs: Sequence) -> int:
 class _Request:
     model: nn.Module
     inputs: Tuple
-    options: poptorch.Options
+    options: Options
     optimizer: Any
     training: bool
     ipus: int
@@ -165,7 +164,7 @@ def _plan_of(planner: _Planner, micro_batch: int, cand: Candidate, seconds: floa
                 _base_options=r.options)
 
 
-def plan(model: nn.Module, *example_inputs, options: Optional[poptorch.Options] = None,
+def plan(model: nn.Module, *example_inputs, options: Optional[Options] = None,
          optimizer: Optional[torch.optim.Optimizer] = None, ipus: int = 1,
          training: bool = True, micro_batch: Union[None, int, Sequence[int]] = None,
          global_batch: Optional[int] = None,
@@ -196,7 +195,7 @@ def plan(model: nn.Module, *example_inputs, options: Optional[poptorch.Options] 
     The search is exact over that space for the IPU Model's estimate (branch and
     bound over consecutive splits; each IPU's estimate depends only on its own units).
     While it is captured the model carries the planner's blocks, checkpoints and
-    serialised projections (its own ``BeginBlock``\ s set aside); everything is
+    serialised projections (its own ``BeginBlock`` calls set aside); everything is
     restored afterwards.
 
     Args:
@@ -227,7 +226,7 @@ def plan(model: nn.Module, *example_inputs, options: Optional[poptorch.Options] 
         ``print(plan)`` shows it).
 
     Raises:
-        poptorch.Error: nothing fits: the message gives the closest placement (memory
+        Error: nothing fits: the message gives the closest placement (memory
             per IPU, samples/s) and what would fit (more IPUs, a smaller micro-batch);
             the error's ``closest`` attribute is that :class:`Plan` and
             ``suggestions`` a list of ``{"ipus", "micro_batch", "samples_per_second"}``.
@@ -273,7 +272,7 @@ def _request(model, *example_inputs, options=None, optimizer=None, ipus=1, train
         raise py_error(f"poptorch.plan: ipus must be a positive integer, got {ipus!r}")
     if not example_inputs:
         raise py_error("poptorch.plan needs the model's example inputs (one micro-batch)")
-    options = options if options is not None else poptorch.Options()
+    options = options if options is not None else Options()
     batches = [_batch_of(example_inputs)] if micro_batch is None else \
         [micro_batch] if isinstance(micro_batch, int) else list(micro_batch)
     request = _Request(model, tuple(example_inputs), options, optimizer, training, ipus,
@@ -303,7 +302,7 @@ def _check_batches(r: _Request, batches: List[int]) -> None:
 
 
 def _nothing_fits(planner: _Planner, batches: List[int], seconds: float,
-                  explored: List[Dict[str, Any]]) -> poptorch.Error:
+                  explored: List[Dict[str, Any]]) -> Error:
     """The error when nothing fits: the closest placement and what would fit."""
     r = planner.r
     mb = max(b for b in batches if r.micro_batches(b) is not None)

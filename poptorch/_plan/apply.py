@@ -15,8 +15,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
-import poptorch
+from poptorch._ops.blocks import BeginBlock, removeBlocks
+from poptorch._options.execution_strategy import PipelinedExecution
+from poptorch._options.groups import TensorLocationSettings
 from poptorch._plan.capture import SerializedLinear, _swap, checkpoint_outputs
+from poptorch.enums import AutoStage
+from poptorch.options import Options
 
 __all__ = ["apply_to_model", "apply_to_options"]
 
@@ -39,7 +43,7 @@ def apply_to_model(model: nn.Module, blocks: Sequence[Tuple[str, int]],
     """
     for handle in getattr(model, _HANDLES, []):
         handle.remove()
-    poptorch.removeBlocks(model)
+    removeBlocks(model)
     for path, factor in serialization.items():
         module = model.get_submodule(path)
         if isinstance(module, SerializedLinear):
@@ -48,20 +52,20 @@ def apply_to_model(model: nn.Module, blocks: Sequence[Tuple[str, int]],
             _swap(model, path, SerializedLinear(module, factor))
     handles: List = []
     for index, (path, ipu) in enumerate(blocks):
-        poptorch.BeginBlock(model.get_submodule(path), f"plan{index}", ipu_id=ipu)
+        BeginBlock(model.get_submodule(path), f"plan{index}", ipu_id=ipu)
     for path in checkpointed:
         handles.append(model.get_submodule(path).register_forward_hook(checkpoint_outputs()))
     object.__setattr__(model, _HANDLES, handles)
     return model
 
 
-def apply_to_options(options: poptorch.Options, training: bool, num_ipus: int,
+def apply_to_options(options: Options, training: bool, num_ipus: int,
                      micro_batches: int, proportions: Sequence[float],
-                     optimizer_on_chip: Optional[bool]) -> poptorch.Options:
+                     optimizer_on_chip: Optional[bool]) -> Options:
     """Set the plan's options on ``options`` (returned)."""
     if num_ipus > 1:
         options.setExecutionStrategy(
-            poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+            PipelinedExecution(AutoStage.AutoIncrement))
     if training:
         options.Training.gradientAccumulation(micro_batches)
     else:
@@ -69,6 +73,6 @@ def apply_to_options(options: poptorch.Options, training: bool, num_ipus: int,
     options.setAvailableMemoryProportion({f"IPU{i}": p for i, p in enumerate(proportions)})
     if optimizer_on_chip is not None:
         options.TensorLocations.setOptimizerLocation(
-            poptorch.TensorLocationSettings().useOnChipStorage(optimizer_on_chip)
+            TensorLocationSettings().useOnChipStorage(optimizer_on_chip)
             .useReplicatedTensorSharding(options.replication_factor > 1))
     return options

@@ -26,7 +26,6 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-import poptorch
 from popart_compiler import compiler
 from popart_compiler.cost.cost_model import cycle_settings, memory_settings
 from popart_compiler.cost.ipu_model import target_for
@@ -36,11 +35,15 @@ from popart_compiler.planner.problem import DEFAULT_PROPORTIONS, Problem
 from popart_compiler.planner.units import check_blocks, find_units
 from popart_compiler.planner.variants import Variants
 from poptorch import enums
-from poptorch._executor import call_io, host_sync, lifecycle
+from poptorch._executor import call_io
 from poptorch._executor import compile as compile_
+from poptorch._executor import host_sync, lifecycle, wrapping
 from poptorch._executor.state import executor_options
 from poptorch._ops.blocks import _BeginBlockHook
+from poptorch._ops.compiler_hints import recomputationCheckpoint, serializedMatMul
+from poptorch._options.execution_strategy import PipelinedExecution
 from poptorch._plan.structure import repeated_layers, unit_modules, vocabulary_projections
+from poptorch.options import Options
 
 __all__ = ["Planning", "capture_for_planning", "checkpoint_outputs", "SerializedLinear",
            "PLAN_MARKER"]
@@ -68,9 +71,8 @@ class SerializedLinear(nn.Module):
         self.original = [linear]  # a list: not a sub-module
 
     def forward(self, x):
-        y = poptorch.serializedMatMul(x, self.weight.t(),
-                                      enums.MatMulSerializationMode.OutputChannels,
-                                      self.factor)
+        y = serializedMatMul(x, self.weight.t(), enums.MatMulSerializationMode.OutputChannels,
+                             self.factor)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -89,11 +91,11 @@ def checkpoint_outputs(tagged: bool = False):
             if not isinstance(t, torch.Tensor) or id(t) in seen:
                 return t
             if not tagged:
-                return poptorch.recomputationCheckpoint(t)
+                return recomputationCheckpoint(t)
             custom = torch.fx.traceback.current_meta.setdefault("custom", {})
             custom[PLAN_MARKER] = True
             try:
-                return poptorch.recomputationCheckpoint(t)
+                return recomputationCheckpoint(t)
             finally:
                 custom.pop(PLAN_MARKER, None)
         if isinstance(output, torch.Tensor):
@@ -165,12 +167,12 @@ class Planning:
     micro_batch: int
 
 
-def _planning_options(options: poptorch.Options, training: bool) -> poptorch.Options:
+def _planning_options(options: Options, training: bool) -> Options:
     opts = options.clone()
     opts.replicationFactor(1).deviceIterations(1).showCompilationProgressBar(False)
     if training:
         opts.Training.gradientAccumulation(1)
-    opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    opts.setExecutionStrategy(PipelinedExecution(enums.AutoStage.AutoIncrement))
     return opts
 
 
@@ -179,8 +181,7 @@ def _capture(model, inputs, options, optimizer, training, units: Sequence[str]
     """Capture ``model`` with ``inputs`` and run the compiler's passes up to the
     lowering; returns ``(graph, optimizer description)``."""
     opts = _planning_options(options, training)
-    wrapper = poptorch.trainingModel(model, opts, optimizer) if training \
-        else poptorch.inferenceModel(model, opts)
+    wrapper = wrapping.wrap(model, opts, training, optimizer=optimizer if training else None)
     state = wrapper._state
     try:
         sess_opts, _ = compile_.session_options(state)
@@ -209,7 +210,7 @@ def _remove_markers(graph: Graph, markers: Sequence[str]) -> None:
     graph.module.recompile()
 
 
-def capture_for_planning(model: nn.Module, inputs: Sequence, options: poptorch.Options,
+def capture_for_planning(model: nn.Module, inputs: Sequence, options: Options,
                          optimizer, training: bool, micro_batches: int,
                          proportions: Sequence[float] = DEFAULT_PROPORTIONS,
                          serialize: bool = True) -> Planning:

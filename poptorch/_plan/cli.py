@@ -22,10 +22,10 @@ from typing import List, Optional
 
 import torch
 
-import poptorch
 from popart_compiler.cost.profile_report import write_report
 from popart_compiler.errors import Error, py_error
 from poptorch._plan.api import plan
+from poptorch.options import Options
 
 __all__ = ["main", "load_factory"]
 
@@ -92,7 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="also print the plan as JSON")
     args = parser.parse_args(argv)
     model, inputs, options, optimizer = _build(load_factory(args.factory))
-    options = options.clone() if options is not None else poptorch.Options()
+    options = options.clone() if options is not None else Options()
     if args.replicas is not None:
         options.replicationFactor(args.replicas)
     if args.target is not None:

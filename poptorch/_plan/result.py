@@ -7,9 +7,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-import poptorch
 from popart_compiler.cost.cost_model import IpuEstimate
 from poptorch._plan.apply import apply_to_model, apply_to_options
+from poptorch.options import Options
 
 __all__ = ["Plan"]
 
@@ -116,8 +116,8 @@ class Plan:
                 last = (ipu, stage)
         return result if self.num_ipus > 1 else []
 
-    def apply(self, model: nn.Module, options: Optional[poptorch.Options] = None
-              ) -> poptorch.Options:
+    def apply(self, model: nn.Module, options: Optional[Options] = None
+              ) -> Options:
         """Apply the plan to ``model`` (in place) and to ``options``.
 
         The model's ``BeginBlock``\\ s are replaced by the plan's (one block per IPU,
@@ -141,7 +141,7 @@ class Plan:
         apply_to_model(model, self.blocks(), self.checkpointed, self.serialization)
         if options is None:
             options = self._base_options.clone() if self._base_options is not None \
-                else poptorch.Options()
+                else Options()
         return apply_to_options(options, self.training, self.num_ipus,
                                 self.gradient_accumulation,
                                 self.available_memory_proportion,
