@@ -23,7 +23,7 @@ from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 from poptorch import _impl
-from poptorch._capture import data_dependence
+from poptorch._capture import data_dependence, number_reads
 from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
@@ -436,7 +436,15 @@ def capture(*args, **kwargs) -> Captured:
     and errors. Captures are serialised process-wide and a ``SIGINT`` arriving during
     one is raised as ``KeyboardInterrupt`` after it (``_capture_guard``)."""
     with capture_guard():
-        return _capture(*args, **kwargs)
+        try:
+            return _capture(*args, **kwargs)
+        except Error as exc:
+            if not getattr(exc, "number_read", False):
+                raise
+        # int(t) / float(t) of a run-time value: capture again reading them as t.item()
+        model = args[0] if args else kwargs["model"]
+        with number_reads.items_for_number_reads(model):
+            return _capture(*args, **kwargs)
 
 
 def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
