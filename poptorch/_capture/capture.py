@@ -481,6 +481,13 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
 
     def flat_forward(*flat: torch.Tensor):
         values = unflatten(input_spec, iter(flat))
+        if not flat:
+            # torch.export (2.13) inserts lifted constants' placeholders before the
+            # first user input, else before the graph's first node: with no input
+            # that is the first constant's get_attr, which it then erases, losing
+            # the other placeholders ("lifted_tensor_1 used before it has been
+            # defined"). A first node that is no constant avoids it; it is dead code.
+            torch.empty(0, device=device)
         state = _state_identity(model)
         _tagging[0] = True
         _tag_ops()
