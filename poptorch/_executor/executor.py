@@ -37,7 +37,11 @@ from poptorch._logging import logger
 from poptorch._ops.printing import module_repr
 from poptorch.options import Options
 
-__all__ = ["PoplarExecutor", "NO_EXECUTABLE", "wrap", "wrap_loaded"]
+__all__ = ["PoplarExecutor", "NO_EXECUTABLE", "ALREADY_WRAPPED", "wrap", "wrap_loaded"]
+
+#: PopTorch's words for wrapping a model twice for training.
+ALREADY_WRAPPED = ("Model has already been wrapped in 'poptorch.trainingModel'. Call "
+                   "model.destroy() on the model to unwrap before wrapping again.")
 
 
 def serialised(method: Callable) -> Callable:
@@ -184,9 +188,7 @@ class PoplarExecutor:
             return
         other = host_sync.TRAINING_WRAPPERS.get(id(model))
         if other is not None and other is not self and instrument.is_instrumented(model):
-            raise RuntimeError(
-                "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-                "model.destroy() on the model to unwrap it before wrapping it again.")
+            raise RuntimeError(ALREADY_WRAPPED)
         instrument.instrument(model, self._state.host)
         host_sync.TRAINING_WRAPPERS[id(model)] = self
 
@@ -581,9 +583,7 @@ def wrap(model: torch.nn.Module, options: Optional[Options], training: bool, ver
     user_model = model.model if isinstance(model, PoplarExecutor) else model
     if training and id(user_model) in host_sync.TRAINING_WRAPPERS and \
             instrument.is_instrumented(user_model):
-        raise RuntimeError(
-            "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-            "model.destroy() on the model to unwrap it before wrapping it again.")
+        raise RuntimeError(ALREADY_WRAPPED)
     with instrument.syncing():
         model_copy = copy.copy(user_model)
     if instrument.is_instrumented(model_copy):
