@@ -96,6 +96,19 @@ def test_pipelined_stage_count_messages_read_as_poptorchs():
                                              r"PopTorch\.PipelinedExecution\."):
         poptorch.inferenceModel(Chain())(torch.randn(1, 2))
 
+    class Loss(Chain):
+        def forward(self, x):
+            return poptorch.identity_loss(super().forward(x).sum(), "none")
+
+    with pytest.raises(poptorch.Error, match=r"poptorch\.Options\(\)\.Training\."
+                                             r"gradientAccumulation must be greater than or "
+                                             r"equal to the number of pipeline stages \(3\) "
+                                             r"when using poptorch\.PipelinedExecution\. "
+                                             r"Please note that a model with 2 pipeline "
+                                             r"stages in PopTorch will have an additional 1 "
+                                             r"stages when training\."):
+        poptorch.trainingModel(Loss())(torch.randn(1, 2))
+
 
 class _Overlapped(torch.nn.Module):
     def __init__(self, case):
