@@ -47,3 +47,37 @@ def test_branching_on_int_or_item_gives_the_same_error(spelling):
     with pytest.raises(poptorch.Error, match=r"uses the value of a tensor in Python "
                        r"control flow.*`if value > 2:.*poptorch\.cond"):
         poptorch.inferenceModel(Branch(spelling))(torch.ones(2), torch.tensor([3]))
+
+
+class Pipelined(torch.nn.Module):
+    """Blocks with automatic ids: the capture that failed at int() had already given
+    the first block its id ("0"); the second capture must give the next block "1"."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = poptorch.BeginBlock(torch.nn.Linear(2, 2), ipu_id=0)
+        self.b = poptorch.BeginBlock(torch.nn.Linear(2, 2), ipu_id=1)
+        self.double = poptorch.CPU(lambda t: t * 2, "double")
+
+    def forward(self, x, n):
+        return self.b(self.double(self.a(x)) * int(n[0]))
+
+
+def test_int_read_in_a_pipelined_model_with_a_host_op():
+    torch.manual_seed(0)
+    model = Pipelined()
+    executor = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(2))
+    x, n = torch.randn(4, 2), torch.full((4, 1), 3)
+    torch.testing.assert_close(executor(x, n), model.b(model.a(x) * 2 * 3))
+    ids = [hook.user_id for layer in (model.a, model.b)
+           for hook in layer._forward_pre_hooks.values() if hasattr(hook, "user_id")]
+    assert ids == ["0", "1"]
+
+
+def test_a_capture_that_failed_midway_does_not_reuse_automatic_block_ids():
+    model = Pipelined()
+    executor = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(2))
+    with pytest.raises(poptorch.Error, match="same reduction dim"):  # after block "0" began
+        executor(torch.randn(4, 3), torch.full((4, 1), 3))
+    x, n = torch.randn(4, 2), torch.full((4, 1), 3)
+    torch.testing.assert_close(executor(x, n), model.b(model.a(x) * 2 * 3))
