@@ -20,7 +20,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import sys
-from typing import Dict, Iterator, Tuple
+from typing import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
