@@ -435,13 +435,14 @@ def capture(*args, **kwargs) -> Captured:
     """Capture ``forward`` of ``model`` once; see :func:`_capture` for the arguments
     and errors. Captures are serialised process-wide and a ``SIGINT`` arriving during
     one is raised as ``KeyboardInterrupt`` after it (``_capture_guard``)."""
-    with capture_guard():
+    with capture_guard(), number_reads.logged_once(logger) as once:
         try:
             return _capture(*args, **kwargs)
         except Error as exc:
             if not getattr(exc, "number_read", False):
                 raise
         # int(t) / float(t) of a run-time value: capture again reading them as t.item()
+        once.repeat()
         model = args[0] if args else kwargs["model"]
         with number_reads.items_for_number_reads(model):
             return _capture(*args, **kwargs)

@@ -13,19 +13,21 @@ builtin unchanged. The stand-ins pass ``isinstance`` / ``issubclass`` checks as 
 builtins do, but are not the builtins: ``type(v) is int`` is false and torch refuses
 ``dtype=int`` there, which is why models that never read a tensor this way are
 captured without them. Code in other modules (helpers the model imports) still gets
-the builtins and the data-dependence error that points to ``.item()``.
+the builtins and the data-dependence error that points to ``.item()``. The second
+capture does not log again what the first one logged (:func:`logged_once`).
 """
 from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
 import sys
 from typing import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["items_for_number_reads"]
+__all__ = ["items_for_number_reads", "logged_once"]
 
 _SKIPPED = ("torch", "poptorch", "popart_compiler", "builtins")
 
@@ -89,3 +91,35 @@ def _shadowed(modules) -> Iterator[None]:
                     table[name] = before[name]
                 else:
                     table.pop(name, None)
+
+
+class _Once(logging.Filter):
+    """Passes every record of the first capture; after :meth:`repeat`, drops the
+    records that capture already passed."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+        self.repeating = False
+
+    def repeat(self) -> None:
+        self.repeating = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.levelno, record.getMessage())
+        if self.repeating:
+            return key not in self.seen
+        self.seen.add(key)
+        return True
+
+
+@contextlib.contextmanager
+def logged_once(logger: logging.Logger) -> Iterator[_Once]:
+    """While active, ``logger`` logs a record of a repeated capture only if the first
+    capture did not (call ``.repeat()`` on the yielded filter before repeating)."""
+    once = _Once()
+    logger.addFilter(once)
+    try:
+        yield once
+    finally:
+        logger.removeFilter(once)

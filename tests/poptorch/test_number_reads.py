@@ -81,3 +81,17 @@ def test_a_capture_that_failed_midway_does_not_reuse_automatic_block_ids():
         executor(torch.randn(4, 3), torch.full((4, 1), 3))
     x, n = torch.randn(4, 2), torch.full((4, 1), 3)
     torch.testing.assert_close(executor(x, n), model.b(model.a(x) * 2 * 3))
+
+
+class LogsThenReads(torch.nn.Module):
+    def forward(self, x, n):
+        zeros = torch.zeros(2)  # logs "No device set in torch.zeros(): forcing to IPU"
+        return x * int(n[0]) + zeros
+
+
+def test_the_repeated_capture_does_not_log_twice(poptorch_logs):
+    out = poptorch.inferenceModel(LogsThenReads())(torch.ones(2), torch.tensor([3]))
+    assert out.tolist() == [3.0, 3.0]
+    logged = [r for r in poptorch_logs.records if "No device set in torch.zeros()" in
+              r.getMessage()]
+    assert len(logged) == 1
