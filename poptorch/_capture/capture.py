@@ -23,7 +23,7 @@ from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 from poptorch import _impl
-from poptorch._capture import data_dependence
+from poptorch._capture import data_dependence, number_reads
 from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
@@ -435,8 +435,17 @@ def capture(*args, **kwargs) -> Captured:
     """Capture ``forward`` of ``model`` once; see :func:`_capture` for the arguments
     and errors. Captures are serialised process-wide and a ``SIGINT`` arriving during
     one is raised as ``KeyboardInterrupt`` after it (``_capture_guard``)."""
-    with capture_guard():
-        return _capture(*args, **kwargs)
+    with capture_guard(), number_reads.logged_once(logger) as once:
+        try:
+            return _capture(*args, **kwargs)
+        except Error as exc:
+            if not getattr(exc, "number_read", False):
+                raise
+        # int(t) / float(t) of a run-time value: capture again reading them as t.item()
+        once.repeat()
+        model = args[0] if args else kwargs["model"]
+        with number_reads.items_for_number_reads(model):
+            return _capture(*args, **kwargs)
 
 
 def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
@@ -473,6 +482,13 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
 
     def flat_forward(*flat: torch.Tensor):
         values = unflatten(input_spec, iter(flat))
+        if not flat:
+            # torch.export (2.13) inserts lifted constants' placeholders before the
+            # first user input, else before the graph's first node: with no input
+            # that is the first constant's get_attr, which it then erases, losing
+            # the other placeholders ("lifted_tensor_1 used before it has been
+            # defined"). A first node that is no constant avoids it; it is dead code.
+            torch.empty(0, device=device)
         state = _state_identity(model)
         _tagging[0] = True
         _tag_ops()

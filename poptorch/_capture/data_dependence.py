@@ -202,7 +202,7 @@ _NUMBER_READS = ("int(tensor)", "float(tensor)", "a tensor used as a Python int"
 def read_error(read: str, frames: List[traceback.FrameSummary]) -> Error:
     """Python code read the value of a tensor that is only known at run time."""
     if read in _NUMBER_READS:
-        return py_error(
+        error = py_error(
             f"The model's forward converts a tensor to a Python number ({read} at "
             f"{_location(frames)}), but its value is known only at run time. PopTorch "
             "captures forward once into a static graph, and Python's int() and float() "
@@ -211,6 +211,8 @@ def read_error(read: str, frames: List[traceback.FrameSummary]) -> Error:
             "arithmetic with it works as long as Python does not branch on it (for "
             "if/else use poptorch.cond or torch.where). A value that is the same on every "
             "run can be passed to forward as a Python number.")
+        error.number_read = True  # capture() tries again reading it as t.item()
+        return error
     cause = _library_cause(frames)
     advice = _LIBRARY_READS.get(cause.name, _CONTROL_FLOW) if cause else _CONTROL_FLOW
     return py_error(

@@ -35,7 +35,11 @@ from poptorch._logging import logger
 from poptorch._ops.printing import module_repr
 from poptorch.options import Options
 
-__all__ = ["PoplarExecutor", "NO_EXECUTABLE"]
+__all__ = ["PoplarExecutor", "NO_EXECUTABLE", "ALREADY_WRAPPED"]
+
+#: PopTorch's words for wrapping a model twice for training.
+ALREADY_WRAPPED = ("Model has already been wrapped in 'poptorch.trainingModel'. Call "
+                   "model.destroy() on the model to unwrap before wrapping again.")
 
 
 def serialised(method: Callable) -> Callable:
@@ -182,9 +186,7 @@ class PoplarExecutor:
             return
         other = host_sync.TRAINING_WRAPPERS.get(id(model))
         if other is not None and other is not self and instrument.is_instrumented(model):
-            raise RuntimeError(
-                "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-                "model.destroy() on the model to unwrap it before wrapping it again.")
+            raise RuntimeError(ALREADY_WRAPPED)
         instrument.instrument(model, self._state.host)
         host_sync.TRAINING_WRAPPERS[id(model)] = self
 
@@ -564,4 +566,3 @@ class PoplarExecutor:
         the annotations the IPU compiler would read (``MultiConv``, ``Attribute``,
         available memory; api §8)."""
         return inspection.program_text(self._state)
-

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from poptorch._executor import host_sync, instrument, lifecycle
-from poptorch._executor.executor import PoplarExecutor
+from poptorch._executor.executor import ALREADY_WRAPPED, PoplarExecutor
 from poptorch._files import export
 from poptorch._version import __version__
 from poptorch.options import Options
@@ -31,9 +31,7 @@ def wrap(model: torch.nn.Module, options: Optional[Options], training: bool,
     user_model = model.model if isinstance(model, PoplarExecutor) else model
     if training and id(user_model) in host_sync.TRAINING_WRAPPERS and \
             instrument.is_instrumented(user_model):
-        raise RuntimeError(
-            "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-            "model.destroy() on the model to unwrap it before wrapping it again.")
+        raise RuntimeError(ALREADY_WRAPPED)
     with instrument.syncing():
         model_copy = copy.copy(user_model)
     if instrument.is_instrumented(model_copy):

@@ -225,6 +225,7 @@ class _BeginBlockHook:
     def __init__(self, user_id, ipu_id):
         self._user_id = user_id
         self._ipu_id = ipu_id
+        self._auto = user_id is None
 
     @property
     def user_id(self):
@@ -241,6 +242,8 @@ class _BeginBlockHook:
             return
         if self._user_id is None:
             self._user_id = _next_auto_id()
+        elif self._auto:  # kept from an earlier capture: later blocks take the next ids
+            _state.next_auto_id = max(_state.next_auto_id, int(self._user_id) + 1)
         _start_block(self._user_id, self._ipu_id)
 
     def __call__(self, module, inputs):

@@ -62,13 +62,17 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
         tensor: any tensor.
         title: printed before the value.
         print_gradient: also print the gradient in training.
-        summarise_threshold: above this many elements show ``edge_items`` per edge and an
-            ellipsis (0 disables).
+        summarise_threshold: above this many elements show ``edge_items`` per edge of
+            every dimension and an ellipsis (0 disables).
         edge_items: items per edge when summarising.
-        max_line_width: wrap longer lines (0 disables).
-        digits: digits of each number (0 disables alignment).
-        float_format: ``"auto"``, ``"fixed"``, ``"scientific"`` or ``"none"``.
-        separator / open_bracket / close_bracket: layout characters.
+        max_line_width: wrap longer rows, continuing two columns past the row's
+            bracket (0 disables).
+        digits: significant digits of a float, the exponent excluded (``digits=8``:
+            ``1.4962566``); all values are right-aligned to one width. 0 disables the
+            analysis: each value in ``%g`` format, unaligned.
+        float_format: ``"auto"``, ``"fixed"``, ``"scientific"`` or ``"none"`` (each
+            value formatted on its own), as Poplar's ``PrintTensorFmt``.
+        separator / open_bracket / close_bracket: layout strings, used as given.
 
     Returns:
         A tensor equal to ``tensor``. Outside a wrapped model: ``tensor`` itself, and

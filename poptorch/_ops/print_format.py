@@ -1,16 +1,29 @@
-"""Text layout of ``poptorch.ipu_print_tensor`` (api §8.2), as PopART prints tensors.
+"""Text layout of ``poptorch.ipu_print_tensor`` (api §8.2), as Poplar's ``PrintTensor``
+formats tensors for PopTorch.
 
-Nested bracket groups per dimension with the given brackets and separator; inner rows
-on new lines indented by one space per level; summarised with ``edge_items`` per edge
-and an ellipsis above ``summarise_threshold`` elements; lines wrapped at
-``max_line_width`` characters; numbers with ``digits`` digits, aligned to a common
-width unless ``digits`` is 0.
+* Nested bracket groups per dimension with the given brackets; the elements of the
+  innermost dimension are joined by ``separator`` exactly as given (``" "``, ``","`` or
+  ``", "``); inner rows go on new lines indented by one space per level, with no
+  separator between rows.
+* Above ``summarise_threshold`` elements (0: never) ``edge_items`` are shown at each
+  edge of every dimension, around an ellipsis.
+* A row longer than ``max_line_width`` (0: never wrap) is continued on new lines
+  indented two characters past its opening bracket; the first element always stays
+  on the bracket's line.
+* ``digits`` counts the significant digits of a float, the exponent excluded:
+  ``digits=8`` prints ``1.4962566`` (fixed) or ``1.4962566e+00`` (scientific). Fixed
+  notation keeps the integer digits of the largest magnitude and gives the rest to
+  decimals. ``"auto"`` picks fixed unless a magnitude needs more than ``digits``
+  integer digits or is smaller than the last decimal fixed notation can show;
+  ``"none"`` formats each element on its own (``%g`` with ``digits`` significant
+  digits). Elements are right-aligned to a common width; ``digits=0`` switches all
+  analysis off (each element in C++'s default ``%g`` format, unaligned).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List
+from typing import Callable, List
 
 import torch
 
@@ -34,22 +47,37 @@ class PrintFormat:
     close_bracket: str = ")"
 
 
-def _number_formatter(values: torch.Tensor, fmt: PrintFormat):
-    if not values.is_floating_point():
-        return lambda v: str(int(v)) if values.dtype != torch.bool else str(bool(v))
+def _integer_digits(magnitude: float) -> int:
+    """Digits before the decimal point of ``magnitude`` (at least 1)."""
+    return len(str(int(magnitude))) if magnitude >= 1 else 1
+
+
+def _float_formatter(values: torch.Tensor, fmt: PrintFormat) -> Callable[[float], str]:
+    digits = fmt.digits
+    if digits <= 0:
+        return lambda v: f"{v:g}"
     style = FLOAT_FORMATS[fmt.float_format]
-    digits = max(fmt.digits, 1)
+    if style == "none":
+        return lambda v: f"{v:.{digits}g}"
+    finite = values[torch.isfinite(values)].abs().double()
+    largest = float(finite.max()) if finite.numel() else 0.0
+    decimals = max(digits - _integer_digits(largest), 0)
     if style == "auto":
-        finite = values[torch.isfinite(values)].abs()
-        large = finite.numel() and float(finite.max()) >= 1e8
-        small = finite.numel() and float(finite[finite > 0].min() if bool((finite > 0).any())
-                                          else 1.0) < 1e-4
-        style = "scientific" if large or small else "fixed"
+        nonzero = finite[finite > 0]
+        smallest = float(nonzero.min()) if nonzero.numel() else 1.0
+        too_small = smallest < 10.0 ** -decimals
+        style = "scientific" if _integer_digits(largest) > digits or too_small else "fixed"
     if style == "fixed":
-        return lambda v: f"{v:.{digits}f}" if math.isfinite(v) else str(v)
-    if style == "scientific":
-        return lambda v: f"{v:.{digits}e}" if math.isfinite(v) else str(v)
-    return lambda v: repr(float(v))
+        return lambda v: f"{v:.{decimals}f}" if math.isfinite(v) else str(v)
+    return lambda v: f"{v:.{digits - 1}e}" if math.isfinite(v) else str(v)
+
+
+def _number_formatter(values: torch.Tensor, fmt: PrintFormat) -> Callable[[float], str]:
+    if values.dtype == torch.bool:
+        return lambda v: str(bool(v))
+    if not values.is_floating_point():
+        return lambda v: str(int(v))
+    return _float_formatter(values, fmt)
 
 
 def _indices(size: int, fmt: PrintFormat, summarise: bool) -> List[int]:
@@ -60,47 +88,57 @@ def _indices(size: int, fmt: PrintFormat, summarise: bool) -> List[int]:
     return list(range(size))
 
 
-def _wrap(items: List[str], fmt: PrintFormat, indent: int) -> str:
-    """``open + items joined by separator + close``, wrapped at ``max_line_width``."""
-    text = fmt.open_bracket + fmt.separator.join(items) + fmt.close_bracket
-    if fmt.max_line_width <= 0 or indent + len(text) <= fmt.max_line_width:
-        return text
-    lines, line = [], fmt.open_bracket
-    for i, item in enumerate(items):
-        piece = item + (fmt.separator if i < len(items) - 1 else fmt.close_bracket)
-        if len(line) > len(fmt.open_bracket) and \
-                indent + len(line) + len(piece.rstrip()) > fmt.max_line_width:
+def _row(items: List[str], fmt: PrintFormat, indent: int) -> str:
+    """``open + items joined by separator + close``, wrapped at ``max_line_width``;
+    ``indent`` is the number of spaces before the opening bracket."""
+    if not items:
+        return fmt.open_bracket + fmt.close_bracket
+    pieces = [item + (fmt.separator if i < len(items) - 1 else fmt.close_bracket)
+              for i, item in enumerate(items)]
+    continuation = " " * (indent + len(fmt.open_bracket) + 1)
+    lines, line = [], " " * indent + fmt.open_bracket
+    for i, piece in enumerate(pieces):
+        if i and fmt.max_line_width > 0 and \
+                len(line) + len(piece.rstrip()) > fmt.max_line_width:
             lines.append(line.rstrip())
-            line = " " * (len(fmt.open_bracket))
+            line = continuation
         line += piece
     lines.append(line)
-    return ("\n" + " " * indent).join(lines)
+    return "\n".join(lines)[indent:]
 
 
 def format_tensor(t: torch.Tensor, fmt: PrintFormat) -> str:
     """Format ``t`` (any shape, any dtype) as ``ipu_print_tensor`` prints it."""
     t = t.detach().cpu()
+    if t.dtype in (torch.half, torch.bfloat16):
+        t = t.float()
     summarise = fmt.summarise_threshold > 0 and t.numel() > fmt.summarise_threshold
-    number = _number_formatter(t.float() if t.dtype == torch.half else t, fmt)
     if t.dim() == 0:
-        return number(t.item())
-    shown = [number(v) for v in t.reshape(-1).tolist()] if not summarise else None
-    width = max((len(s) for s in shown), default=0) if shown is not None else 0
-    if summarise:
-        width = 0
-    align = fmt.digits > 0
-
-    def cell(v) -> str:
-        s = number(v)
-        return s.rjust(width) if align else s
+        return _number_formatter(t, fmt)(t.item())
+    shown = _shown(t, fmt) if summarise else t
+    number = _number_formatter(shown, fmt)
+    width = max((len(number(v)) for v in shown.reshape(-1).tolist()), default=0) \
+        if fmt.digits > 0 else 0
 
     def render(sub: torch.Tensor, level: int) -> str:
         idx = _indices(sub.shape[0], fmt, summarise)
         if sub.dim() == 1:
-            return _wrap(["..." if i < 0 else cell(sub[i].item()) for i in idx], fmt, level)
+            return _row(["..." if i < 0 else number(sub[i].item()).rjust(width)
+                         for i in idx], fmt, level)
+        if not idx:
+            return fmt.open_bracket + fmt.close_bracket
         rows = ["..." if i < 0 else render(sub[i], level + 1) for i in idx]
         pad = " " * (level + 1)
-        inner = (fmt.separator.rstrip() + "\n").join(pad + r for r in rows)
-        return fmt.open_bracket + "\n" + inner + "\n" + " " * level + fmt.close_bracket
+        return fmt.open_bracket + "\n" + "\n".join(pad + r for r in rows) + "\n" + \
+            " " * level + fmt.close_bracket
 
     return render(t, 0)
+
+
+def _shown(t: torch.Tensor, fmt: PrintFormat) -> torch.Tensor:
+    """The elements a summarised print shows (the edges of every dimension)."""
+    for dim in range(t.dim()):
+        if t.shape[dim] > 2 * fmt.edge_items:
+            keep = [i for i in _indices(t.shape[dim], fmt, True) if i >= 0]
+            t = t.index_select(dim, torch.tensor(keep))
+    return t

@@ -144,21 +144,6 @@ def test_a_function_that_modifies_its_input_is_refused():
         training(torch.randn(4, 4), torch.rand(4, 3))
 
 
-def test_int_of_a_run_time_value_points_to_item_which_works():
-    class IntRead(torch.nn.Module):
-        def forward(self, x, n):
-            return x * int(n[0])
-
-    class ItemRead(torch.nn.Module):
-        def forward(self, x, n):
-            return x * n[0].item()
-
-    x, n = torch.arange(3.0), torch.tensor([2])
-    with pytest.raises(poptorch.Error, match=r"int\(tensor\).*Spell it tensor\.item\(\)"):
-        poptorch.inferenceModel(IntRead())(x, n)
-    assert poptorch.inferenceModel(ItemRead())(x, n).tolist() == [0.0, 2.0, 4.0]
-
-
 def test_labels_moved_to_the_logits_device_stay_in_the_last_stage():
     """torch.export records ``labels.to(logits.device)``'s metadata check without the
     block tag: it must not count as a return to IPU 0 (HF ViT pipelined over 2 IPUs

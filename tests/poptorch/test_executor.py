@@ -112,8 +112,9 @@ def test_compilation_time_and_perf_counters():
 def test_wrapping_twice_needs_destroy():
     m = Classifier()
     training = poptorch.trainingModel(m)
-    with pytest.raises(RuntimeError, match="Model has already been wrapped in "
-                                           "'poptorch.trainingModel'"):
+    with pytest.raises(RuntimeError, match=r"^Model has already been wrapped in "
+                       r"'poptorch\.trainingModel'\. Call model\.destroy\(\) on the model "
+                       r"to unwrap before wrapping again\.$"):  # PopTorch's words
         poptorch.trainingModel(m)
     training(torch.randn(2, 6), torch.randint(0, 4, (2,)))
     trained = m.fc1.weight.detach().clone()

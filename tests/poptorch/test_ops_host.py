@@ -48,15 +48,15 @@ def test_print_runs_once_per_micro_batch_and_replica_at_run_time(capfd):
 
 def test_print_shows_actual_values_and_cpu_prints_nothing(capfd):
     model = Printing(float_format="fixed", digits=3)
-    x = torch.tensor([[1.0, 2.0]])
-    expected = model.fc(x)
+    with torch.no_grad():
+        model.fc.weight.copy_(torch.eye(2))
+        model.fc.bias.zero_()
+    x = torch.tensor([[1.25, -2.5]])
     assert model(x) is not None and capfd.readouterr().err == ""
     executor = poptorch.inferenceModel(model, quiet())
-    torch.testing.assert_close(executor(x), expected)
-    err = capfd.readouterr().err
-    cells = [f"{v:.3f}" for v in expected[0].tolist()]
-    width = max(len(c) for c in cells)
-    assert f"act: (\n ({cells[0].rjust(width)}, {cells[1].rjust(width)})\n)" in err
+    torch.testing.assert_close(executor(x), x)
+    # 3 significant digits: one integer digit, two decimals, aligned.
+    assert "act: (\n ( 1.25, -2.50)\n)\n" in capfd.readouterr().err
 
 
 def test_print_gradient_in_training(capfd):
@@ -79,27 +79,77 @@ def test_print_errors():
         poptorch.ipu_print_tensor(torch.ones(1), float_format="engineering")
 
 
-def test_print_format_layout_arguments():
-    t = torch.tensor([[1.4962566, 1.7682219], [1.0884774, 1.1320305]])
-    fmt = PrintFormat(separator=" ", open_bracket="{", close_bracket="}", digits=7,
-                      float_format="fixed")
-    assert format_tensor(t, fmt) == "{\n {1.4962566 1.7682219}\n {1.0884774 1.1320305}\n}"
-    summarised = format_tensor(torch.arange(10), PrintFormat(summarise_threshold=5,
-                                                             edge_items=2))
-    assert summarised == "(0, 1, ..., 8, 9)"
+GRID = torch.tensor([[2.7182817, 3.1415927], [1.4142135, 1.7320508]])
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    # Poplar's own defaults: space separator, square brackets, 8 digits.
+    (dict(summarise_threshold=1000, edge_items=3, max_line_width=75, digits=8,
+          float_format="auto", separator=" ", open_bracket="[", close_bracket="]"),
+     "[\n [2.7182817 3.1415927]\n [1.4142135 1.7320508]\n]"),
+    # Scientific: digits count the mantissa's digits; a narrow line width wraps each
+    # row after its first element, continuing two columns past the bracket.
+    (dict(max_line_width=16, digits=6, float_format="scientific", separator=",",
+          open_bracket="<", close_bracket=">"),
+     "<\n <2.71828e+00,\n   3.14159e+00>\n <1.41421e+00,\n   1.73205e+00>\n>"),
+    (dict(digits=3, float_format="fixed", separator="|", open_bracket="{",
+          close_bracket="}"),
+     "{\n {2.72|3.14}\n {1.41|1.73}\n}"),
+    # PopTorch's defaults: ", " and round brackets, 4 digits.
+    (dict(), "(\n (2.718, 3.142)\n (1.414, 1.732)\n)"),
+    # digits=0: no analysis, each value as C's %g, unaligned.
+    (dict(digits=0), "(\n (2.71828, 3.14159)\n (1.41421, 1.73205)\n)"),
+])
+def test_print_format_options_give_exact_text(kwargs, expected):
+    assert format_tensor(GRID, PrintFormat(**kwargs)) == expected
+
+
+def test_print_format_through_a_compiled_model(capfd):
+    model = Printing(max_line_width=16, digits=6, float_format="scientific",
+                     separator=",", open_bracket="<", close_bracket=">")
+    with torch.no_grad():
+        model.fc.weight.copy_(torch.eye(2))
+        model.fc.bias.zero_()
+    poptorch.inferenceModel(model, quiet())(GRID)
+    assert "act: <\n <2.71828e+00,\n   3.14159e+00>\n <1.41421e+00,\n   1.73205e+00>\n>" \
+        in capfd.readouterr().err
+
+
+def test_print_format_summarises_every_dimension_at_the_edges():
+    assert format_tensor(torch.arange(10), PrintFormat(summarise_threshold=5,
+                                                       edge_items=2)) == "(0, 1, ..., 8, 9)"
     assert format_tensor(torch.arange(10), PrintFormat(summarise_threshold=0)) == \
         "(0, 1, 2, 3, 4, 5, 6, 7, 8, 9)"
-    wrapped = format_tensor(torch.arange(12), PrintFormat(max_line_width=12))
-    assert all(len(line) <= 12 for line in wrapped.splitlines())
-    assert wrapped.replace("\n", "").replace(" ", "") == "(0,1,2,3,4,5,6,7,8,9,10,11)"
+    grid = torch.arange(36).reshape(6, 6)
+    assert format_tensor(grid, PrintFormat(summarise_threshold=20, edge_items=1)) == \
+        "(\n ( 0, ...,  5)\n ...\n (30, ..., 35)\n)"
+    # The alignment width comes from the shown values only, not the hidden 1000.
+    assert format_tensor(torch.tensor([1, 2, 1000, 3, 4]),
+                         PrintFormat(summarise_threshold=2, edge_items=1)) == "(1, ..., 4)"
+
+
+def test_print_format_numbers():
+    # auto: scientific when a value is too small for the decimals fixed would show...
     assert format_tensor(torch.tensor([1e-6, 1.0]), PrintFormat(digits=2)) == \
-        "(1.00e-06, 1.00e+00)"
+        "(1.0e-06, 1.0e+00)"
+    # ... or needs more integer digits than ``digits``.
+    assert format_tensor(torch.tensor([1.5, -10.25, 12345.0]), PrintFormat()) == \
+        "( 1.500e+00, -1.025e+01,  1.234e+04)"
+    # fixed keeps the integer digits of the largest magnitude, rest decimals.
+    assert format_tensor(torch.tensor([1.5, -10.25]), PrintFormat()) == "(  1.50, -10.25)"
+    # none: each element on its own (%g with ``digits`` significant digits), aligned.
     assert format_tensor(torch.tensor([0.5, 10.25]), PrintFormat(float_format="none",
-                                                                 digits=0)) == \
-        "(0.5, 10.25)"
-    assert format_tensor(torch.tensor([1.5, -10.25]), PrintFormat(digits=2)) == \
-        "(  1.50, -10.25)"
+                                                                 digits=3)) == \
+        "( 0.5, 10.2)"
+    assert format_tensor(torch.tensor([float("nan"), 1.0, float("inf")]),
+                         PrintFormat()) == "(  nan, 1.000,   inf)"
+    assert format_tensor(torch.tensor([1.5], dtype=torch.half), PrintFormat()) == "(1.500)"
     assert format_tensor(torch.tensor(3), PrintFormat()) == "3"
+    assert format_tensor(torch.tensor([True, False]), PrintFormat()) == "( True, False)"
+    assert format_tensor(torch.zeros(0), PrintFormat()) == "()"
+    assert format_tensor(torch.zeros(2, 0), PrintFormat()) == "(\n ()\n ()\n)"
+    wrapped = format_tensor(torch.arange(12), PrintFormat(max_line_width=14))
+    assert wrapped == "( 0,  1,  2,\n   3,  4,  5,\n   6,  7,  8,\n   9, 10, 11)"
 
 
 # -- CPU ----------------------------------------------------------------------------------

@@ -576,3 +576,41 @@ def test_rejected_set_optimizer_leaves_attribute_tracking_unchanged(poptorch_log
     training.setOptimizer(opt)
     assert "Ignoring unexpected" not in poptorch_logs.text
     training(torch.ones(1, 3))
+
+
+class _StepCountingSGD(torch.optim.SGD):
+    """A subclass whose Python step() PopTorch never calls."""
+    steps = 0
+
+    def step(self, closure=None):
+        type(self).steps += 1
+        return super().step(closure)
+
+
+class _PopTorchSGDSubclass(poptorch.optim.SGD):
+    pass
+
+
+@pytest.mark.parametrize("optimizer_class", [_StepCountingSGD, _PopTorchSGDSubclass])
+def test_subclassed_optimizer_warns_and_trains_as_its_base(optimizer_class, poptorch_logs):
+    model = Classifier()
+    reference = copy.deepcopy(model)
+    x, t = data(4)
+    training = poptorch.trainingModel(model, optimizer=optimizer_class(model.parameters(),
+                                                                       lr=0.1))
+    training(x, t)
+    warnings = [r.getMessage() for r in poptorch_logs.records
+                if r.levelno == logging.WARNING and "Subclassed optimizers" in r.getMessage()]
+    assert len(warnings) == 1 and optimizer_class.__name__ in warnings[0]
+    assert _StepCountingSGD.steps == 0  # the device runs SGD's own update
+    reference_training(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, t,
+                       1, 1, 1)
+    assert_same_weights(model, reference)
+
+
+def test_plain_optimizers_do_not_warn_about_subclassing(poptorch_logs):
+    for optimizer_class in (torch.optim.SGD, poptorch.optim.SGD):
+        model = Classifier()
+        poptorch.trainingModel(model, optimizer=optimizer_class(model.parameters(),
+                                                                lr=0.1))(*data(4))
+    assert not [r for r in poptorch_logs.records if "Subclassed" in r.getMessage()]

@@ -96,6 +96,19 @@ def test_pipelined_stage_count_messages_read_as_poptorchs():
                                              r"PopTorch\.PipelinedExecution\."):
         poptorch.inferenceModel(Chain())(torch.randn(1, 2))
 
+    class Loss(Chain):
+        def forward(self, x):
+            return poptorch.identity_loss(super().forward(x).sum(), "none")
+
+    with pytest.raises(poptorch.Error, match=r"poptorch\.Options\(\)\.Training\."
+                                             r"gradientAccumulation must be greater than or "
+                                             r"equal to the number of pipeline stages \(3\) "
+                                             r"when using poptorch\.PipelinedExecution\. "
+                                             r"Please note that a model with 2 pipeline "
+                                             r"stages in PopTorch will have an additional 1 "
+                                             r"stages when training\."):
+        poptorch.trainingModel(Loss())(torch.randn(1, 2))
+
 
 class _Overlapped(torch.nn.Module):
     def __init__(self, case):
@@ -420,3 +433,26 @@ def test_a_phase_block_started_on_two_ipus_trains_like_pytorch(poptorch_logs):
     phase0_ipus = {int(row[0]) for row in table if len(row) > 3 and row[2] == "0"
                    and row[3] != "0"}
     assert phase0_ipus == {0, 2}  # the forward ops of phase 0 run on IPUs 0 and 2
+
+
+# -- a model without inputs -------------------------------------------------------------
+
+_A = torch.tensor([1, 2])
+_B = torch.tensor([3, 4])
+
+
+class _ConstantsOnly(torch.nn.Module):
+    def forward(self):
+        return _A + _B, ([_A, _B], [_A, _B]), _B
+
+
+def test_model_without_inputs_computing_from_two_constants():
+    """No input and two module-level constants failed in torch.export with "Argument
+    'lifted_tensor_1' of Node 'add' was used before it has been defined"."""
+    executor = poptorch.inferenceModel(_ConstantsOnly())
+    with pytest.warns(UserWarning, match="Output expected to be on the IPU but is on cpu"):
+        executor.compile()
+    total, (first, second), last = executor()
+    assert total.tolist() == [4, 6]
+    assert [t.tolist() for t in first + second] == [[1, 2], [3, 4]] * 2
+    assert last.tolist() == [3, 4]
