@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import io
@@ -18,6 +19,7 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
@@ -40,36 +42,20 @@ from poptorch._options.execution_strategy import PipelinedExecution
 
 __all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
 
-_PRE_HOOKS: Dict[int, Callable[[], None]] = {}
-_POST_HOOKS: Dict[int, Callable[[], None]] = {}
-_next_hook_id = [0]
+# OrderedDicts: RemovableHandle keeps a weak reference to its registry.
+_PRE_HOOKS: Dict[int, Callable[[], None]] = collections.OrderedDict()
+_POST_HOOKS: Dict[int, Callable[[], None]] = collections.OrderedDict()
 
 
-class _Handle:
-    """Removable handle of a compile hook (like ``torch.utils.hooks.RemovableHandle``)."""
-
-    def __init__(self, registry: Dict[int, Callable[[], None]], hook_id: int):
-        self._registry, self.id = registry, hook_id
-
-    def remove(self) -> None:
-        self._registry.pop(self.id, None)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.remove()
-
-
-def _register(registry, hook) -> _Handle:
+def _register(registry: Dict[int, Callable[[], None]], hook) -> RemovableHandle:
     if not callable(hook):
         raise RuntimeError("The compile hook must be callable")
-    _next_hook_id[0] += 1
-    registry[_next_hook_id[0]] = hook
-    return _Handle(registry, _next_hook_id[0])
+    handle = RemovableHandle(registry)
+    registry[handle.id] = hook
+    return handle
 
 
-def registerPreCompileHook(hook: Callable[[], None]) -> _Handle:
+def registerPreCompileHook(hook: Callable[[], None]) -> RemovableHandle:
     """Run ``hook()`` right before every model's ``forward`` is captured (api §2.8).
 
     Returns:
@@ -81,7 +67,7 @@ def registerPreCompileHook(hook: Callable[[], None]) -> _Handle:
     return _register(_PRE_HOOKS, hook)
 
 
-def registerPostCompileHook(hook: Callable[[], None]) -> _Handle:
+def registerPostCompileHook(hook: Callable[[], None]) -> RemovableHandle:
     """Run ``hook()`` when every capture ends, also when it fails (api §2.9)."""
     return _register(_POST_HOOKS, hook)
 
