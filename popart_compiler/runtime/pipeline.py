@@ -82,10 +82,10 @@ def _check(exe: Executable) -> None:
     o = exe.options
     staged = exe.stages
     if staged is None or not staged.pipelined or max(staged.merged_units()) == 0:
-        kind = "one pipeline stage" if staged is None or staged.pipelined else \
-            "several stages, but not pipelined"
+        kind = "has one pipeline stage" if staged is None or staged.pipelined else \
+            "is not pipelined (sharded or phased execution)"
         raise backend_error(
-            f"{_OPTION} runs each pipeline stage in its own process, but this model has "
+            f"{_OPTION} runs each pipeline stage in its own process, but this model "
             f"{kind}: place its blocks on several IPUs (poptorch.BeginBlock(..., "
             "ipu_id=k)) with PipelinedExecution, or turn the option off.")
     if o.num_processes < 2:
