@@ -1,24 +1,6 @@
-"""Fixtures shared by the feature tests; ``import processes`` gives the helpers that
-start the multi-process tests' processes (``tests/poptorch/processes.py``, loaded here
-by its path as ``tests/conftest.py`` loads ``models``)."""
-import importlib.util
-import os
-import sys
-
+"""Fixtures shared by the feature tests."""
 import pytest
 import torch
-
-
-def _load_processes():
-    if "processes" not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "processes.py")
-        spec = importlib.util.spec_from_file_location("processes", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["processes"] = module
-        spec.loader.exec_module(module)
-
-
-_load_processes()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
+import processes
 
 VOCAB, WIDTH, TOKENS, BATCH = 10, 8, 3, 2
 CALLS = 2
@@ -261,11 +262,7 @@ def main(argv):
         result = _scenario_configs(rank, world, CONFIGS_4)
     else:
         result = _scenario_fault(rank, world, scenario)
-    if isinstance(result, str):
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(result)
-    else:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    processes.write_result(out_dir, rank, result)
 
 
 if __name__ == "__main__":

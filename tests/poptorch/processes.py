@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from popart_compiler.runtime import collectives
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,3 +86,15 @@ def launch(worker, scenario, out_dir, world=2, wait_for=None, wait_s=WAIT_S, **e
 def read(out_dir, rank):
     with open(os.path.join(out_dir, f"rank{rank}.txt")) as f:
         return f.read()
+
+
+def write_result(out_dir, rank, result):
+    """A worker's result: ``<out_dir>/rank<i>.txt`` for a message (str), else
+    ``<out_dir>/rank<i>.pt``; nothing for ``None``."""
+    if result is None:
+        return
+    if isinstance(result, str):
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(result)
+    else:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
