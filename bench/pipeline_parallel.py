@@ -26,6 +26,10 @@ best (the machine is shared). Printed per model:
   ``ipuModelEstimate()`` (``M × steady-state cycles / pipeline cycles``, M = A
   micro-batches: the fill and drain bubble) and its speed-up over running the
   stages one after another, ``M × Σ stage cycles / pipeline cycles`` / S;
+* CPU time per sample (``time.process_time``: this process and its gloo threads) of
+  the single process and of the busiest stage process, and their ratio: what the
+  wall-clock ratio approaches on idle cores if no stage waited for another (on a
+  loaded, shared machine the wall-clock figures mostly measure the other load);
 * the load average before and after (``os.getloadavg``).
 
 Target (issue 24): 2 balanced stages on 2 processes ≥ 1.6× the single process. On a
@@ -116,11 +120,12 @@ def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
         model.parameters(), lr=1e-3, momentum=0.9))
     inputs = data(batch * d * a)
     training(*inputs)  # compile + first call, not timed
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(calls):
         training(*inputs)
     seconds = time.perf_counter() - start
-    result = {"samples": calls * batch * d * a, "seconds": seconds}
+    result = {"samples": calls * batch * d * a, "seconds": seconds,
+              "cpu_s": time.process_time() - cpu}
     if pipelined:  # the state publication after each call (pipeline_sync)
         stats = training._state.session.publisher.stats
         result.update(publish_bytes=stats["bytes"], publish_wait_s=stats["seconds"])
@@ -195,13 +200,17 @@ def main(argv=None) -> int:
                       "--device-iterations", str(args.device_iterations),
                       "--accumulation", str(args.accumulation), "--calls", str(args.calls)]
             single_rate, multi_rate, estimate = 0.0, 0.0, None
+            single_cpu, multi_cpu = float("inf"), float("inf")
             for _ in range(args.repeats):
                 single = _launch(1, common)[0]
                 single_rate = max(single_rate, single["samples"] / single["seconds"])
+                single_cpu = min(single_cpu, single["cpu_s"] / single["samples"])
                 estimate = single
                 multi = _launch(stages, common + ["--pipelined"])
                 multi_rate = max(multi_rate, multi[0]["samples"] /
                                  max(m["seconds"] for m in multi))
+                multi_cpu = min(multi_cpu, max(m["cpu_s"] for m in multi) /
+                                multi[0]["samples"])
             ratio = multi_rate / single_rate
             name = f"{kind}, {stages} stages" + (f" (width {args.width})"
                                                  if kind == "mlp" else "")
@@ -211,6 +220,10 @@ def main(argv=None) -> int:
                   f"{estimate['efficiency']:.2f} (speed-up over sequential stages "
                   f"{estimate['speedup']:.2f}x = {estimate['speedup'] / stages:.2f} "
                   f"per stage)")
+            print(f"  CPU ms per sample: 1 process {1e3 * single_cpu:.3f}, busiest of "
+                  f"{stages} processes {1e3 * multi_cpu:.3f}: ratio {single_cpu / multi_cpu:.2f}x "
+                  f"(what the wall-clock ratio would approach with {stages} idle cores "
+                  "and no waiting)")
             if kind == "mlp" and stages == 2 and ratio < TARGET:
                 missed = True
     print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)")

@@ -377,7 +377,9 @@ def finished_shapes(exe: Executable, options, shape: Tuple[int, int, int]
 def _owned_state(layout: PipelineLayout, weights, optimizer=None) -> List[List[torch.Tensor]]:
     """For each stage, the state it owns and publishes after a run: its trainable
     parameters (those whose first reader it is), the buffers it writes (every
-    replica's copy) and the optimizer state of its parameters."""
+    replica's copy) and the optimizer state of its parameters, less the gradient
+    accumulators (``Accum___``: zero after every weight update, so after every run, in
+    every process)."""
     program, g = layout.program, layout.executable.graph
     owned: List[List[torch.Tensor]] = [[] for _ in range(program.num_units)]
     owner: Dict[str, int] = {}
@@ -393,8 +395,8 @@ def _owned_state(layout: PipelineLayout, weights, optimizer=None) -> List[List[t
             owned[readers[0]].extend(bufs[j] for bufs in weights.buffers)
     if optimizer is not None:
         for key in sorted(optimizer.state):
-            _, _, name = key.partition("___")
-            if name in owner:
+            kind, _, name = key.partition("___")
+            if name in owner and kind != "Accum":
                 owned[owner[name]].append(optimizer.state[key])
     return owned
 

@@ -174,6 +174,8 @@ def _scenario_host(rank, world, out_dir):
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                    path)
     training(*calls[1])
+    if rank == 1:  # an explicit copy, in this process only
+        training.copyWeightsToHost()
     dist.barrier()  # the checkpoint is written
     training.destroy()
     after_two = {k: v.clone() for k, v in model.state_dict().items()}

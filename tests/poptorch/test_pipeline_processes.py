@@ -97,7 +97,7 @@ def test_failed_stage_makes_the_other_fail_naming_it(tmp_path, fault, code):
     assert codes == [0, code], logs
     message = processes.read(tmp_path, 0)
     seconds = float(message.split("s ", 1)[0])
-    assert seconds < 30, message  # generous: the machine may be loaded
+    assert seconds < 100, message  # far below the 300 s timeout; the machine may be loaded
     assert "failed in process 0 of 2 (pipeline stage 0 of 2 (IPU 0))" in message
     if fault == "raise":
         assert "Process 1 of 2 (pipeline stage 1 of 2 (IPU 1)) ended with RuntimeError: " \
