@@ -126,10 +126,11 @@ def join_pipeline(executable: Executable, optimizer: Any, torch_device: str
     per_replica = o.pipeline_stages or o.num_processes
     if per_replica != stages:
         path = " → ".join(f"IPU {ipu}" for ipu in program.unit_ipus)
+        how = "were declared" if o.pipeline_stages else "were started"
         raise backend_error(
             f"{_OPTION}: this model runs as {stages} pipeline stages ({path}; "
             "consecutive stages on one IPU run as one), one process each, but "
-            f"{per_replica} processes per pipeline {'were declared' if o.pipeline_stages else 'were started'}. "
+            f"{per_replica} processes per pipeline {how}. "
             f"Start {stages} processes per pipeline replica (torchrun --nproc-per-node "
             f"{stages}) or declare pipelineAcrossProcesses(stages={stages}).")
     group = collectives.process_group(o.process_id, o.num_processes, torch_device)

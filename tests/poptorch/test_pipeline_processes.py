@@ -58,13 +58,15 @@ def _check_configs(tmp_path, configs, world):
 def test_two_stages_on_two_processes_train_like_one_process(tmp_path):
     """SGD with momentum and weight decay, Adam with Sum reduction and 2 local
     replicas, LAMB with the Running mean, the combined SGD variant, both SGD variants
-    clipping the global gradient norm; device iterations, gradient accumulation, every output mode; a head tied
-    to the embedding of the other stage (one gradient sum, one update); BatchNorm
-    buffers; values crossing both stages (a skip connection, a boolean mask). Process
-    1 starts from other weights: process 0's are broadcast. Weights, optimizer state
-    and outputs equal the single-process run in every process. Then: a checkpoint
-    saved by process 0 alone (implicit reads of both stages' weights), resumed in a
-    new model, and pipelined inference."""
+    clipping the global gradient norm; device iterations, gradient accumulation,
+    every output mode; a head tied to the embedding of the other stage (one gradient
+    sum, one update); BatchNorm buffers; values crossing both stages (a skip
+    connection, a boolean mask). Process 1 starts from other weights: process 0's are
+    broadcast. Weights, optimizer state and outputs equal the single-process run in
+    every process. Then: a checkpoint saved by process 0 alone (implicit reads of both
+    stages' weights), copyWeightsToHost in process 1 alone, the checkpoint resumed in a
+    new model, pipelined inference, destroy(), and the executable saved after the
+    first call (``save``) loaded with ``poptorch.load`` for the second call."""
     codes, logs = processes.launch(WORKER, "train", tmp_path, world=2)
     assert codes == [0, 0], logs
     results = _check_configs(tmp_path, _worker().CONFIGS, 2)
