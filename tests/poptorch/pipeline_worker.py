@@ -191,12 +191,7 @@ def _scenario_host(rank, world, out_dir):
     training2(*calls[2])
     resumed_three = {k: v.clone() for k, v in model2.state_dict().items()}
     model2.eval()
-    inference_opts = poptorch.Options().deviceIterations(2)
-    inference_opts.Distributed.configureProcessId(rank, world)
-    inference_opts.Distributed.pipelineAcrossProcesses()
-    inference = poptorch.inferenceModel(model2, inference_opts)
-    logits, loss = inference(*(t[:4] for t in calls[0]))
-    inference.destroy()
+    inference = _inference(model2, *calls[0], True, world, rank)
     training2.destroy()
     # the executable saved after 1 call, loaded with poptorch.load, runs the 2nd call
     loaded = poptorch.load(exported)
@@ -204,8 +199,8 @@ def _scenario_host(rank, world, out_dir):
     loaded_two = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     loaded.destroy()
     return {"after_two": after_two, "resumed_two": resumed_two,
-            "resumed_three": resumed_three, "loaded_two": loaded_two, "logits": logits,
-            "loss": loss}
+            "resumed_three": resumed_three, "loaded_two": loaded_two,
+            "inference": inference}
 
 
 def host_reference():
@@ -221,13 +216,27 @@ def host_reference():
         states.append({k: v.clone() for k, v in model.state_dict().items()})
     training.destroy()
     model.eval()
-    inference_opts = poptorch.Options().deviceIterations(2)
-    inference_opts.Distributed.disable()
-    inference = poptorch.inferenceModel(model, inference_opts)
     tokens, target = (t.reshape(-1, *t.shape[4:]) for t in global_data(cfg, 0))
-    logits, loss = inference(tokens[:4], target[:4])
     return {"after_two": states[1], "resumed_two": states[1], "resumed_three": states[2],
-            "loaded_two": states[1], "logits": logits, "loss": loss}
+            "loaded_two": states[1], "inference": _inference(model, tokens, target, False)}
+
+
+def _inference(model, tokens, target, pipeline, world=1, rank=0):
+    """Inference on 4 samples with 2 device iterations, output modes All and Sum:
+    ``{mode: (logits, loss)}``."""
+    results = {}
+    for mode in ("All", "Sum"):
+        opts = poptorch.Options().deviceIterations(2).outputMode(
+            getattr(poptorch.OutputMode, mode))
+        if pipeline:
+            opts.Distributed.configureProcessId(rank, world)
+            opts.Distributed.pipelineAcrossProcesses()
+        else:
+            opts.Distributed.disable()
+        inference = poptorch.inferenceModel(model, opts)
+        results[mode] = inference(tokens[:4], target[:4])
+        inference.destroy()
+    return results
 
 
 def _scenario_fault(rank, world, fault):

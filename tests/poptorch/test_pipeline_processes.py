@@ -65,8 +65,9 @@ def test_two_stages_on_two_processes_train_like_one_process(tmp_path):
     broadcast. Weights, optimizer state and outputs equal the single-process run in
     every process. Then: a checkpoint saved by process 0 alone (implicit reads of both
     stages' weights), copyWeightsToHost in process 1 alone, the checkpoint resumed in a
-    new model, pipelined inference, destroy(), and the executable saved after the
-    first call (``save``) loaded with ``poptorch.load`` for the second call."""
+    new model, pipelined inference (output modes All and Sum), destroy(), and the
+    executable saved after the first call (``save``) loaded with ``poptorch.load`` for
+    the second call."""
     codes, logs = processes.launch(WORKER, "train", tmp_path, world=2)
     assert codes == [0, 0], logs
     results = _check_configs(tmp_path, _worker().CONFIGS, 2)
@@ -77,8 +78,12 @@ def test_two_stages_on_two_processes_train_like_one_process(tmp_path):
             for name, value in reference[key].items():
                 torch.testing.assert_close(host[key][name], value, **TOL,
                                            msg=f"{key} {name} process {rank}")
-        torch.testing.assert_close(host["logits"], reference["logits"], **TOL)
-        torch.testing.assert_close(host["loss"], reference["loss"], **TOL)
+        assert set(host["inference"]) == {"All", "Sum"}
+        for mode, (logits, loss) in reference["inference"].items():
+            torch.testing.assert_close(host["inference"][mode][0], logits, **TOL)
+            torch.testing.assert_close(host["inference"][mode][1], loss, **TOL)
+        assert reference["inference"]["All"][0].shape == (4, 10)
+        assert reference["inference"]["Sum"][0].shape == (2, 10)
 
 
 def test_four_processes_four_stages_and_two_pipelines(tmp_path):
