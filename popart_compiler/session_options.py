@@ -94,7 +94,8 @@ output_mode output_return_period random_seed auto_round_num_ipus log_dir max_rep
 model_name use_model ipu_model_strict_memory connection_type sync_pattern ipu_id ipu_version
 gradient_accumulation accumulation_and_replication_reduction_type
 meanAccumulationAndReplicationReductionStrategy distributed_process_id
-num_distributed_processes ipuof_configs execution_mode separate_backward_phase
+num_distributed_processes ipuof_configs pipeline_across_processes pipeline_stages
+execution_mode separate_backward_phase
 tensors_liveness serial_phases_execution location_activation location_weight
 location_optimizer location_accumulator numIOTiles execution_device compiler_backend
 """.split())
@@ -269,6 +270,13 @@ class SessionOptions:
             factor is ``num_processes × replication_factor``.
         process_id: this process's index; it owns global replicas
             ``[process_id × R, (process_id + 1) × R)``.
+        pipeline_across_processes: each merged pipeline stage runs in its own process
+            (``Options.Distributed.pipelineAcrossProcesses``,
+            :mod:`popart_compiler.runtime.pipeline`); ``num_processes`` and
+            ``process_id`` are then those of the whole run, and a session replaces
+            them by the pipeline replicas' count and index.
+        pipeline_stages: processes per pipeline replica declared by the user (0: all
+            the processes form one pipeline).
         device: ``"cpu"`` or ``"cuda"``: where the IPU Model's kernels run.
         backend: ``"eager"`` (FX graph run with PyTorch eager kernels) or
             ``"inductor"`` (TorchInductor's ``compile_fx``, see
@@ -304,6 +312,8 @@ class SessionOptions:
     anchors: List[Anchor] = dataclasses.field(default_factory=list)
     num_processes: int = 1
     process_id: int = 0
+    pipeline_across_processes: bool = False
+    pipeline_stages: int = 0
     device: str = "cpu"
     backend: str = "eager"
     ipu_model_version: str = "ipu2"
@@ -423,6 +433,8 @@ class SessionOptions:
             anchors=list(anchors or []),
             num_processes=int(get("num_distributed_processes", 1)),
             process_id=int(get("distributed_process_id", 0)),
+            pipeline_across_processes=bool(get("pipeline_across_processes", False)),
+            pipeline_stages=int(get("pipeline_stages", 0) or 0),
             ipu_model_version=version,
             connection_type=_member(ConnectionType, get("connection_type", 0),
                                     "connection type"),

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
+from popart_compiler.cost.op_costs import merge_stages
 from popart_compiler.ir import Graph
 from popart_compiler.passes import placement
 from popart_compiler.session_options import Anchor, SessionOptions, StrategySettings
@@ -32,10 +33,13 @@ class StagedGraph:
         segment_stages: the pipeline stage id of each segment ``k``.
         pipelined: micro-batches flow through the stages as on a pipeline (else each
             micro-batch goes through every stage before the next starts).
+        segment_ipus: the IPU of each segment (empty when unknown: every segment on
+            its own IPU).
     """
     split: fx.GraphModule
     segment_stages: List[int]
     pipelined: bool
+    segment_ipus: List[int] = dataclasses.field(default_factory=list)
 
     def units(self) -> List[int]:
         """The schedule unit of each segment: pipelined, one unit per stage (stages
@@ -45,6 +49,16 @@ class StagedGraph:
             ranks = {s: i for i, s in enumerate(sorted(set(self.segment_stages)))}
             return [ranks[s] for s in self.segment_stages]
         return list(range(len(self.segment_stages)))
+
+    def merged_units(self) -> List[int]:
+        """The merged pipeline stage of each segment, as PopART runs them
+        (:func:`~popart_compiler.cost.op_costs.merge_stages`: consecutive stages on
+        one IPU are one stage): the unit a process runs when the pipeline runs across
+        processes (:mod:`popart_compiler.runtime.pipeline`). E.g. stages 0, 1, 2, 3 on
+        IPUs 0, 0, 1, 0 → units 0, 0, 1, 2."""
+        ipus = self.segment_ipus or list(range(len(self.segment_stages)))
+        merged = merge_stages(list(zip(self.segment_stages, ipus)))
+        return [merged[key] for key in zip(self.segment_stages, ipus)]
 
     def as_text(self) -> str:
         lines = [f"staged graph ({'pipelined' if self.pipelined else 'sequential'}, "

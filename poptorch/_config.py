@@ -16,6 +16,7 @@ from popart_compiler.config import Variable
 
 __all__ = ["VARIABLES", "set_process_defaults", "text", "flag", "raw", "cache_dir", "default_options",
            "execution_device", "compiler", "ipu_model_as_hardware", "ipu_model_version",
+           "pipeline_across_processes",
            "proto_export", "engine_options_text", "log_level"]
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
@@ -31,6 +32,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_EXPORT_PROTO_FILE", "",
              "write the captured program as an ONNX model proto to this file"),
     Variable("POPTORCH_EXPORT_PROTO_AS_BINARY", "0", "1: the proto file is binary"),
+    Variable("POPTORCH_PIPELINE_ACROSS_PROCESSES", "0",
+             "1: each pipeline stage of a multi-IPU model runs in its own process "
+             "(the default of Options.Distributed.pipelineAcrossProcesses)"),
     Variable("OMPI_COMM_WORLD_SIZE", "", "OpenMPI's process count (PopRun)"),
     Variable("OMPI_COMM_WORLD_RANK", "", "OpenMPI's process index (PopRun)"),
     Variable("RDMAV_FORK_SAFE", "1", "set to 1 at import unless set (fork-safe RDMA)"),
@@ -73,6 +77,12 @@ def default_options() -> str:
 
 def execution_device() -> str:
     return text("POPTORCH_EXECUTION_DEVICE")
+
+
+def pipeline_across_processes() -> bool:
+    """``POPTORCH_PIPELINE_ACROSS_PROCESSES``: the default of
+    ``Options.Distributed.pipelineAcrossProcesses``."""
+    return flag("POPTORCH_PIPELINE_ACROSS_PROCESSES")
 
 
 def compiler() -> str:

@@ -26,17 +26,19 @@ torch.set_num_threads(int(os.environ.get("POPTORCH_TEST_THREADS", "1") or "1"))
 os.environ.setdefault("POPTORCH_VERIFY", "1")
 
 
-def _load_models():
-    """``tests/models.py`` as the module ``models``."""
-    if "models" not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models.py")
-        spec = importlib.util.spec_from_file_location("models", path)
+def _load_module(name, relative_path):
+    """``tests/<relative_path>`` as the module ``name``: ``models`` (reference
+    models) and ``processes`` (starting the multi-process tests' processes)."""
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), relative_path)
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules["models"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
 
 
-_load_models()
+_load_module("models", "models.py")
+_load_module("processes", os.path.join("poptorch", "processes.py"))
 
 
 @pytest.fixture(autouse=True)

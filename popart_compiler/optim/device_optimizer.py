@@ -79,6 +79,13 @@ class StepSettings:
             processes (``collectives.ProcessGroup.all_reduce_sum``); called once per
             weight update with the gradients summed over the local replicas (and the
             automatic loss scaling statistics). ``None``: a single process.
+        sharing: a pipeline run across processes: each process holds the parameters
+            of its stage, and ``sharing``
+            (:class:`~popart_compiler.runtime.pipeline_mesh.GradientSharing`) sums each
+            parameter's gradient over the processes that hold it (``sum(names,
+            tensors)``), the automatic loss scaling statistics over all processes
+            (``sum_statistics``) and gathers every parameter's gradient norm for
+            clipping (``norms``). Replaces ``all_reduce``.
     """
     accumulation: int = 1
     replicas: int = 1
@@ -92,6 +99,7 @@ class StepSettings:
     als_bin_edge: float = 0.125
     foreach: bool = False
     all_reduce: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
+    sharing: Any = None
 
 
 class DeviceOptimizer(UpdateRules):
@@ -443,11 +451,22 @@ class DeviceOptimizer(UpdateRules):
             out.append(total.float())
         return out
 
-    def _sum_over_processes(self, tensors: List[Optional[torch.Tensor]]
+    def _sum_over_processes(self, tensors: List[Optional[torch.Tensor]],
+                            names: Optional[List[str]] = None
                             ) -> List[Optional[torch.Tensor]]:
-        """Sum this update's per-parameter totals, and the automatic loss scaling
-        statistics, over the processes of a multi-process run (S-28): one
-        ``all_reduce`` per dtype. ``None`` entries (no gradient) stay ``None``."""
+        """Sum this update's per-parameter totals (of ``names``, default all), and the
+        automatic loss scaling statistics, over the processes of a multi-process run
+        (S-28): one ``all_reduce`` per dtype; in a pipeline across processes, over the
+        processes holding each parameter (:attr:`StepSettings.sharing`). ``None``
+        entries (no gradient) stay ``None``."""
+        sharing = self.settings.sharing
+        if sharing is not None:
+            if self.settings.auto_loss_scaling:
+                start = self._step["als_start"]
+                counts = sharing.sum_statistics(torch.tensor(
+                    [self._als[0] - start[0], self._als[1] - start[1]], dtype=torch.float64))
+                self._als = [start[0] + int(counts[0]), start[1] + int(counts[1])]
+            return sharing.sum(self.names if names is None else names, tensors)
         reduce = self.settings.all_reduce
         if reduce is None:
             return tensors
@@ -500,21 +519,26 @@ class DeviceOptimizer(UpdateRules):
         max_norm = self.description.max_grad_norm
         if math.isnan(max_norm):
             raise backend_error("Maximum norm of gradients cannot be NaN")
-        present = [g for g in grads if g is not None]
-        if not math.isfinite(max_norm) or not present:
+        if not math.isfinite(max_norm):
             return None
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.float()) for g in present]))
+        norms = [None if g is None else torch.linalg.vector_norm(g.float()) for g in grads]
+        if self.settings.sharing is not None:  # every stage's gradients count
+            norms = self.settings.sharing.norms(norms)
+        present = [n for n in norms if n is not None]
+        if not present:
+            return None
+        norm = torch.linalg.vector_norm(torch.stack(present))
         return torch.where(norm > max_norm, max_norm / norm, torch.ones_like(norm))
 
     def _finish_combined(self, params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """End of an update of the combined SGD variant: the velocity tensor already
         holds ``velocity_scaling × (momentum × v + dampening-scaled gradients)``."""
         d, st = self.description, self._step
-        if self.settings.all_reduce is not None:  # velocities move by the global sum
+        if self.settings.all_reduce is not None or self.settings.sharing is not None:
+            # velocities move by the global sum
             touched = [name for name in self.names if name in st["touched"]]
             deltas = self._sum_over_processes(
-                [st["accl"][name].float() - st["start"][name] for name in touched])
+                [st["accl"][name].float() - st["start"][name] for name in touched], touched)
             for name, delta in zip(touched, deltas):
                 st["accl"][name].copy_(st["start"][name] + delta)
         grads: List[Optional[torch.Tensor]] = []

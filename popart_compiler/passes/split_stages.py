@@ -50,5 +50,11 @@ def split_stages(graph: Graph, c: Compilation) -> PassResult:
     if plan is None or len(plan.stages) <= 1:
         return unchanged(graph)
     split, segment_stages = split_by_stage(graph.module)
-    c.stages = StagedGraph(split, segment_stages, plan.pipelined)
+    ipu_of: Dict[int, int] = {}
+    for node in graph.module.graph.nodes:
+        if node.op not in ("placeholder", "get_attr", "output"):
+            where = placement_of(node)
+            ipu_of.setdefault(where.stage, where.ipu)
+    ipus = [ipu_of.get(stage, 0) for stage in segment_stages]
+    c.stages = StagedGraph(split, segment_stages, plan.pipelined, ipus)
     return unchanged(graph)

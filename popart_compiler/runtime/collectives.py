@@ -34,6 +34,8 @@ import atexit
 import contextlib
 import datetime
 import hashlib
+import os
+import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
@@ -130,6 +132,9 @@ class ProcessGroup:
         self.size = int(num_processes)
         self.owned = False
         self.failed: Optional[str] = None
+        #: what this process does in the run (" (pipeline stage 1 of 2 (IPU 1))"),
+        #: part of every error message that names it
+        self.role = ""
         self.stats: Dict[str, float] = {"all_reduce_calls": 0, "all_reduce_bytes": 0,
                                         "all_reduce_seconds": 0.0}
         if dist.is_initialized():
@@ -142,6 +147,7 @@ class ProcessGroup:
                     "process group (or leave it to the launcher's RANK / WORLD_SIZE).")
             self.backend = str(dist.get_backend())
             _install_excepthook()
+            self.set_role("")
             return
         _check_launcher(self.rank, self.size)
         self.backend = backend_for(device)
@@ -168,6 +174,7 @@ class ProcessGroup:
         self.owned = True
         atexit.register(self.shutdown)
         _install_excepthook()
+        self.set_role("")
 
     def shutdown(self) -> None:
         """Leave the run cleanly (at exit, for a group this process created): wait
@@ -185,6 +192,51 @@ class ProcessGroup:
         except (RuntimeError, ValueError) as e:
             logger.debug("Leaving the distributed run: %s", e)
 
+    def name(self, rank: Optional[int] = None) -> str:
+        """``"process 1 of 2"`` and its role, e.g. ``"process 1 of 2 (pipeline stage 1
+        of 2 (IPU 1))"``, for this process or another one."""
+        if rank is None or rank == self.rank:
+            return f"process {self.rank} of {self.size}{self.role}"
+        info = self._process_info(rank)
+        role = info[2] if info is not None else ""
+        return f"process {rank} of {self.size}{role}"
+
+    def set_role(self, role: str) -> None:
+        """Record this process's role, host and pid in the rendezvous store, so that
+        the others can name it, and tell whether it died, when it stops (see
+        :meth:`_failure_report`)."""
+        self.role = f" ({role})" if role else ""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{_PROCESS_KEY}/{self.rank}",
+                      f"{socket.gethostname()}\n{os.getpid()}\n{self.role}")
+        except (RuntimeError, ValueError) as e:
+            logger.debug("Could not record this process in the store: %s", e)
+
+    def _process_info(self, rank: int) -> Optional[List[str]]:
+        """``[host, pid, role]`` that process ``rank`` recorded, or ``None``."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"{_PROCESS_KEY}/{rank}"
+            if not store.check([key]):
+                return None
+            parts = store.get(key).decode(errors="replace").split("\n", 2)
+            return parts if len(parts) == 3 else None
+        except (RuntimeError, ValueError):
+            return None
+
+    def _dead_processes(self) -> List[int]:
+        """The other processes on this host that have ended (a killed process
+        leaves no record of its own)."""
+        host = socket.gethostname()
+        dead = []
+        for rank in range(self.size):
+            info = None if rank == self.rank else self._process_info(rank)
+            if info is not None and info[0] == host and info[1].isdigit() and \
+                    not _alive(int(info[1])):
+                dead.append(rank)
+        return dead
+
     def leave_after_error(self, what: str) -> None:
         """This process ends with an uncaught error: record ``what`` in the rendezvous
         store for the other processes (the first record wins) and close this
@@ -195,8 +247,7 @@ class ProcessGroup:
         self.failed = what
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.compare_set(_FAILURE_KEY, "", f"process {self.rank} of {self.size} "
-                              f"ended with {what}")
+            store.compare_set(_FAILURE_KEY, "", f"{self.name()} ended with {what}")
         except (RuntimeError, ValueError) as e:  # the store's host has gone
             logger.debug("Could not record the failure in the store: %s", e)
         if not self.owned:
@@ -220,7 +271,13 @@ class ProcessGroup:
         try:
             store = dist.distributed_c10d._get_default_store()
             if not store.check([_FAILURE_KEY]):
-                return None
+                dead = self._dead_processes()
+                if not dead:
+                    return None
+                # no record: a killed process; name it for every process that asks
+                store.compare_set(_FAILURE_KEY, "", " and ".join(
+                    self.name(r) for r in dead) + " ended without reporting an error "
+                    "(killed, or exited from another thread or with os._exit)")
             report = store.get(_FAILURE_KEY).decode(errors="replace")
             store.add(_SEEN_KEY, 1)
             return report[:1].upper() + report[1:]
@@ -229,6 +286,16 @@ class ProcessGroup:
                     f"(process 0 unless a launcher hosts it) has ended ({e})")
 
     # -- collectives ------------------------------------------------------------------
+
+    def guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``, which communicates with the other processes (on any group of
+        the run); a failure becomes an ``Error`` that names the process that failed
+        first and what it said (see :meth:`_collective`).
+
+        Args:
+            what: the operation, for the message ("pipeline step", ...).
+        """
+        return self._collective(what, fn)
 
     def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn``; turn a failure into an ``Error`` and shut the group down (if we
@@ -253,12 +320,14 @@ class ProcessGroup:
                 f"{DEFAULT_TIMEOUT_S:.0f} s); no process recorded an error, so one was "
                 "killed or stopped participating")
             raise backend_error(
-                f"Distributed {what} failed in process {self.rank} of {self.size}: "
+                f"Distributed {what} failed in {self.name()}: "
                 f"{cause}. Check the other processes' output. torch.distributed said: "
                 f"{str(e).strip()[:400]}") from None
 
-    def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Sum ``tensors`` over all processes (every process passes the same list of
+    def all_reduce_sum(self, tensors: Sequence[torch.Tensor],
+                       group: Optional[Any] = None) -> List[torch.Tensor]:
+        """Sum ``tensors`` over all processes, or over the processes of ``group`` (a
+        ``torch.distributed`` group; every process of it passes the same list of
         shapes and dtypes, e.g. one summed gradient per parameter).
 
         The tensors are flattened into one buffer per dtype, so a weight update costs
@@ -281,7 +350,8 @@ class ProcessGroup:
             device = flat.device
             if self.backend == "gloo" and device.type != "cpu":
                 flat = flat.cpu()
-            self._collective("all_reduce of gradients", lambda: dist.all_reduce(flat))
+            self._collective("all_reduce of gradients",
+                             lambda: dist.all_reduce(flat, group=group))
             self.stats["all_reduce_calls"] += 1
             self.stats["all_reduce_bytes"] += flat.numel() * flat.element_size()
             flat = flat.to(device)
@@ -293,9 +363,12 @@ class ProcessGroup:
         self.stats["all_reduce_seconds"] += time.perf_counter() - start
         return out  # type: ignore[return-value]
 
-    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        """Overwrite ``tensors`` (in place) with process ``src``'s values; one
-        ``broadcast`` per dtype.
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
+                   group: Optional[Any] = None,
+                   what: str = "broadcast of the weights of process 0") -> None:
+        """Overwrite ``tensors`` (in place) with process ``src``'s values (``src`` is a
+        global rank; ``group``: only its processes take part); one ``broadcast`` per
+        dtype.
 
         Raises:
             Error: a peer failed or timed out.
@@ -303,17 +376,16 @@ class ProcessGroup:
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
+        for same_dtype in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
             device = flat.device
             if self.backend == "gloo" and device.type != "cpu":
                 flat = flat.cpu()
-            self._collective("broadcast of the weights of process 0",
-                             lambda: dist.broadcast(flat, src))
+            self._collective(what, lambda: dist.broadcast(flat, src, group=group))
             flat = flat.to(device)
             offset = 0
             with torch.no_grad():
-                for t in group:
+                for t in same_dtype:
                     t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                     offset += t.numel()
 
@@ -361,6 +433,24 @@ _SEEN_KEY = "poptorch/failure_seen"
 #: Longest time (seconds) a failed process hosting the store keeps it for the others.
 _FAILURE_READ_S = 5.0
 _HOOKED = [False]
+#: Rendezvous-store key prefix of each process's host, pid and role.
+_PROCESS_KEY = "poptorch/process"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is running (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _install_excepthook() -> None:

@@ -111,6 +111,11 @@ class Session(abc.ABC):
         names = self.weights.names if names is None else names
         return {n: self.weights.read(n).to("cpu") for n in names}
 
+    def broadcast_state(self) -> None:
+        """Called once after the host state was uploaded at the first compile: a run
+        of several processes starts from process 0's state. Nothing to do for one
+        process (see :meth:`TrainingSession.broadcast_state`)."""
+
     # -- RNG --------------------------------------------------------------------------
 
     @property

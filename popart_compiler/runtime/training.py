@@ -52,12 +52,8 @@ class TrainingSession(Session):
         g = executable.graph
         o = self.options
         #: the other processes of a multi-process run (S-28), ``None`` for one process
-        self.process_group: Optional[collectives.ProcessGroup] = None
-        if o.num_processes > 1:
-            self.process_group = collectives.process_group(o.process_id, o.num_processes,
-                                                           self.torch_device)
-            self.process_group.check_consistent(
-                collectives.program_signature(executable, optimizer))
+        self.process_group: Optional[collectives.ProcessGroup] = self._join_run(optimizer)
+        all_reduce, sharing = self._gradient_sums()
         settings = StepSettings(
             accumulation=o.gradient_accumulation, replicas=o.replication_factor,
             global_replicas=o.global_replicas,
@@ -66,11 +62,26 @@ class TrainingSession(Session):
             replica_groups=self.weights.replica_groups(),
             auto_loss_scaling=o.auto_loss_scaling, als_update_period=o.als_update_period,
             als_threshold=o.als_threshold, als_bin_edge=o.als_bin_edge,
-            foreach=o.backend == "inductor",
-            all_reduce=self.process_group.all_reduce_sum if self.process_group else None)
+            foreach=o.backend == "inductor", all_reduce=all_reduce, sharing=sharing)
         self.optimizer = DeviceOptimizer(optimizer, g.parameters, self.weights.params,
                                          settings)
         self._log_optimizer(optimizer)
+
+    def _join_run(self, optimizer: OptimizerDescription
+                  ) -> Optional[collectives.ProcessGroup]:
+        """A multi-process run: join the other processes and check that they compiled
+        the same program (S-28). ``None`` for a single process."""
+        o = self.options
+        if o.num_processes <= 1:
+            return None
+        group = collectives.process_group(o.process_id, o.num_processes, self.torch_device)
+        group.check_consistent(collectives.program_signature(self.executable, optimizer))
+        return group
+
+    def _gradient_sums(self):
+        """``(all_reduce, sharing)`` of :class:`StepSettings`: how the gradients of a
+        weight update are summed over the processes."""
+        return (self.process_group.all_reduce_sum if self.process_group else None), None
 
     @staticmethod
     def _log_optimizer(description: OptimizerDescription) -> None:

@@ -27,10 +27,20 @@ __all__ = ["DataLoader", "AsynchronousDataAccessor"]
 # DataLoader
 # --------------------------------------------------------------------------------------
 def _num_processes(options) -> int:
+    """Parts the data set is split into: one per process, or one per pipeline replica
+    when each pipeline stage runs in its own process (its processes all read the same
+    data)."""
     try:
-        return int(options.Distributed.numProcesses)
+        return int(options.Distributed.numProcesses) // \
+            int(options.Distributed.pipelineProcessesPerReplica)
     except Exception:  # pylint: disable=broad-except
         return 1
+
+
+def _process_part(options) -> int:
+    """This process's part of the data set (see :func:`_num_processes`)."""
+    return int(options.Distributed.processId) // \
+        int(options.Distributed.pipelineProcessesPerReplica)
 
 
 class _DistributedSubset(torch.utils.data.Dataset):
@@ -293,7 +303,7 @@ class DataLoader(torch.utils.data.DataLoader):
             # Rule 5.
             if not self._user_drop_last:
                 self._warn_final_batch(dataset, batch_sampler, num_processes,
-                                       options.Distributed.processId,
+                                       _process_part(options),
                                        auto_distributed_partitioning)
             # Rule 6.
             if num_processes > 1 and auto_distributed_partitioning:
@@ -306,7 +316,7 @@ class DataLoader(torch.utils.data.DataLoader):
                     "batch_size=None is not allowed when using distributed execution "
                     "with auto_distributed_partitioning=True")
                 dataset = _DistributedSubset(
-                    dataset, options.Distributed.processId, num_processes,
+                    dataset, _process_part(options), num_processes,
                     self._combined_batch_size, self._user_drop_last, bool(shuffle),
                     options.random_seed if options.exists("random_seed") else None)
                 shuffle = False  # the subset shuffles globally, per epoch

@@ -15,6 +15,8 @@ import torch
 from popart_compiler import compiler
 from popart_compiler.enums import ConnectionType
 from popart_compiler.runtime.device import acquire_device
+from popart_compiler.runtime.pipeline import (PipelineInferenceSession,
+                                              PipelineTrainingSession)
 from popart_compiler.runtime.session import InferenceSession
 from popart_compiler.runtime.training import TrainingSession
 from popart_compiler.runtime.warm_up import warm_up
@@ -149,6 +151,9 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
         progress.close()
     session = None
     if not offline:
-        session = TrainingSession(exe, device, state.binding.description) \
-            if state.training else InferenceSession(exe, device)
+        pipelined = sess_opts.pipeline_across_processes  # one process per stage
+        training_cls = PipelineTrainingSession if pipelined else TrainingSession
+        inference_cls = PipelineInferenceSession if pipelined else InferenceSession
+        session = training_cls(exe, device, state.binding.description) \
+            if state.training else inference_cls(exe, device)
     return Compiled(program, exe, device, session, recapture)

@@ -60,8 +60,8 @@ def commit(state: ExecutorState, compiled: Compiled) -> None:
             state.binding.mark_state_pending()  # uploaded with the weights
         state.attached = True
         upload_state(state)
-        if state.training:  # multi-process: every process starts from process 0's state
-            compiled.session.broadcast_state()
+        # several processes: every process starts from process 0's state
+        compiled.session.broadcast_state()
     except BaseException:
         discard(state)
         raise

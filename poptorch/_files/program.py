@@ -95,7 +95,13 @@ def _serialize_program(program: ExportedProgram) -> bytes:
 def _deserialize_program(data: bytes, state: Dict[str, torch.Tensor],
                          constants: Dict[str, Any]) -> ExportedProgram:
     with _memoized_type_hints():
-        return serde.deserialize(serde.SerializedArtifact(data, state, constants, ((), {})))
+        program = serde.deserialize(serde.SerializedArtifact(data, state, constants, ((), {})))
+    # torch's serializer drops the value of an op that returns nothing (e.g.
+    # aten._assert_tensor_metadata from a ``.to(dtype)``); a capture records it as None
+    for node in program.graph.nodes:
+        if node.op == "call_function" and "val" not in node.meta:
+            node.meta["val"] = None
+    return program
 
 
 def state_signature(program: ExportedProgram) -> List[Dict[str, Any]]:

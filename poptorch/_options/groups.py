@@ -339,14 +339,20 @@ class _DistributedOptions(OptionsDict):
     constructor reads ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_RANK`` (PopTorch),
     or, when those are unset, ``WORLD_SIZE`` / ``RANK`` as set by ``torchrun`` and
     ``poprun`` (an extension: processes started by ``torch.distributed.run`` configure
-    themselves). Behaviour follows PopTorch otherwise."""
+    themselves). Behaviour follows PopTorch otherwise, plus
+    :meth:`pipelineAcrossProcesses` (not in PopTorch): keys
+    ``pipeline_across_processes: bool`` (default ``POPTORCH_PIPELINE_ACROSS_PROCESSES``)
+    and ``pipeline_stages: int = 0``."""
 
     _int_ranges = {"distributed_process_id": ("Distributed.configureProcessId", 0),
-                   "num_distributed_processes": ("Distributed.configureProcessId", 1)}
+                   "num_distributed_processes": ("Distributed.configureProcessId", 1),
+                   "pipeline_stages": ("Distributed.pipelineAcrossProcesses stages", 0)}
 
     def __init__(self):
         super().__init__(distributed_process_id=0, num_distributed_processes=1,
-                         ipuof_configs={})
+                         ipuof_configs={},
+                         pipeline_across_processes=config.pipeline_across_processes(),
+                         pipeline_stages=0)
         if config.text("OMPI_COMM_WORLD_SIZE") or not config.text("WORLD_SIZE"):
             self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
         else:
@@ -385,6 +391,46 @@ class _DistributedOptions(OptionsDict):
                              f"{process_id}")
         return self.set(distributed_process_id=process_id,
                         num_distributed_processes=num_processes)
+
+    def pipelineAcrossProcesses(self, enabled: bool = True, stages: Optional[int] = None):
+        """Run each pipeline stage of a pipelined multi-IPU model in its own process
+        (not in PopTorch; see docs/multi-ipu.md). Returns self.
+
+        With ``PipelinedExecution`` over several IPUs, PopART's stages (consecutive
+        stages on one IPU merged into one) become ``torch.distributed.pipelining``
+        stages, one per process, and micro-batches flow between the processes (1F1B
+        in training, GPipe-style in inference). Launch one process per stage, times
+        the data-parallel replicas: ``torchrun --nproc-per-node 2 train.py`` for a
+        2-stage model. Every process of a pipeline must run the same script on the
+        same inputs (``poptorch.DataLoader`` partitions the data by pipeline replica).
+
+        Args:
+            enabled: turn the mode on or off (default: on; the option's default is
+                ``POPTORCH_PIPELINE_ACROSS_PROCESSES``).
+            stages: processes (merged pipeline stages) per pipeline replica; ``None``
+                (default): all the processes form one pipeline. With more processes
+                than stages, ``W / stages`` pipelines replicate the model (data
+                parallel); say how many stages so that ``poptorch.DataLoader`` gives
+                each pipeline its part of the data. The model's stage count is
+                checked against it when it compiles.
+
+        Raises:
+            AssertionError: ``enabled`` is not a bool, ``stages`` not an int.
+            ValueError: ``stages < 1``.
+        """
+        check_bool("Distributed.pipelineAcrossProcesses enabled", enabled)
+        if stages is not None:
+            check_int("Distributed.pipelineAcrossProcesses stages", stages, 1)
+        return self.set(pipeline_across_processes=enabled,
+                        pipeline_stages=0 if stages is None else stages)
+
+    @property
+    def pipelineProcessesPerReplica(self) -> int:
+        """Processes of one pipeline replica: the declared ``stages``, else every
+        process (1 without :meth:`pipelineAcrossProcesses`)."""
+        if not self._values["pipeline_across_processes"]:
+            return 1
+        return self._values["pipeline_stages"] or self.numProcesses
 
     @property
     def processId(self) -> int:

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
+import processes
 
 #: Training configurations compared against one process with all the replicas:
 #: global replicas, device iterations, gradient accumulation, optimizer, reduction.
@@ -219,13 +220,7 @@ def main(argv):
         result = _scenario_buffers(rank, world)
     else:
         result = _scenario_fault(rank, world, scenario)
-    if result is None:
-        return
-    if isinstance(result, str):
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(result)
-    else:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    processes.write_result(out_dir, rank, result)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,26 @@ def test_training_continues_bit_identically_after_load(tmp_path):
     assert loaded._state.binding.optimizer.loss_scaling == 2.0
 
 
+def test_load_of_a_program_with_a_dtype_cast_passes_the_verifier(tmp_path):
+    """``.to(dtype)`` of a computed mask captures ``aten._assert_tensor_metadata``,
+    which returns nothing: torch's serializer drops its (None) value, and the loaded
+    graph failed POPTORCH_VERIFY's "has no meta['val']" (found by issue 24's tests)."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 4)
+
+        def forward(self, x):
+            return self.fc(x) * (x[:, :4] > 0).to(x.dtype)
+
+    model = Masked().eval()
+    x, _ = data()
+    path = tmp_path / "masked.poptorch"
+    poptorch.inferenceModel(model).compileAndExport(str(path), x)
+    loaded = poptorch.load(str(path))
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
 def test_load_executable_uses_the_wrappers_weights_without_capturing(tmp_path,
                                                                     captures):
     x, _ = data()

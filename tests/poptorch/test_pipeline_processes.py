@@ -1,0 +1,221 @@
+"""A pipelined model runs each pipeline stage in its own process
+(``Options.Distributed.pipelineAcrossProcesses``, issue 24) and trains exactly like the
+single-process IPU Model run: 2 and 4 processes on 127.0.0.1 (gloo), compared with one
+process; faults; what the mode refuses."""
+import os
+import sys
+
+import pytest
+import torch
+
+import poptorch
+import processes
+from popart_compiler.runtime import collectives
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "pipeline_worker.py")
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _worker():
+    return processes.load_worker(WORKER)
+
+
+def _compare(name, got, reference, rank, replica=0, pipelines=1, cfg=None):
+    outputs, state, ipu_state = reference
+    g_outputs, g_state, g_ipu_state = got
+    assert g_state.keys() == state.keys()
+    for key, value in state.items():
+        torch.testing.assert_close(g_state[key], value, **TOL,
+                                   msg=f"{name}: {key} in process {rank}")
+    assert g_ipu_state.keys() == ipu_state.keys(), name
+    for key, value in ipu_state.items():
+        torch.testing.assert_close(g_ipu_state[key], value, **TOL,
+                                   msg=f"{name}: optimizer state {key} in process {rank}")
+    for call, (mine, ref) in enumerate(zip(g_outputs, outputs)):
+        for k, (m, r) in enumerate(zip(mine, ref)):
+            if pipelines > 1:  # this pipeline's replicas of [D, A, R, ...] results
+                d, a, reps = cfg["d"], cfg["a"], cfg["r"]
+                part = reps // pipelines
+                r = r.reshape(d, a, reps, -1)[:, :, replica * part:(replica + 1) * part]
+                m = m.reshape(r.shape)
+            torch.testing.assert_close(m, r, **TOL,
+                                       msg=f"{name}: output {k} of call {call}, process {rank}")
+
+
+def _check_configs(tmp_path, configs, world):
+    worker = _worker()
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for name, cfg in configs.items():
+        reference = worker.train(cfg, False)
+        for rank in range(world):
+            _compare(name, results[rank][name], reference, rank,
+                     replica=rank // cfg["stages"], pipelines=cfg.get("pipelines", 1),
+                     cfg=cfg)
+    return results
+
+
+def test_two_stages_on_two_processes_train_like_one_process(tmp_path):
+    """SGD with momentum and weight decay, Adam with Sum reduction and 2 local
+    replicas, LAMB with the Running mean, the combined SGD variant, both SGD variants
+    clipping the global gradient norm; device iterations, gradient accumulation,
+    every output mode; a head tied to the embedding of the other stage (one gradient
+    sum, one update); BatchNorm buffers; values crossing both stages (a skip
+    connection, a boolean mask). Process 1 starts from other weights: process 0's are
+    broadcast. Weights, optimizer state and outputs equal the single-process run in
+    every process. Then: a checkpoint saved by process 0 alone (implicit reads of both
+    stages' weights), copyWeightsToHost in process 1 alone, the checkpoint resumed in a
+    new model, pipelined inference (output modes All and Sum), destroy(), and the
+    executable saved after the first call (``save``) loaded with ``poptorch.load`` for
+    the second call."""
+    codes, logs = processes.launch(WORKER, "train", tmp_path, world=2)
+    assert codes == [0, 0], logs
+    results = _check_configs(tmp_path, _worker().CONFIGS, 2)
+    reference = _worker().host_reference()
+    for rank in range(2):
+        host = results[rank]["host"]
+        for key in ("after_two", "resumed_two", "resumed_three", "loaded_two"):
+            for name, value in reference[key].items():
+                torch.testing.assert_close(host[key][name], value, **TOL,
+                                           msg=f"{key} {name} process {rank}")
+        assert set(host["inference"]) == {"All", "Sum"}
+        for mode, (logits, loss) in reference["inference"].items():
+            torch.testing.assert_close(host["inference"][mode][0], logits, **TOL)
+            torch.testing.assert_close(host["inference"][mode][1], loss, **TOL)
+        assert reference["inference"]["All"][0].shape == (4, 10)
+        assert reference["inference"]["Sum"][0].shape == (2, 10)
+
+
+def test_four_processes_four_stages_and_two_pipelines(tmp_path):
+    """4 processes: a 4-stage pipeline with a weight tied across stages 0 and 3
+    (Adam), then 2 data-parallel pipelines of 2 stages (a 2-D mesh) compared with one
+    process running both replicas."""
+    codes, logs = processes.launch(WORKER, "train4", tmp_path, world=4)
+    assert codes == [0] * 4, logs
+    _check_configs(tmp_path, _worker().CONFIGS_4, 4)
+
+
+@pytest.mark.parametrize("fault, code", [("raise", 1), ("die", 3)])
+def test_failed_stage_makes_the_other_fail_naming_it(tmp_path, fault, code):
+    """With the default collective timeout (300 s): stage 1 raising, or dying, makes
+    stage 0 fail within seconds with an error naming stage 1."""
+    codes, logs = processes.launch(WORKER, fault, tmp_path, world=2,
+                                   **{collectives.TIMEOUT_ENV: ""})
+    assert codes == [0, code], logs
+    message = processes.read(tmp_path, 0)
+    seconds = float(message.split("s ", 1)[0])
+    assert seconds < 100, message  # far below the 300 s timeout; the machine may be loaded
+    assert "failed in process 0 of 2 (pipeline stage 0 of 2 (IPU 0))" in message
+    if fault == "raise":
+        assert "Process 1 of 2 (pipeline stage 1 of 2 (IPU 1)) ended with RuntimeError: " \
+            "stage 1 failed on purpose" in message
+    else:
+        assert "Process 1 of 2 (pipeline stage 1 of 2 (IPU 1)) ended without reporting " \
+            "an error (killed" in message
+
+
+# -- what the mode refuses: a clear error before any process waits ----------------------
+
+def _refused(model, opts, *args):
+    training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
+                                                                      lr=0.1))
+    with pytest.raises(poptorch.Error) as info:
+        training(*args)
+    return str(info.value)
+
+
+def _data():
+    cfg = _worker().CONFIGS["sgd_bn"]
+    return [t.reshape(-1, *t.shape[4:]) for t in _worker().global_data(cfg, 0)]
+
+
+def _opts(world=2):
+    return _worker().options(_worker().CONFIGS["sgd_bn"], True, world, 0)
+
+
+def test_refused_one_process():
+    message = _refused(_worker().Blocks(2), _opts(world=1), *_data())
+    assert "this model runs as 2 pipeline stages, one per process, but only 1 process " \
+        "was started: launch one process per stage, e.g. torchrun" in message
+
+
+def test_refused_stage_count_mismatch():
+    opts = _opts()
+    opts.Distributed.pipelineAcrossProcesses(stages=1)
+    message = _refused(_worker().Blocks(2), opts, *_data())
+    assert "this model runs as 2 pipeline stages (IPU 0 → IPU 1; consecutive stages on " \
+        "one IPU run as one), one process each, but 1 processes per pipeline were " \
+        "declared. Start 2 processes per pipeline replica" in message
+
+
+def test_refused_single_stage_and_sharded_models():
+    opts = _opts()
+    opts.setExecutionStrategy(poptorch.ShardedExecution())
+    message = _refused(_worker().Blocks(2), opts, *_data())
+    assert "runs each pipeline stage in its own process, but this model is not " \
+        "pipelined (sharded or phased execution)" in message
+
+    class OneStage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x, t):
+            return torch.nn.functional.mse_loss(self.lin(x), t)
+
+    message = _refused(OneStage(), _opts(), torch.ones(12, 3), torch.zeros(12, 2))
+    assert "but this model has one pipeline stage: place its blocks on several IPUs " \
+        "(poptorch.BeginBlock(..., ipu_id=k)) with PipelinedExecution" in message
+
+
+def test_refused_state_anchors():
+    opts = _opts()
+    opts.anchorTensor("grad", "Gradient___blocks.0.weight")
+    message = _refused(_worker().Blocks(2), opts, *_data())
+    assert "cannot anchor weights, gradients or optimizer state " \
+        "(Gradient___blocks.0.weight)" in message
+
+
+def test_option_and_environment_variable(monkeypatch):
+    opts = poptorch.Options()
+    assert opts.Distributed.pipelineProcessesPerReplica == 1
+    opts.Distributed.configureProcessId(1, 4).pipelineAcrossProcesses(stages=2)
+    assert opts.Distributed.pipelineProcessesPerReplica == 2
+    opts.Distributed.pipelineAcrossProcesses()
+    assert opts.Distributed.pipelineProcessesPerReplica == 4
+    with pytest.raises(ValueError):
+        opts.Distributed.pipelineAcrossProcesses(stages=0)
+    monkeypatch.setenv("POPTORCH_PIPELINE_ACROSS_PROCESSES", "1")
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    assert opts.Distributed.pipelineProcessesPerReplica == 2
+
+
+# -- a pipelined BERT from Graphcore's examples, as a new user runs it ----------------
+
+BERT = os.path.join(processes.ROOT, "examples", "pipelined_bert.py")
+
+
+def test_pipelined_bert_example_on_two_processes(tmp_path):
+    """``examples/pipelined_bert.py`` (Hugging Face BertForSequenceClassification over
+    2 IPUs with BeginBlock, as in Graphcore's examples), unchanged, launched as
+    torchrun would with ``POPTORCH_PIPELINE_ACROSS_PROCESSES=1``: both processes print
+    the single-process losses and hold its final weights."""
+    port = str(processes.free_port())
+    envs = [processes.env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                          POPTORCH_PIPELINE_ACROSS_PROCESSES="1") for r in range(2)]
+    cmd = [sys.executable, BERT, "--epochs", "1", "--out", str(tmp_path)]
+    codes, logs = processes.run([cmd, cmd], envs)
+    assert codes == [0, 0], logs
+    reference = processes.load_worker(BERT).train(epochs=1)
+    assert len(reference["losses"]) == 4
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        torch.testing.assert_close(torch.tensor(got["losses"]),
+                                   torch.tensor(reference["losses"]), **TOL)
+        assert got["weights"].keys() == reference["weights"].keys()
+        for key, value in reference["weights"].items():
+            torch.testing.assert_close(got["weights"][key], value, **TOL,
+                                       msg=f"{key} in process {rank}")
+        assert "epoch 0: loss" in logs[rank]
