@@ -25,13 +25,12 @@ Precision model (what the IPU Model does):
   on float32 working copies); results are rounded to nearest into the parameters' and
   states' storage dtypes.
 
-The update rule of each optimizer type (S-54) is in :mod:`.optimizer_updates`; what the
-device knows about an optimizer (:class:`OptimizerDescription`, its compile signature,
-S-52) is in :mod:`.optimizer_description`. This module holds the shared machinery:
-state allocation and transfer, accumulation and reduction, clipping, loss scaling and
-the combined SGD variant. State tensors carry PopART's names (S-56):
-``Accl___<p>`` (SGD velocity), ``Accl1___<p>`` / ``Accl2___<p>`` (Adam / LAMB first
-/ second moments; RMSprop mean square / centered mean), ``Accl3___<p>`` (RMSprop
+The update rule of each optimizer type (S-54) is in :mod:`.updates`; what the device
+knows of an optimizer (:class:`OptimizerDescription`, S-52) in :mod:`.description`; the
+shared machinery here: state allocation and transfer, accumulation and reduction,
+clipping, loss scaling and the combined SGD variant. State tensors carry PopART's names
+(S-56): ``Accl___<p>`` (SGD velocity), ``Accl1___<p>`` / ``Accl2___<p>`` (Adam / LAMB
+first / second moments; RMSprop mean square / centered mean), ``Accl3___<p>`` (RMSprop
 momentum), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and
 ``lossScaleUpdateFactor`` (automatic loss scaling).
 """
@@ -459,30 +458,24 @@ class DeviceOptimizer(UpdateRules):
         (S-28): one ``all_reduce`` per dtype; in a pipeline across processes, over the
         processes holding each parameter (:attr:`StepSettings.sharing`). ``None``
         entries (no gradient) stay ``None``."""
-        sharing = self.settings.sharing
-        if sharing is not None:
-            if self.settings.auto_loss_scaling:
-                start = self._step["als_start"]
-                counts = sharing.sum_statistics(torch.tensor(
-                    [self._als[0] - start[0], self._als[1] - start[1]], dtype=torch.float64))
-                self._als = [start[0] + int(counts[0]), start[1] + int(counts[1])]
-            return sharing.sum(self.names if names is None else names, tensors)
-        reduce = self.settings.all_reduce
-        if reduce is None:
+        s, start = self.settings, self._step["als_start"]
+        if s.sharing is None and s.all_reduce is None:
             return tensors
-        present = [i for i, t in enumerate(tensors) if t is not None]
-        send = [tensors[i] for i in present]
-        start = self._step["als_start"]
-        if self.settings.auto_loss_scaling:
-            send.append(torch.tensor([self._als[0] - start[0], self._als[1] - start[1]],
-                                     dtype=torch.float64))
-        summed = reduce(send)
-        if self.settings.auto_loss_scaling:
-            counts = summed.pop()
-            self._als = [start[0] + int(counts[0]), start[1] + int(counts[1])]
-        out = list(tensors)
-        for i, t in zip(present, summed):
-            out[i] = t
+        stats = torch.tensor([self._als[0] - start[0], self._als[1] - start[1]],
+                             dtype=torch.float64) if s.auto_loss_scaling else None
+        if s.sharing is not None:
+            stats = None if stats is None else s.sharing.sum_statistics(stats)
+            out = s.sharing.sum(self.names if names is None else names, tensors)
+        else:
+            present = [i for i, t in enumerate(tensors) if t is not None]
+            summed = s.all_reduce([tensors[i] for i in present] + ([] if stats is None
+                                                                   else [stats]))
+            stats = None if stats is None else summed.pop()
+            out = list(tensors)
+            for i, t in zip(present, summed):
+                out[i] = t
+        if stats is not None:
+            self._als = [start[0] + int(stats[0]), start[1] + int(stats[1])]
         return out
 
     def _reduced_gradients(self) -> List[Optional[torch.Tensor]]:

@@ -298,10 +298,10 @@ class PipelineRunner:
                 with torch.no_grad():
                     self.schedule.step(return_outputs=False, **kwargs)
         except BaseException as e:
-            local = self._error
+            local, caught = self._error, e
             self._error = None
             if local is None and isinstance(e, (RuntimeError, ValueError)):
-                group.guard("pipeline step", lambda: _reraise(e))  # a peer failed
+                group.guard("pipeline step", lambda: _reraise(caught))  # a peer failed
             # this stage failed: the others cannot go on without it; leave at once
             # so that they fail now, naming this stage
             failure = local if local is not None else e
