@@ -14,13 +14,14 @@ from popart_compiler.errors import Error, py_error
 from popart_compiler.planner.candidate import Candidate, full_estimate
 from popart_compiler.planner.problem import DEFAULT_PROPORTIONS
 from popart_compiler.planner.search import Scored, Space, closest, search
+from poptorch._plan.arguments import check_arguments, check_fits_units, micro_batches_to_try
 from poptorch._plan.capture import Planning, capture_for_planning
 from poptorch._plan.result import Plan
 from poptorch.options import Options
 
 __all__ = ["plan"]
 
-#: Micro-batch sizes tried when suggesting a smaller one.
+#: At most this many more IPUs are tried when suggesting more.
 _MAX_EXTRA_IPUS = 8
 
 
@@ -37,13 +38,6 @@ def _resize(inputs: Sequence, batch: int) -> Tuple:
             index = torch.arange(batch) % t.shape[0]
             result.append(t[index])
     return tuple(result)
-
-
-def _batch_of(inputs: Sequence) -> int:
-    for t in inputs:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    raise py_error("poptorch.plan needs at least one tensor input with a batch dimension")
 
 
 @dataclasses.dataclass
@@ -206,20 +200,21 @@ def plan(model: nn.Module, *example_inputs, options: Optional[Options] = None,
             ``useOfflineIpuTarget``, ``gradientAccumulation`` without
             ``global_batch``); not modified. Default: ``poptorch.Options()``.
         optimizer: the training optimizer (its state counts); default PopTorch's SGD.
-        ipus: IPUs per replica.
+        ipus: IPUs per replica (at most the number of units).
         training: plan a training program (else inference).
         micro_batch: the micro-batch, or candidates to try (one capture each);
             default: the examples' batch.
         global_batch: samples per weight update of all replicas: gradient
             accumulation = global_batch / (micro_batch × replicas). Default: the
             options' gradient accumulation (device iterations in inference).
-        available_memory_proportions: proportions tried per IPU.
+        available_memory_proportions: proportions tried per IPU (non-empty, each in
+            ``(0, 1]``).
         serialize: allow serialising vocabulary projections.
         recomputation: allow recomputation checkpoints.
         head_on_first_ipu: allow the head as a stage on IPU 0.
         optimizer_state_on_chip: force the optimizer-state location (``None``: try
             both).
-        time_limit: seconds per search (the best found so far is kept).
+        time_limit: seconds per search, ≥ 0 (the best found so far is kept).
 
     Returns:
         The :class:`~poptorch.plan.Plan` (``plan.apply(model, options)`` applies it;
@@ -230,8 +225,13 @@ def plan(model: nn.Module, *example_inputs, options: Optional[Options] = None,
             per IPU, samples/s) and what would fit (more IPUs, a smaller micro-batch);
             the error's ``closest`` attribute is that :class:`Plan` and
             ``suggestions`` a list of ``{"ipus", "micro_batch", "samples_per_second"}``.
-            Also: no repeated layers; a gradient accumulation too small for a pipeline
-            of ``ipus`` IPUs; a global batch no micro-batch divides.
+            Also, before anything is captured, an argument of the wrong type or value
+            (the message names it and the values it takes: ``model`` not an
+            ``nn.Module``, ``ipus`` / ``global_batch`` / ``micro_batch`` not positive
+            integers, ``available_memory_proportions`` empty or outside ``(0, 1]``, ...);
+            a gradient accumulation too small for a pipeline of ``ipus`` IPUs; a global
+            batch no micro-batch divides. After the capture: no repeated layers; more
+            IPUs than the model has units (every IPU holds one at least).
     """
     start = time.perf_counter()
     request, batches = _request(
@@ -246,6 +246,7 @@ def plan(model: nn.Module, *example_inputs, options: Optional[Options] = None,
     for mb in sorted(set(batches), reverse=True):
         if request.micro_batches(mb) is None:
             continue
+        check_fits_units(model, ipus, [u.name for u in planner.planning(mb).problem.units])
         scored = planner.best(mb, ipus)
         explored.append(_explored(planner, mb, scored))
         if scored is not None and (winner is None or
@@ -268,37 +269,40 @@ def _request(model, *example_inputs, options=None, optimizer=None, ipus=1, train
              recomputation=True, head_on_first_ipu=True, optimizer_state_on_chip=None,
              time_limit=600.0) -> Tuple[_Request, List[int]]:
     """:func:`plan`'s arguments, checked: ``(request, micro-batches to try)``."""
-    if not isinstance(ipus, int) or ipus < 1:
-        raise py_error(f"poptorch.plan: ipus must be a positive integer, got {ipus!r}")
-    if not example_inputs:
-        raise py_error("poptorch.plan needs the model's example inputs (one micro-batch)")
+    proportions = check_arguments(
+        model, example_inputs, options, optimizer, ipus, training, global_batch,
+        available_memory_proportions, serialize, recomputation, head_on_first_ipu,
+        optimizer_state_on_chip, time_limit)
+    batches = micro_batches_to_try(micro_batch, example_inputs)
     options = options if options is not None else Options()
-    batches = [_batch_of(example_inputs)] if micro_batch is None else \
-        [micro_batch] if isinstance(micro_batch, int) else list(micro_batch)
-    request = _Request(model, tuple(example_inputs), options, optimizer, training, ipus,
-                       global_batch, tuple(available_memory_proportions), serialize,
-                       recomputation, head_on_first_ipu, optimizer_state_on_chip, time_limit)
+    request = _Request(model, tuple(example_inputs), options, optimizer, training, int(ipus),
+                       None if global_batch is None else int(global_batch), proportions,
+                       serialize, recomputation, head_on_first_ipu, optimizer_state_on_chip,
+                       float(time_limit))
     _check_batches(request, batches)
     return request, batches
 
 
 def _check_batches(r: _Request, batches: List[int]) -> None:
-    if any(not isinstance(b, int) or b < 1 for b in batches):
-        raise py_error(f"poptorch.plan: micro_batch must be positive integers, got {batches}")
     if all(r.micro_batches(b) is None for b in batches):
         raise py_error(
-            f"poptorch.plan: global_batch {r.global_batch} is not a multiple of micro_batch "
-            f"x replicas for any micro-batch in {batches} (replicas {r.replicas}). Choose a "
-            "global batch that one of them divides.")
+            f"poptorch.plan: global_batch {r.global_batch} is not a multiple of micro-batch "
+            f"x replicas for any micro-batch tried ({batches}; replicas {r.replicas}). Choose "
+            "a global batch that one of them divides.")
     if r.ipus > 1:
         m = max(r.micro_batches(b) or 0 for b in batches)
         need = 2 * r.ipus - 1 if r.training else r.ipus
         if m < need:
             what = "gradient accumulation" if r.training else "device iterations"
-            raise py_error(
-                f"poptorch.plan: a pipeline over {r.ipus} IPUs needs {what} >= {need}, "
-                f"but it is {m}. Pass global_batch= (samples per weight update) or set "
-                f"{'Options().Training.gradientAccumulation' if r.training else 'Options().deviceIterations'}.")
+            setter = "Options().Training.gradientAccumulation" if r.training \
+                else "Options().deviceIterations"
+            least = need * min(batches) * r.replicas
+            per = "weight update" if r.training else "step"
+            change = (f"Pass global_batch={least} or more (samples per {per}) or "
+                      f"set {setter}({need})") if r.global_batch is None else \
+                f"Use a global_batch of {least} or more"
+            raise py_error(f"poptorch.plan: a pipeline over {r.ipus} IPUs needs {what} >= "
+                           f"{need}, but it is {m}. {change}.")
 
 
 def _nothing_fits(planner: _Planner, batches: List[int], seconds: float,
@@ -310,10 +314,8 @@ def _nothing_fits(planner: _Planner, batches: List[int], seconds: float,
     near = closest(planning.problem, planner.space(planning, r.ipus, r.micro_batches(mb)))
     closest_plan = _plan_of(planner, mb, near.candidate, seconds, explored) if near else None
     suggestions = []
-    for extra in range(1, _MAX_EXTRA_IPUS + 1):
-        n = r.ipus + extra
-        if n > len(planning.problem.units) or (r.training and r.micro_batches(mb) < 2 * n - 1):
-            break
+    most, limit = _most_ipus(r, len(planning.problem.units), r.micro_batches(mb))
+    for n in range(r.ipus + 1, most + 1):
         found = planner.best(mb, n)
         if found is not None:
             suggestions.append({"ipus": n, "micro_batch": mb,
@@ -341,10 +343,24 @@ def _nothing_fits(planner: _Planner, batches: List[int], seconds: float,
         lines.append(f"It fits on {s['ipus']} IPU(s) with micro-batch {s['micro_batch']}: "
                      f"{s['samples_per_second']:,.1f} samples/s.")
     if not suggestions:
-        lines.append("Neither more IPUs (up to "
-                     f"{r.ipus + _MAX_EXTRA_IPUS}) nor a smaller micro-batch fits: reduce "
-                     "the model, or keep state off chip (Options.TensorLocations).")
-    error = py_error(" ".join(lines))
+        tried = f"Neither more IPUs (up to {most}) nor" if most > r.ipus else "No"
+        lines += [f"{tried} a smaller micro-batch fits.", limit,
+                  "Reduce the model, or keep state off chip (Options.TensorLocations)."]
+    error = py_error(" ".join(line for line in lines if line))
     error.closest = closest_plan
     error.suggestions = suggestions
     return error
+
+
+
+def _most_ipus(r: _Request, units: int, micro_batches: int) -> Tuple[int, str]:
+    """The most IPUs worth trying for a suggestion, and what limits them."""
+    what = "gradient accumulation" if r.training else "device iterations"
+    pipeline = (micro_batches + 1) // 2 if r.training else micro_batches
+    most = min(r.ipus + _MAX_EXTRA_IPUS, units, pipeline)
+    if most == r.ipus + _MAX_EXTRA_IPUS:
+        return most, ""
+    if most == units:
+        return most, f"The model's {units} units allow at most {units} IPUs."
+    return most, (f"With {what} {micro_batches}, a pipeline takes at most {pipeline} IPUs: "
+                  "a larger global_batch allows more.")

@@ -364,3 +364,131 @@ def test_unplannable_models_are_refused(model, message):
     # the planner's capture-time hooks are gone
     assert [dict(m._forward_pre_hooks) for m in instance.modules()] == before
     assert all(not m._forward_hooks for m in instance.modules())
+
+
+# -- argument checks and the command line's errors (fresh-user report D4, D5) -----------
+
+def _no_capture(*args, **kwargs):
+    raise AssertionError("the arguments must be checked before the model is captured")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(model=lambda ids, labels: ids), "model must be a torch.nn.Module"),
+    (dict(available_memory_proportions=[]), "available_memory_proportions must be a non-empty"),
+    (dict(available_memory_proportions=[2.0]), r"proportions in \(0, 1\] .*, got \[2.0\]"),
+    (dict(available_memory_proportions=[0.1, -0.5]), r"\(0, 1\] .*, got \[0.1, -0.5\]"),
+    (dict(available_memory_proportions=[0.0]), r"\(0, 1\] .*, got \[0.0\]"),
+    (dict(micro_batch=[]), "micro_batch must be a positive integer or a non-empty list"),
+    (dict(micro_batch=[2, 0]), r"non-empty list of positive integers, got \[2, 0\]"),
+    (dict(micro_batch=0), "micro_batch must be a positive integer"),
+    (dict(global_batch=0), "global_batch must be a positive integer .*, got 0"),
+    (dict(global_batch=16.0), "global_batch must be a positive integer .*, got 16.0"),
+    (dict(ipus=0), "ipus must be a positive integer .*, got 0"),
+    (dict(ipus=True), "ipus must be a positive integer .*, got True"),
+    (dict(options={"replicationFactor": 2}), "options must be a poptorch.Options"),
+    (dict(optimizer="adam"), "optimizer must be a torch.optim.Optimizer"),
+    (dict(training="yes"), "training must be True or False, got 'yes'"),
+    (dict(time_limit=-1), "time_limit must be a non-negative number of seconds, got -1"),
+])
+def test_bad_arguments_are_refused_before_capture(monkeypatch, change, message):
+    """Each bad argument gets a poptorch.Error naming it, the values it takes and the
+    value given, before anything is captured; the message names no argument the user
+    did not give (micro_batch=[] used to say 'global_batch None is not a multiple')."""
+    monkeypatch.setattr(api, "capture_for_planning", _no_capture)
+    model = plan_models.TinyLM()
+    kwargs = dict(model=model, ipus=2, global_batch=16)
+    kwargs.update(change)
+    with pytest.raises(poptorch.Error, match=message) as info:
+        poptorch.plan(kwargs.pop("model"), *model.example_inputs(), **kwargs)
+    assert info.value.message.startswith("poptorch.plan: ")
+    named = {"available_memory_proportions", "micro_batch", "global_batch", "ipus", "model",
+             "options", "optimizer", "training", "time_limit"} - set(change)
+    assert not any(f"{name} " in info.value.message for name in named)
+
+
+def test_more_ipus_than_units_says_so(monkeypatch):
+    """More IPUs than units: the error gives the units found and the most IPUs they
+    allow (it used to say that nothing fits and to reduce the model)."""
+    model = plan_models.TinyLM(layers=2)  # emb, layers.0, layers.1, norm, head
+    with pytest.raises(poptorch.Error) as info:
+        poptorch.plan(model, *model.example_inputs(), ipus=6, global_batch=2 * 11)
+    message = info.value.message
+    assert "ipus is 6, but TinyLM has only 5 units to place (emb, layers.0, layers.1, " \
+        "norm, head)" in message
+    assert "at most 5 IPUs per replica" in message and "reduce the model" not in message
+
+
+@pytest.mark.parametrize("ipus,units,global_batch,limit", [
+    (1, 20, 2 * 32, ""),  # up to 1 + 8 IPUs are tried: nothing limits them
+    (4, 4, 2 * 16, "The model's 4 units allow at most 4 IPUs."),
+    (2, 20, 2 * 5, "With gradient accumulation 5, a pipeline takes at most 3 IPUs"),
+])
+def test_nothing_fits_says_what_limits_more_ipus(ipus, units, global_batch, limit):
+    planner = _planner(plan_models.TinyLM(), plan_models.TinyLM().example_inputs(),
+                       global_batch=global_batch, ipus=ipus)
+    most, why = api._most_ipus(planner.r, units, planner.r.micro_batches(2))
+    assert most == min(ipus + 8, units, (global_batch // 2 + 1) // 2)
+    assert why.startswith(limit) and bool(why) == bool(limit)
+
+
+def _cli(capsys, *argv):
+    """``python -m poptorch.plan ARGV`` in this process: (exit status, stderr)."""
+    from poptorch._plan import cli
+    status = cli.main(list(argv))
+    return status, capsys.readouterr().err
+
+
+@pytest.fixture
+def factories(tmp_path):
+    path = tmp_path / "factories.py"
+    path.write_text("cfg = {'layers': 2}\n\ndef three():\n    return 3\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["nosuchmod:f"], "Cannot import nosuchmod (MODULE of MODULE:FACTORY): No module named"),
+    (["no/such/file.py:f"], "No such file: no/such/file.py"),
+    (["plan_models:nosuch"], "plan_models has no 'nosuch'"),
+    (["{factories}:cfg"], "{factories}:cfg is a dict, not callable"),
+    (["{factories}:three"], "{factories}:three returned int: it must return the model"),
+    (["plan_models:factory", "--ipus", "3"],
+     "needs gradient accumulation >= 5, but it is 1. Pass --batch 10 or more"),
+    (["plan_models:factory", "--ipus", "2", "--batch", "7"], "--batch 7 is not a multiple"),
+    (["plan_models:factory", "--ipus", "0"], "--ipus must be a positive integer"),
+    (["plan_models:factory", "--batch", "0"], "--batch must be a positive integer"),
+    (["plan_models:factory", "--micro-batch", "2", "0"], "--micro-batch must be a positive"),
+])
+def test_command_line_errors_are_one_line(monkeypatch, capsys, factories, argv, message):
+    """Every error is one line ``poptorch.Error: ...`` (no traceback) naming flags, not
+    poptorch.plan's arguments, and exits with status 1."""
+    monkeypatch.setattr(api, "capture_for_planning", _no_capture)
+    status, err = _cli(capsys, *[a.format(factories=factories) for a in argv])
+    assert status == 1
+    assert err.count("\n") == 1 and err.startswith("poptorch.Error: ")
+    assert message.format(factories=factories) in err
+    assert not any(name in err for name in ("global_batch", "micro_batch", "ipus="))
+
+
+def test_command_line_names_flags():
+    from poptorch._plan.cli import for_the_command_line
+    assert for_the_command_line("Pass global_batch=6 or set micro_batch, ipus is 8; "
+                                "micro_batches and 2 IPUs stay") == \
+        "Pass --batch 6 or set --micro-batch, --ipus is 8; micro_batches and 2 IPUs stay"
+
+
+def test_command_line_report_default_and_none(monkeypatch, capsys, tmp_path):
+    """The report goes to ./plan_report/<model>/ unless --report says otherwise, and
+    --report '' writes none, as --help and docs/planner.md say."""
+    from poptorch._plan import cli
+    model = plan_models.TinyLM()
+    planner = _planner(model, model.example_inputs(), global_batch=16)
+    chosen = api._plan_of(planner, 2, Candidate(((0, 3), (4, 6)), None, None, (0.1, 0.1),
+                                                (("serialized_matmul", 1),), None))
+    monkeypatch.setattr(cli, "plan", lambda *args, **kwargs: chosen)
+    monkeypatch.chdir(tmp_path)
+    assert "default: plan_report; --report '' writes none" in \
+        " ".join(cli._parser().format_help().split())
+    assert _cli(capsys, "plan_models:factory", "--report", "")[0] == 0
+    assert not os.listdir(tmp_path)
+    assert _cli(capsys, "plan_models:factory")[0] == 0
+    assert (tmp_path / "plan_report" / "TinyLM" / "profile.html").is_file()
