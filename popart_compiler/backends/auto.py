@@ -166,6 +166,9 @@ class AutoChooser:
         the choice is open. An Inductor failure is logged once, and the call is run
         again on the eager backend."""
         lowering = self._pick()
+        # timed for the choice only if Inductor was ready when the call started (a
+        # call beside the compilation would count the compilation's load)
+        trial = self.chosen is None and self._inductor is not None and not self.compiling
         start = self._clock()
         try:
             outs = call(lowering)
@@ -174,7 +177,7 @@ class AutoChooser:
                 raise
             self._fail(f"a call on the compiled program raised {type(e).__name__}: {e}")
             return call(self.eager)
-        self._record(lowering.name, self._clock() - start)
+        self._record(lowering.name, self._clock() - start, trial)
         return outs
 
     # -- the policy ---------------------------------------------------------------------
@@ -196,11 +199,11 @@ class AutoChooser:
         times = self._times
         return self._inductor if len(times["inductor"]) < len(times["eager"]) else self.eager
 
-    def _record(self, name: str, seconds: float) -> None:
+    def _record(self, name: str, seconds: float, trial: bool) -> None:
         self._calls += 1
         if self._inductor is None and self._thread is None:
             self._spent += seconds
-        if self.chosen is not None or self._inductor is None or self.compiling:
+        if not trial or self.chosen is not None:
             return
         if name == "inductor" and not self._warmed:
             self._warmed = True  # the first call is not timed (one-off costs)
