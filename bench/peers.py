@@ -8,23 +8,35 @@ linear layer; 3×32×32 input, micro-batch 16) and a BERT-style encoder (hidden 
 Inference, ``deviceIterations(8)``: time per sample of one call over the combined
 batch (8 micro-batches). Runners: plain eager PyTorch on the combined batch under
 ``torch.no_grad()`` (the reference), ours with the eager compiler, ours with the
-inductor compiler, ``torch.compile`` of the model, ONNX Runtime (CPU execution
+inductor compiler, ours with the ``auto`` compiler (timed once it has chosen: its
+first calls run eager, Inductor compiles in the background once the program is hot,
+both are timed on the real calls and the faster is kept), ``torch.compile`` of the model, ONNX Runtime (CPU execution
 provider, model exported with ``torch.onnx.export``; skipped if ``onnxruntime`` is
 not installed: ``pip install -e ".[bench]"``).
 
 Training, SGD (lr 0.01), one weight update per micro-batch, 8 per call: time per
 micro-batch. Runners: a plain eager loop (forward, cross-entropy, backward,
 ``torch.optim.SGD`` step per micro-batch; the reference), ours-eager, ours-inductor,
-and the same loop with the forward + loss compiled by ``torch.compile``.
+ours-auto, and the same loop with the forward + loss compiled by ``torch.compile``.
 
 First results: seconds from wrapping a fresh model to its first output ("first": the
 first model of that runner in this process; "again": a second fresh model with the
-same architecture, so the Inductor/FX caches and imports are warm).
+same architecture, so the Inductor/FX caches and imports are warm). For ours-auto,
+"settled" is the seconds from wrapping the model until it had chosen its backend.
+
+The header records the commit, torch version, threads, the CPU capability PyTorch
+dispatches to and the load average; the last line is the worst ratio of ours-auto to
+the best peer (plain eager, torch.compile, ONNX Runtime) over every row.
 
 Ratios are runner / reference of median times (lower is better); the sides are
 interleaved (a random order per round, each timed call after an untimed one of the
 same runner) so that background load affects them alike. ``torch.set_num_threads``
-defaults to 1 (``--threads``) for the least noise on a shared machine.
+defaults to 1 (``--threads``) for the least noise on a shared machine; with one thread
+every runner (ONNX Runtime too, on one intra-op thread) computes in the calling thread,
+and steady-state times are that thread's CPU time (``--clock cpu``): on a shared 2-core
+machine, wall-clock medians moved by 2× from run to run with the load (MLP inference,
+ours-inductor 16.1 µs in one run and 31.5 µs in the next, load average 4.6), as
+descheduled time landed on whichever runner was running.
 
 Usage::
 
@@ -38,6 +50,7 @@ import copy
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -139,6 +152,27 @@ def _opts(compiler: str) -> poptorch.Options:
     return opts
 
 
+OURS = ("eager", "inductor", "auto")
+#: What the steady-state times are read from (``--clock``).
+CLOCK = time.perf_counter
+PEERS = ("eager", "torch.compile", "onnxruntime")
+
+
+def _settle(model, call: Callable[[], object], limit: float = 900.0) -> Optional[str]:
+    """Call an ``auto`` model until it has chosen its backend (as a user's loop would;
+    waiting for its background compilation, so that it does not run beside the
+    timed runners); returns the choice (``None`` if undecided after ``limit``
+    seconds)."""
+    chooser = model._state.session.auto  # pylint: disable=protected-access
+    if chooser is None:
+        return "eager"
+    start = time.perf_counter()
+    while chooser.chosen is None and time.perf_counter() - start < limit:
+        chooser.wait()
+        call()
+    return chooser.chosen
+
+
 def _first(make: Callable[[], Callable], *args) -> float:
     start = time.perf_counter()
     make()(*args)
@@ -176,9 +210,9 @@ def _interleaved(runners: Dict[str, Callable[[], object]], repeats: int) -> Dict
         rng.shuffle(order)
         for k in order:
             runners[k]()  # settle: warm caches for this runner
-            start = time.perf_counter()
+            start = CLOCK()
             runners[k]()
-            times[k].append(time.perf_counter() - start)
+            times[k].append(CLOCK() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -191,9 +225,13 @@ def inference(key: str, repeats: int, threads: int) -> Dict[str, Dict[str, float
     first: Dict[str, float] = {}
     again: Dict[str, float] = {}
     ours = {}
-    for compiler in ("eager", "inductor"):
+    for compiler in OURS:
+        start = time.perf_counter()
         first[f"ours-{compiler}"] = _first(
             lambda c=compiler: ours.setdefault(c, poptorch.inferenceModel(model, _opts(c))), x)
+        if compiler == "auto":
+            first["chosen"] = _settle(ours["auto"], lambda: ours["auto"](x))
+            first["settled"] = time.perf_counter() - start
         again[f"ours-{compiler}"] = _first(
             lambda c=compiler: poptorch.inferenceModel(cls().eval(), _opts(c)), x)
     # its own copy of the weights, as ours (device copies) and ONNX Runtime have:
@@ -205,6 +243,7 @@ def inference(key: str, repeats: int, threads: int) -> Dict[str, Dict[str, float
         again["torch.compile"] = _first(lambda: torch.compile(cls().eval()), x)
     runners = {"eager": lambda: model(x), "ours-eager": lambda: ours["eager"](x),
                "ours-inductor": lambda: ours["inductor"](x),
+               "ours-auto": lambda: ours["auto"](x),
                "torch.compile": lambda: compiled(x)}
     start = time.perf_counter()
     ort_run = _onnx(model, x, threads)
@@ -224,11 +263,15 @@ def training(key: str, repeats: int) -> Dict[str, Dict[str, float]]:
     x, t = data(mb * d), torch.randint(0, classes, (mb * d,))
     first: Dict[str, float] = {}
     ours = {}
-    for compiler in ("eager", "inductor"):
+    for compiler in OURS:
         model = WithLoss(cls())
+        start = time.perf_counter()
         first[f"ours-{compiler}"] = _first(lambda c=compiler, m=model: ours.setdefault(
             c, poptorch.trainingModel(m, _opts(c), poptorch.optim.SGD(m.parameters(),
                                                                         lr=0.01))), x, t)
+        if compiler == "auto":
+            first["chosen"] = _settle(ours["auto"], lambda: ours["auto"](x, t))
+            first["settled"] = time.perf_counter() - start
 
     def loop(model, opt, fwd):
         def run():
@@ -246,6 +289,7 @@ def training(key: str, repeats: int) -> Dict[str, Dict[str, float]]:
         "eager": loop(plain, torch.optim.SGD(plain.parameters(), lr=0.01), plain),
         "ours-eager": lambda: ours["eager"](x, t),
         "ours-inductor": lambda: ours["inductor"](x, t),
+        "ours-auto": lambda: ours["auto"](x, t),
         "torch.compile": loop(comp, torch.optim.SGD(comp.parameters(), lr=0.01), comp_fwd),
     }
     times = _interleaved(runners, repeats)
@@ -267,6 +311,23 @@ def _row(title: str, res: Dict[str, float], ref: str, cols: List[str]) -> str:
     return f"| {title} | " + " | ".join(cells) + " |"
 
 
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
+def _load() -> str:
+    return "/".join(f"{v:.2f}" for v in os.getloadavg())
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -274,41 +335,71 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-training", action="store_true")
     parser.add_argument("--no-inference", action="store_true")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default=None,
+                        help="steady-state times: wall clock, or the CPU time of the "
+                        "calling thread (default with one thread: cpu, which leaves "
+                        "out the time other processes hold the core; else wall)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cols = ["eager", "ours-eager", "ours-inductor", "torch.compile", "onnxruntime"]
-    lines = [f"torch {torch.__version__}, {args.threads} thread(s), deviceIterations "
-             f"{DEVICE_ITERATIONS}, median of {args.repeats}; cells: time (ratio to eager)",
-             "", "Inference, per sample:", "",
+    clock = args.clock or ("cpu" if args.threads == 1 else "wall")
+    global CLOCK  # pylint: disable=global-statement
+    CLOCK = time.thread_time if clock == "cpu" else time.perf_counter
+    cols = ["eager", "ours-eager", "ours-inductor", "ours-auto", "torch.compile",
+            "onnxruntime"]
+    train_cols = cols[:-1]
+    lines = [f"commit {_commit()}, torch {torch.__version__}, {args.threads} thread(s), "
+             f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+             f"{os.cpu_count()} CPUs, load average {_load()} (1/5/15 min) at the start",
+             f"deviceIterations {DEVICE_ITERATIONS}, median of {args.repeats}, {clock} "
+             "clock; cells: time (ratio to eager)", "", "Inference, per sample:", "",
              "| model | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     firsts = []
+    worst = []  # (ours-auto / best peer, row)
     for key in [] if args.no_inference else args.models:
         res = inference(key, args.repeats, args.threads)
         lines.append(_row(MODELS[key][0], res["time"], "eager", cols))
         print(lines[-1], flush=True)
         firsts.append((f"{key} inference", res["first"], res["again"]))
+        worst.append((_versus_peers(res["time"]), f"{key} inference"))
     if not args.no_training:
         lines += ["", "Training (SGD), per micro-batch:", "",
-                  "| model | " + " | ".join(cols[:4]) + " |", "|---" * 5 + "|"]
+                  "| model | " + " | ".join(train_cols) + " |",
+                  "|---" * (len(train_cols) + 1) + "|"]
         for key in args.models:
             res = training(key, args.repeats)
-            lines.append(_row(MODELS[key][0], res["time"], "eager", cols[:4]))
+            lines.append(_row(MODELS[key][0], res["time"], "eager", train_cols))
             print(lines[-1], flush=True)
             firsts.append((f"{key} training", res["first"], {}))
+            worst.append((_versus_peers(res["time"]), f"{key} training"))
     lines += ["", "First result, seconds (first in this process / again with a fresh "
-              "model):", "", "| model | ours-eager | ours-inductor | torch.compile | "
-              "onnxruntime |", "|---|---|---|---|---|"]
+              "model); ours-auto: first result, then seconds until it settled and its "
+              "choice:", "", "| model | ours-eager | ours-inductor | ours-auto | "
+              "torch.compile | onnxruntime |", "|---|---|---|---|---|---|"]
     for title, first, again in firsts:
         cells = []
-        for c in ("ours-eager", "ours-inductor", "torch.compile", "onnxruntime"):
+        for c in ("ours-eager", "ours-inductor", "ours-auto", "torch.compile",
+                  "onnxruntime"):
             if c not in first:
                 cells.append("-")
+            elif c == "ours-auto":
+                cells.append(f"{first[c]:.2f}, settled {first['settled']:.1f} "
+                             f"({first['chosen']})")
             elif c in again:
                 cells.append(f"{first[c]:.2f} / {again[c]:.2f}")
             else:
                 cells.append(f"{first[c]:.2f}")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    lines += ["", f"load average {_load()} (1/5/15 min) at the end"]
+    if worst:
+        ratio, row = max(worst)
+        lines.append(f"worst ours-auto / best peer: {ratio:.2f} ({row})")
     print("\n".join(lines))
+
+
+def _versus_peers(times: Dict[str, float]) -> float:
+    """ours-auto's time over the fastest peer's (plain eager, torch.compile, ONNX
+    Runtime) in one row."""
+    return times["ours-auto"] / min(times[p] for p in PEERS if p in times)
 
 
 if __name__ == "__main__":

@@ -119,4 +119,5 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
         vectorized=c.vectorized, tensor_names=c.tensor_names,
         compile_seconds=time.perf_counter() - start,
         vectorized_slots=c.vectorized_slots, placement=plan, stages=c.stages,
-        runner=c.runner, stage_runner=c.stage_runner, estimate=c.estimate, passes=ran)
+        runner=c.runner, stage_runner=c.stage_runner, alternative=c.alternative,
+        estimate=c.estimate, passes=ran)

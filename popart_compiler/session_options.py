@@ -278,9 +278,10 @@ class SessionOptions:
         pipeline_stages: processes per pipeline replica declared by the user (0: all
             the processes form one pipeline).
         device: ``"cpu"`` or ``"cuda"``: where the IPU Model's kernels run.
-        backend: ``"eager"`` (FX graph run with PyTorch eager kernels) or
+        backend: ``"eager"`` (FX graph run with PyTorch eager kernels),
             ``"inductor"`` (TorchInductor's ``compile_fx``, see
-            :mod:`popart_compiler.backends.inductor`).
+            :mod:`popart_compiler.backends.inductor`) or ``"auto"`` (eager, then the
+            faster of the two: :mod:`popart_compiler.backends.auto`).
         ipu_model_version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.
         use_ipu_model: whether the IPU Model was selected (see ``IpuModel``).
         small_ipu_model: the 4-tile IPU Model of ``POPTORCH_SMALL_IPU_MODEL``.
@@ -447,9 +448,11 @@ class SessionOptions:
         )
         for k, v in overrides.items():
             setattr(opts, k, v)
-        if opts.device not in ("cpu", "cuda") or opts.backend not in ("eager", "inductor"):
+        if opts.device not in ("cpu", "cuda") or \
+                opts.backend not in ("eager", "inductor", "auto"):
             raise backend_error(f"Unknown backend {opts.backend_key}: the execution device "
-                                "must be cpu or cuda and the compiler eager or inductor.")
+                                "must be cpu or cuda and the compiler eager, inductor or "
+                                "auto.")
         return opts
 
 

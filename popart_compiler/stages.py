@@ -98,6 +98,9 @@ class Executable:
             compilation on the inductor backend.
         stage_runner: turns a stage's submodule into what runs it (``None``: call the
             submodule).
+        alternative: the ``auto`` backend: builds the Inductor lowering
+            (:class:`~popart_compiler.backends.auto.Lowering`, uncompiled) that a
+            session compiles once the program is hot; ``None`` where it stays eager.
         estimate: the IPU Model's memory / cycle estimate
             (:mod:`popart_compiler.cost.cost_model`).
         passes: the compiler passes that ran, in order, and whether each changed the
@@ -118,6 +121,7 @@ class Executable:
     stages: Optional[StagedGraph] = None
     runner: Optional[Callable] = None
     stage_runner: Optional[Callable[[fx.GraphModule], Callable]] = None
+    alternative: Optional[Callable[[], Any]] = None
     estimate: Any = None
     passes: List[Tuple[str, bool]] = dataclasses.field(default_factory=list)
 

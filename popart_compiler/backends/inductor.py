@@ -144,7 +144,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
     return compiled
 
 
-def compile_graph(gm: fx.GraphModule, *, random: bool = False) -> Callable:
+def compile_graph(gm: fx.GraphModule, *, random: bool = False,
+                  compile_on_miss: bool = True) -> Callable:
     """Compile ``gm`` with TorchInductor (lazily: on its first call).
 
     Args:
@@ -152,13 +153,24 @@ def compile_graph(gm: fx.GraphModule, *, random: bool = False) -> Callable:
             vectorized by the compiler.
         random: the graph has random ops: draw from PyTorch's generator (see module
             docstring) instead of Inductor's own.
+        compile_on_miss: compile at a call with a new input signature (default); if
+            ``False``, such a call runs ``gm`` uncompiled, and only
+            ``precompile(args, grad)`` compiles (the ``auto`` backend, which compiles
+            in the background).
 
     Returns:
         A callable with ``gm``'s signature. It compiles at the first call, and again
         only for a new input signature (shapes, strides, dtypes, devices,
         ``requires_grad``, grad mode).
     """
-    return _Compiled(gm, random)
+    return _Compiled(gm, random, compile_on_miss)
+
+
+def _signature(grad: bool, args) -> tuple:
+    return (grad,) + tuple(
+        (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
+        if isinstance(a, torch.Tensor) else a if isinstance(a, (int, float, bool))
+        else type(a) for a in args)
 
 
 class _Compiled:
@@ -168,18 +180,37 @@ class _Compiled:
     frames") while another thread captured, and its guards cost ~13 µs a call.
     Compiling holds :data:`tracing.TRACE_LOCK`; running compiled code does not."""
 
-    def __init__(self, gm: fx.GraphModule, random: bool):
+    def __init__(self, gm: fx.GraphModule, random: bool, compile_on_miss: bool = True):
         self._gm = gm
         self._random = random
+        self._compile_on_miss = compile_on_miss
         self._by_signature: dict = {}
 
+    def precompile(self, args, grad: bool) -> None:
+        """Compile for calls with arguments like ``args`` (only their shapes, strides,
+        dtypes, devices and ``requires_grad`` are read) in grad mode ``grad``, without
+        running anything; a training graph's backward is compiled too.
+
+        Raises:
+            Exception: what TorchInductor raises when the graph cannot be compiled.
+        """
+        # pylint: disable=import-outside-toplevel
+        from torch._functorch import config as functorch_config
+        key = _signature(grad, args)
+        with TRACE_LOCK, torch.set_grad_enabled(grad), \
+                functorch_config.patch(force_non_lazy_backward_lowering=True):
+            if key not in self._by_signature:
+                self._by_signature[key] = _inductor(self._gm, list(args),
+                                                    random=self._random)
+
     def __call__(self, *args):
-        key = (torch.is_grad_enabled(),) + tuple(
-            (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
-            if isinstance(a, torch.Tensor) else a if isinstance(a, (int, float, bool))
-            else type(a) for a in args)
+        key = _signature(torch.is_grad_enabled(), args)
         fn = self._by_signature.get(key)
         if fn is None:
+            if not self._compile_on_miss:
+                logger.debug("No compilation for this input signature: running the "
+                             "graph uncompiled")
+                return self._gm(*args)
             with TRACE_LOCK:
                 fn = self._by_signature.get(key)  # compiled by another thread meanwhile
                 if fn is None:

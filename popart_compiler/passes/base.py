@@ -55,6 +55,8 @@ class Compilation:
         vectorized_slots: micro-batches per call of ``vectorized``.
         runner: what runs one micro-batch (``lower``).
         stage_runner: turns a stage's submodule into what runs it (``lower``).
+        alternative: the ``auto`` backend: builds the Inductor lowering
+            (``lower.inductor_lowering``), ``None`` where the program stays eager.
         estimate: the IPU Model's ``IpuEstimate`` (``estimate``).
     """
     options: SessionOptions
@@ -70,6 +72,7 @@ class Compilation:
     vectorized_slots: int = 1
     runner: Optional[Callable] = None
     stage_runner: Optional[Callable[[fx.GraphModule], Callable]] = None
+    alternative: Optional[Callable[[], Any]] = None
     estimate: Any = None
 
 

@@ -8,6 +8,10 @@ and a vectorized call.
 * ``inductor``: TorchInductor's compilation of the same graph
   (:mod:`popart_compiler.backends.inductor`), compiled at its first call; on the CPU the
   linear layers first become oneDNN linears.
+* ``auto``: the eager backend's lowering, plus ``c.alternative``, which builds the
+  inductor lowering (uncompiled) for :mod:`popart_compiler.backends.auto` to compile
+  once the program is hot; none for programs that stay eager (checked floating-point
+  exceptions, several stages, host side effects).
 """
 from __future__ import annotations
 
@@ -15,10 +19,12 @@ import copy
 import functools
 
 from popart_compiler.backends import inductor
+from popart_compiler.backends.auto import Lowering
 from popart_compiler.backends.eager import FloatingPointChecker
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
 from popart_compiler.passes.base import Compilation, PassResult, unchanged
+from popart_compiler.passes.vectorize import vectorizable_slots, vectorize_program
 
 __all__ = ["lower"]
 
@@ -39,6 +45,9 @@ def lower(graph: Graph, c: Compilation) -> PassResult:
         return unchanged(graph)
     if o.backend != "inductor":
         c.runner, c.stage_runner = graph.module, None
+        if o.backend == "auto" and c.stages is None and not graph.runs_per_micro_batch():
+            c.alternative = functools.partial(inductor_lowering, graph, o,
+                                              vectorizable_slots(graph, c))
         return unchanged(graph)
     random = graph.random
     runner = graph.module
@@ -51,3 +60,23 @@ def lower(graph: Graph, c: Compilation) -> PassResult:
     if c.vectorized is not None:
         c.vectorized = inductor.compile_graph(c.vectorized, random=random)
     return unchanged(graph)
+
+
+def inductor_lowering(graph: Graph, o, slots: int) -> Lowering:
+    """The inductor backend's lowering of ``graph`` (session options ``o``) for the
+    ``auto`` backend: the per-micro-batch graph and, for ``slots`` > 1, the graph
+    vectorized over ``slots`` micro-batches, each compiled at its first call (or by
+    ``precompile``); on the CPU their linear layers run as oneDNN linears. A signature
+    never compiled runs its graph module uncompiled (``compile_on_miss=False``): the
+    ``auto`` backend compiles outside the session's calls only."""
+    runner = copy.deepcopy(graph.module)
+    vectorized = vectorize_program(graph, o, slots) if slots > 1 else None
+    if o.device == "cpu":
+        inductor.onednn_linear(runner)
+        if vectorized is not None:
+            inductor.onednn_linear(vectorized)
+    compiled = functools.partial(inductor.compile_graph, random=graph.random,
+                                 compile_on_miss=False)
+    return Lowering("inductor", compiled(runner),
+                    compiled(vectorized) if vectorized is not None else None,
+                    slots if vectorized is not None else 1)

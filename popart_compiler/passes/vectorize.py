@@ -24,7 +24,8 @@ from popart_compiler.logging import logger
 from popart_compiler.passes.base import Compilation, PassResult, unchanged
 from popart_compiler.passes.simplify import simplify
 
-__all__ = ["vectorize", "vectorize_graph", "chunk_size", "VECTORIZE_BUDGET"]
+__all__ = ["vectorize", "vectorize_graph", "vectorize_program", "vectorizable_slots",
+           "chunk_size", "VECTORIZE_BUDGET"]
 
 #: Bytes the largest intermediate tensor of a vectorized inference call may take: about
 #: a core's L2 cache. Batched kernels whose working set spills out of it get slower per
@@ -41,27 +42,43 @@ def vectorize(graph: Graph, c: Compilation) -> PassResult:
     floating-point exceptions, replica-grouped weights, host side effects, or when
     tracing fails (the session then loops)."""
     o = c.options
-    slots = o.device_iterations * o.replication_factor
-    if (c.training or slots <= 1 or c.stages is not None or graph.mutated_buffers
-            or graph.mutated_inputs or graph.mutated_constants or o.synthetic_data
-            or o.fp_exceptions or o.replica_groupings or not graph.has_device_work()
-            or graph.runs_per_micro_batch()):
+    slots = vectorizable_slots(graph, c)
+    if slots <= 1:
         return unchanged(graph)
     chunk = slots if o.backend == "inductor" else chunk_size(graph, slots)
     if chunk <= 1:
         return unchanged(graph)
+    c.vectorized = vectorize_program(graph, o, chunk)
+    c.vectorized_slots = chunk if c.vectorized is not None else 1
+    return unchanged(graph)
+
+
+def vectorizable_slots(graph: Graph, c: Compilation) -> int:
+    """Micro-batches of a call that :func:`vectorize` may run as one program (replicas
+    × device iterations); 1 when the program cannot be vectorized (see
+    :func:`vectorize`)."""
+    o = c.options
+    slots = o.device_iterations * o.replication_factor
+    if (c.training or slots <= 1 or c.stages is not None or graph.mutated_buffers
+            or graph.mutated_inputs or graph.mutated_constants or o.synthetic_data
+            or o.fp_exceptions or o.replica_groupings or not graph.has_device_work()
+            or graph.runs_per_micro_batch()
+            or any(info is None for info in graph.user_inputs)):
+        return 1
+    return slots
+
+
+def vectorize_program(graph: Graph, o, chunk: int) -> Optional[fx.GraphModule]:
+    """:func:`vectorize_graph` of ``graph``'s module over ``chunk`` micro-batches, with
+    its state and inputs on the execution device of the session options ``o``
+    (float64 state as float32, as the device holds it); ``None`` if tracing fails."""
     values = graph.state_values()
     names = graph.parameters + graph.buffers + graph.constants
     state = [values[n].detach().to(o.device) for n in names]
     state = [s.float() if s.dtype == torch.float64 else s for s in state]
-    examples = []
-    for info in graph.user_inputs:
-        if info is None:
-            return unchanged(graph)
-        examples.append(torch.empty(info.shape, dtype=info.dtype, device=o.device))
-    c.vectorized = vectorize_graph(graph.module, state, examples, chunk)
-    c.vectorized_slots = chunk if c.vectorized is not None else 1
-    return unchanged(graph)
+    examples = [torch.empty(info.shape, dtype=info.dtype, device=o.device)
+                for info in graph.user_inputs]
+    return vectorize_graph(graph.module, state, examples, chunk)
 
 
 def chunk_size(graph: Graph, slots: int) -> int:

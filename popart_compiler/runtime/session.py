@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from popart_compiler.backends.auto import AutoChooser, Lowering
 from popart_compiler.enums import CommGroupType, OutputMode
 from popart_compiler.errors import backend_error
 from popart_compiler.runtime.device import IpuModel
@@ -83,6 +84,14 @@ class Session(abc.ABC):
         self.torch_device = torch_device
         self.weights = DeviceWeights(executable, torch_device)
         self._runner = executable.runner or executable.module
+        self._vectorized = executable.vectorized
+        self._vectorized_slots = executable.vectorized_slots
+        #: the ``auto`` backend's choice between eager and Inductor, call by call
+        self.auto: Optional[AutoChooser] = None
+        if executable.alternative is not None:
+            self.auto = AutoChooser(
+                Lowering("eager", self._runner, self._vectorized, self._vectorized_slots),
+                self._compile_alternative, device=torch.device(torch_device).type)
         #: Several stages: micro-batches run through them in schedule order (S-63).
         self._staged = StagedProgram(executable.stages, wrap=executable.stage_runner) \
             if executable.stages is not None else None
@@ -94,6 +103,17 @@ class Session(abc.ABC):
         self.runs = 0
         self.clock = IterationClock(self.options.device_iterations)
         self._saved = SavedTensors()
+
+    def _compile_alternative(self) -> Lowering:
+        # pylint: disable=import-outside-toplevel
+        from popart_compiler.runtime.warm_up import precompile  # imports this module
+        return precompile(self.executable, self.executable.alternative(),
+                          self.weights.state(0))
+
+    def _use(self, lowering: Lowering) -> None:
+        self._runner = lowering.runner
+        self._vectorized = lowering.vectorized
+        self._vectorized_slots = lowering.vectorized_slots
 
     # -- weights IO -------------------------------------------------------------------
 
@@ -224,6 +244,20 @@ class Session(abc.ABC):
         """
         if self.options.synthetic_data:
             inputs = self._synthetic(inputs)
+        if self.auto is None:
+            outs = self._run_all_or_nothing(inputs)
+        else:
+            def on(lowering: Lowering) -> List[torch.Tensor]:
+                self._use(lowering)
+                return self._run_all_or_nothing(inputs)
+            outs = self.auto.run(on)
+        o = self.options
+        self.perf_counters = self.clock.counters(len(inputs), len(outs), returned_iterations(
+            o.output_mode, o.output_return_period, o.device_iterations))
+        self.runs += 1
+        return outs
+
+    def _run_all_or_nothing(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         self.clock = IterationClock(self.options.device_iterations)
         ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
         # All or nothing (S-73): whatever ends a run early (an error, a
@@ -238,10 +272,6 @@ class Session(abc.ABC):
                 with deferred_interrupts():
                     self._restore(snap, mutable)
             raise
-        o = self.options
-        self.perf_counters = self.clock.counters(len(inputs), len(outs), returned_iterations(
-            o.output_mode, o.output_return_period, o.device_iterations))
-        self.runs += 1
         return outs
 
     def _mutable_tensors(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -278,7 +308,6 @@ class InferenceSession(Session):
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         o = self.options
         d, r = o.device_iterations, o.replication_factor
-        exe = self.executable
         gm = self._runner
         since = time.perf_counter()
         if d * r == 1 and self._staged is None:
@@ -289,15 +318,15 @@ class InferenceSession(Session):
             self.clock.mark(0, 1, since)
             return self._finish([t.detach()[None, None, None] for t in outs])
         split = self._split(inputs)
-        if exe.vectorized is not None:
+        if self._vectorized is not None:
             xs = [t.reshape(d * r, *t.shape[3:]) for t in split]
-            c = exe.vectorized_slots
+            c = self._vectorized_slots
             state = self.weights.state(0)
             chunks = []
             with torch.no_grad():
                 for k in range(0, d * r, c):
                     since = time.perf_counter()
-                    chunks.append(exe.vectorized(*state, *[x[k:k + c] for x in xs]))
+                    chunks.append(self._vectorized(*state, *[x[k:k + c] for x in xs]))
                     self.clock.mark(k // r, (k + c - 1) // r - k // r + 1, since)
             outs = self._fresh([torch.cat(parts) if len(parts) > 1 else parts[0]
                                 for parts in zip(*chunks)], [*state, *xs])

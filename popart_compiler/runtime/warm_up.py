@@ -26,11 +26,13 @@ import torch
 from torch._functorch import config as functorch_config
 
 from popart_compiler.backends import inductor
+from popart_compiler.backends.auto import Lowering
+from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.runtime.device_state import DeviceWeights
 from popart_compiler.stages import Executable
 
-__all__ = ["warm_up"]
+__all__ = ["warm_up", "precompile"]
 
 
 def _example_inputs(exe: Executable, slots: int) -> Optional[List[torch.Tensor]]:
@@ -87,3 +89,27 @@ def warm_up(exe: Executable) -> None:
             # singular matrix, say), which says nothing about the user's inputs.
             logger.debug("The inductor kernels compiled; their trial run on zero "
                          "inputs raised %s: %s", type(e).__name__, e)
+
+
+def precompile(exe: Executable, lowering: Lowering, state: List[torch.Tensor]) -> Lowering:
+    """Compile the graph of ``lowering`` (the ``auto`` backend's inductor lowering)
+    that a session of ``exe`` calls, for the signature of its calls: ``state`` (the
+    session's device state of replica 0; only its shapes, strides, dtypes and
+    ``requires_grad`` are read) and inputs of the per-call shapes. Nothing runs: safe
+    in a background thread while the session runs. Returns ``lowering``.
+
+    Raises:
+        Error: an input's shape is unknown.
+        Exception: what TorchInductor raises when the graph cannot be compiled.
+    """
+    if lowering.vectorized is not None:
+        fn, inputs = lowering.vectorized, _example_inputs(exe, lowering.vectorized_slots)
+    else:
+        fn, inputs = lowering.runner, _example_inputs(exe, 0)
+    if inputs is None:
+        raise backend_error("an input's shape is unknown")
+    like = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            .requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in state]
+    fn.precompile([*like, *inputs], grad=exe.training)
+    return lowering

@@ -81,7 +81,7 @@ class CacheRequest:
         names: the bound argument names.
         num_positional: how many were passed positionally.
         device: the torch device the kernels run on.
-        backend: the compiler backend (``eager`` / ``inductor``).
+        backend: the compiler backend (``eager`` / ``inductor`` / ``auto``).
         version: the PopTorch version.
     """
     model: torch.nn.Module

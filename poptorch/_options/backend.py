@@ -5,7 +5,7 @@ documented in ``docs/backends.md``. Environment variables
 let unchanged PopTorch scripts switch backend:
 
 * ``POPTORCH_EXECUTION_DEVICE``: ``cpu`` (default) or ``cuda``.
-* ``POPTORCH_COMPILER``: ``eager`` (default) or ``inductor``.
+* ``POPTORCH_COMPILER``: ``eager`` (default), ``inductor`` or ``auto``.
 
 The values travel through ``Options.toDict()`` under the keys ``execution_device`` and
 ``compiler_backend`` into ``popart_compiler``'s ``SessionOptions.device`` /
@@ -25,8 +25,9 @@ __all__ = ["EXECUTION_DEVICES", "COMPILERS"]
 #: Accepted execution devices.
 EXECUTION_DEVICES = ("cpu", "cuda")
 #: Accepted compilers: ``eager`` runs the captured ATen graph with eager kernels;
-#: ``inductor`` compiles it with TorchInductor.
-COMPILERS = ("eager", "inductor")
+#: ``inductor`` compiles it with TorchInductor; ``auto`` starts eager and keeps
+#: whichever of the two runs the program faster (:mod:`popart_compiler.backends.auto`).
+COMPILERS = ("eager", "inductor", "auto")
 
 
 def _check(kind: str, value, allowed, env: str) -> str:
@@ -68,9 +69,11 @@ class _BackendOptions(OptionsDict):
 
     def compiler(self, compiler: str):
         """Compile the captured graphs with ``"eager"`` (default: PyTorch eager
-        kernels, no compilation) or ``"inductor"`` (TorchInductor: each program compiles
+        kernels, no compilation), ``"inductor"`` (TorchInductor: each program compiles
         while the model compiles, or at its first run; later runs with the same input
-        shapes reuse it). Returns self.
+        shapes reuse it) or ``"auto"`` (runs eager at once; once the program is hot,
+        TorchInductor compiles it in a background thread, both are timed on the real
+        calls and the faster is kept; see ``docs/backends.md``). Returns self.
 
         Raises:
             ValueError: an unknown compiler.
