@@ -21,6 +21,7 @@ import torch
 from popart_compiler.backends.auto import AutoChooser, Lowering
 from popart_compiler.enums import CommGroupType, OutputMode
 from popart_compiler.errors import backend_error
+from popart_compiler.runtime import warm_up
 from popart_compiler.runtime.device import IpuModel
 from popart_compiler.runtime.device_state import DEVICE_DTYPES, DeviceRng, DeviceWeights
 from popart_compiler.runtime.perf_counters import IterationClock, returned_iterations
@@ -105,9 +106,7 @@ class Session(abc.ABC):
         self._saved = SavedTensors()
 
     def _compile_alternative(self) -> Lowering:
-        # pylint: disable=import-outside-toplevel
-        from popart_compiler.runtime.warm_up import precompile  # imports this module
-        return precompile(self.executable, self.executable.alternative(),
+        return warm_up.precompile(self.executable, self.executable.alternative(),
                           self.weights.state(0))
 
     def _use(self, lowering: Lowering) -> None:
