@@ -11,7 +11,10 @@ import dataclasses
 import os
 from typing import Dict, Optional, Tuple
 
-__all__ = ["Variable", "VARIABLES", "text", "flag", "log_level", "log_dest",
+from popart_compiler.errors import backend_error
+
+__all__ = ["Variable", "VARIABLES", "text", "flag", "parse_flag", "FLAG_ON", "FLAG_OFF",
+           "log_level", "log_dest",
            "ipu_model_version", "engine_options_text", "ipu_model_flags", "verify_graphs",
            "strict_memory",
            "collective_timeout_text", "launcher", "TIMEOUT_ENV"]
@@ -59,13 +62,40 @@ def text(name: str) -> str:
     return os.environ.get(name, "").strip() or VARIABLES[name].default
 
 
-def flag(name: str) -> bool:
-    """Whether the integer variable ``name`` is set to a non-zero value (a value that
-    is not an integer counts as unset)."""
+#: Spellings of an on / off flag variable (case-insensitive); an integer is on when it
+#: is not 0.
+FLAG_ON = ("true", "yes", "on")
+FLAG_OFF = ("false", "no", "off")
+
+
+def parse_flag(name: str, value: str) -> bool:
+    """The on / off value of flag variable ``name`` set to ``value``: ``1`` (any
+    non-zero integer), ``true``, ``yes``, ``on`` are on; ``0``, ``false``, ``no``,
+    ``off`` and the empty string are off (case-insensitive, surrounding spaces
+    ignored).
+
+    Raises:
+        poptorch.Error: any other value (it names the variable and the spellings).
+    """
+    word = value.strip().lower()
+    if word in FLAG_ON or word in FLAG_OFF or word == "":
+        return word in FLAG_ON
     try:
-        return int(text(name) or "0") != 0
+        return int(word) != 0
     except ValueError:
-        return False
+        raise backend_error(f"{name}={value!r} is not an on / off value: set it to 1, "
+                            f"{', '.join(FLAG_ON)} (on) or 0, {', '.join(FLAG_OFF)} (off), "
+                            "or unset it.") from None
+
+
+def flag(name: str) -> bool:
+    """Whether the flag variable ``name`` is on (see :func:`parse_flag`; unset: its
+    default).
+
+    Raises:
+        poptorch.Error: a value that is not an on / off spelling.
+    """
+    return parse_flag(name, text(name))
 
 
 def log_level() -> str:

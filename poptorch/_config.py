@@ -62,9 +62,14 @@ def raw(name: str) -> str:
 
 
 def flag(name: str) -> bool:
-    """Whether ``name`` is set to something other than ``0``, ``false``, ``no``,
-    ``off`` or nothing."""
-    return text(name).lower() not in ("0", "", "false", "no", "off")
+    """Whether the flag variable ``name`` (this layer's or the compiler's) is on:
+    ``1``, ``true``, ``yes``, ``on``; off: ``0``, ``false``, ``no``, ``off``, unset
+    (:func:`popart_compiler.config.parse_flag`).
+
+    Raises:
+        poptorch.Error: another value.
+    """
+    return compiler_config.parse_flag(name, text(name))
 
 
 def cache_dir() -> str:
@@ -100,7 +105,7 @@ def ipu_model_version() -> str:
 def proto_export() -> tuple:
     """``(path, binary)`` of ``POPTORCH_EXPORT_PROTO_FILE`` (``path`` empty: off)."""
     return (os.environ.get("POPTORCH_EXPORT_PROTO_FILE", ""),
-            text("POPTORCH_EXPORT_PROTO_AS_BINARY").lower() in ("1", "true", "yes"))
+            flag("POPTORCH_EXPORT_PROTO_AS_BINARY"))
 
 
 def engine_options_text() -> str:

@@ -76,8 +76,8 @@ class Options(DeprecatedAnchorMode, OptionsDict):
                    "output_return_period": ("outputMode", 1),
                    "max_repeat_logs": ("maxRepeatLogs", 0)}
 
-    def __init__(self):
-        # 1. Sub-groups.
+    def __init__(self, *, _environment: bool = True):
+        # 1. Sub-groups. (_environment=False: built-in defaults only, without 5. and 6.)
         self._jit = _JitOptions()
         self._popart = _PopartOptions()
         self._training = _TrainingOptions(self._popart)
@@ -101,12 +101,12 @@ class Options(DeprecatedAnchorMode, OptionsDict):
             sync_pattern=enums.SyncPattern.Full.value, available_memory_proportion={},
             max_repeat_logs=4)
         # 5. Executable cache from the environment.
-        cache_dir = _config.cache_dir()
+        cache_dir = _config.cache_dir() if _environment else ""
         if cache_dir:
             logger.info("POPTORCH_CACHE_DIR is set: setting cache path to %s", cache_dir)
             self.enableExecutableCaching(cache_dir)
         # 6. Default options from the environment.
-        defaults = _config.default_options()
+        defaults = _config.default_options() if _environment else "{}"
         try:
             self.from_json(defaults)
         except (AssertionError, ValueError, AttributeError, TypeError) as err:

@@ -232,8 +232,9 @@ class PoplarExecutor:
         The format is described in ``docs/executables.md``.
 
         Args:
-            filename: the file; its parent directory is created. A directory gets
-                ``<dir>/model.poptorch`` (with a warning).
+            filename: the file; its parent directory is created. A directory, or a
+                path ending in a separator, gets ``<dir>/model.poptorch`` (with a
+                warning).
             export_model: also store the model (weights, layout and, if picklable,
                 the pickled Python object), the training optimizer and its state, so
                 that :func:`poptorch.load` can rebuild everything.
@@ -242,7 +243,8 @@ class PoplarExecutor:
         Raises:
             poptorch.Error: not compiled (``NO_EXECUTABLE``); nothing to export (no
                 device work); values that cannot be stored (custom-class constants,
-                custom-parser arguments, unsupported optimizer classes).
+                custom-parser arguments, unsupported optimizer classes); an empty
+                ``filename``; a ``filename`` that is a device, FIFO or socket.
             AssertionError: the parent of ``filename`` exists but is not a directory.
         """
         export.save(filename, lifecycle.saved(self._state, export_model, save_rng_state))

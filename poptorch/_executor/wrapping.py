@@ -58,10 +58,10 @@ def wrap_loaded(loaded: "export.Loaded") -> PoplarExecutor:
     st.per_replica_params.update(loaded.groupings)
     loaded.check(lifecycle.expected(st))
     executor._compile_from(loaded.program)
-    if loaded.training and st.session is not None:
+    if loaded.training:
         with loaded.part("optimizer.safetensors"):
-            export.write_device_state(st.binding.optimizer, st.session,
-                                      loaded.optimizer_state)
+            export.restore_state(st.binding, st.session, loaded.optimizer_state,
+                                 loaded.offline)
     if loaded.rng_state is not None:
         with loaded.part("metadata.json.rng_state"):
             executor.rng_state = loaded.rng_state

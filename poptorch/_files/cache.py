@@ -31,8 +31,11 @@ fills the entry, the others wait and load it. A process waits for a lock at most
 ``POPTORCH_CACHE_LOCK_TIMEOUT`` seconds (default :data:`DEFAULT_LOCK_TIMEOUT_S`),
 logging at INFO which entry it waits for; after that it compiles without the cache and
 says so in a warning. An entry that cannot be read, is malformed in any way or does
-not fit the model (its weights, inputs) gives one warning, is deleted and rebuilt: a
-bad entry never makes a compile fail. The directory is never pruned. Unlike the Poplar
+not fit the model (its weights, inputs) gives one warning ("Invalid file <entry>:
+<what is wrong>"), is deleted and rebuilt: a bad entry never makes a compile fail. An
+entry path that is not a regular file (a directory, symbolic link, FIFO, device) is
+never read, deleted or replaced: one warning, and the executable is compiled without
+the cache. The directory is never pruned. Unlike the Poplar
 IPU Model, caching works on our IPU Model.
 """
 from __future__ import annotations
@@ -41,7 +44,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import stat
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -56,7 +58,9 @@ from poptorch._files.code_digest import code_digest
 from poptorch._files.structure import encode_spec
 from poptorch._logging import logger
 from poptorch._files.program import Program, from_blobs, structure_of, to_blobs
-from poptorch._files.container import FORMAT_VERSION, encode, read_container, write_container
+from poptorch._files.schema import Invalid, invalid_file
+from poptorch._files.container import (FORMAT_VERSION, encode, not_regular, read_container,
+                                       write_container)
 
 __all__ = ["CacheRequest", "cache_directory", "cache_key", "obtain_program",
            "lock_timeout", "LOCK_TIMEOUT_ENV", "DEFAULT_LOCK_TIMEOUT_S"]
@@ -250,12 +254,13 @@ def _load_entry(path: str, request: CacheRequest) -> Optional[Program]:
             raise backend_error(f"Invalid file {path}: {reason}")
         program = from_blobs(blobs, path)
     except Exception as exc:  # noqa: BLE001 - whatever is wrong, the entry is rebuilt
-        message = exc.message if isinstance(exc, Error) else f"{type(exc).__name__}: {exc}"
+        message = exc.message if isinstance(exc, Error) else invalid_file(
+            path, exc if isinstance(exc, Invalid) else
+            f"{type(exc).__name__}: {exc}").message
         logger.warning("Discarding the unusable executable cache entry %s (%s): it is "
                        "rebuilt.", path, message)
         try:
-            if stat.S_ISREG(os.lstat(path).st_mode):  # never a link, FIFO, device
-                os.unlink(path)
+            os.unlink(path)  # a regular file (obtain_program leaves anything else)
         except OSError as unlink_error:
             logger.debug("Could not delete %s: %s", path, unlink_error)
         return None
@@ -314,6 +319,12 @@ def obtain_program(request: CacheRequest, capture: Callable[[], Program]) -> Pro
                        directory, exc)
         return capture()
     try:
+        what = not_regular(path)
+        if what is not None:
+            logger.warning("The executable cache entry %s is %s, which the cache never "
+                           "reads, deletes or replaces: compiling without the cache "
+                           "(remove it to cache this executable again).", path, what)
+            return capture()
         program = _load_entry(path, request)
         if program is not None:
             return program

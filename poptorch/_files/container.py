@@ -37,7 +37,7 @@ import os
 import stat
 import tempfile
 import zipfile
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from safetensors.torch import load as _st_load
@@ -75,6 +75,26 @@ def _write_blobs(stream, blobs: Dict[str, bytes]) -> None:
             archive.writestr(name, data)
 
 
+def kind_of(mode: int) -> str:
+    """What a file of ``os.stat`` mode ``mode`` is, for messages ("a directory")."""
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def not_regular(path: str) -> Optional[str]:
+    """What ``path`` is when it exists and is not a regular file (a link, directory,
+    device, FIFO or socket: never replaced), else ``None``."""
+    if not os.path.lexists(path):
+        return None
+    mode = os.lstat(path).st_mode
+    return None if stat.S_ISREG(mode) else kind_of(mode)
+
+
 def write_container(path: str, blobs: Dict[str, bytes]) -> None:
     """Atomically write ``blobs`` as a container at ``path``.
 
@@ -86,9 +106,10 @@ def write_container(path: str, blobs: Dict[str, bytes]) -> None:
         OSError: the directory is not writable.
         poptorch.Error: ``path`` exists and is not a regular file (never replaced).
     """
-    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
-        raise backend_error(f"Cannot write {path}: it exists and is not a regular file "
-                            "(a link, device, FIFO or directory), which is never replaced.")
+    what = not_regular(path)
+    if what is not None:
+        raise backend_error(f"Cannot write {path}: it exists and is {what}, which is "
+                            "never replaced.")
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".poptorch", dir=directory)
     try:
@@ -170,12 +191,11 @@ def read_container(path: str) -> Dict[str, bytes]:
             manifest = json.loads(_read_capped(archive, infos[_MANIFEST],
                                                MAX_MANIFEST_BYTES))
             if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-                raise invalid(f"unknown format "
-                              f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r} "
-                              f"(expected {FORMAT!r})")
+                shown = manifest.get("format") if isinstance(manifest, dict) else manifest
+                raise invalid(f"unknown format {shown!r} (expected {FORMAT!r})")
             version = manifest.get("format_version")
-            if version != FORMAT_VERSION:
-                raise invalid(f"format version {version} is not supported by this "
+            if type(version) is not int or version != FORMAT_VERSION:
+                raise invalid(f"format version {version!r} is not supported by this "
                               f"PopTorch (which reads version {FORMAT_VERSION}): export "
                               "the model again with this version")
             entries = manifest.get("blobs")

@@ -29,17 +29,18 @@ from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.stages import Executable
 from poptorch import enums
 from poptorch._executor import instrument
-from poptorch._files.container import decode, encode, tensors_to_bytes, write_container
+from poptorch._files.container import (decode, encode, kind_of, tensors_to_bytes,
+                                       write_container)
 from poptorch._files.exported_file import CheckedFile, check_file, read_file
 from poptorch._files.optimizer_record import (device_state_of, optimizer_record,
-                                              rebuild_optimizer, write_device_state)
+                                              rebuild_optimizer, restore_state)
 from poptorch._files.program import Program, from_blobs, to_blobs
 from poptorch._files.schema import Invalid, invalid_file
 from poptorch._files.structure import decode_signature, encode_signature
 from poptorch._logging import logger
 
 __all__ = ["Saved", "Expected", "Loaded", "save", "load_executable", "read_exported",
-           "import_metadata", "write_device_state", "from_file", "ExportedModel"]
+           "import_metadata", "restore_state", "from_file", "ExportedModel"]
 
 #: Options that may differ between the saving and the loading executor (S-62: only
 #: run-time options matter after loading).
@@ -54,20 +55,25 @@ _RUNTIME_OPTIONS = frozenset({
 
 def _target_path(filename: str) -> str:
     """The regular file ``save`` writes (api §5.5): the parent directory is created;
-    ``<dir>/model.poptorch`` when ``filename`` is a directory; a symbolic link to a
+    ``<dir>/model.poptorch`` when ``filename`` is a directory or ends with a path
+    separator (the directory is then created if needed); a symbolic link to a
     regular file is written through (the file it points to is replaced, the link
     kept).
 
     Raises:
         AssertionError: the parent of ``filename`` is not a directory (as PopTorch).
-        poptorch.Error: ``filename`` exists and is not a regular file (a device such as
+        poptorch.Error: ``filename`` is empty; ``filename`` exists and is not a regular file (a device such as
             ``/dev/null``, a FIFO, a socket) or is a link to one or to nothing: it is
             never replaced.
     """
     filename = os.fspath(filename)
-    if os.path.isdir(filename):
+    if not isinstance(filename, str) or not filename:
+        raise backend_error(f"Cannot save to {filename!r}: give the path of a file (or "
+                            "of a directory, to save to <dir>/model.poptorch).")
+    if os.path.isdir(filename) or filename.endswith(("/", os.sep)):
         path = os.path.join(filename, "model.poptorch")
-        logger.warning("save(): %s is a directory: saving to %s", filename, path)
+        logger.warning("save(): %s %s: saving to %s", filename, "is a directory" if
+                       os.path.isdir(filename) else "ends with a path separator", path)
         filename = path
     target = os.path.realpath(filename) if os.path.islink(filename) else filename
     if os.path.lexists(filename):
@@ -77,9 +83,7 @@ def _target_path(filename: str) -> str:
                                 "the link or save to another path.")
         mode = os.stat(target).st_mode
         if not stat.S_ISREG(mode):
-            what = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
-                "a FIFO" if stat.S_ISFIFO(mode) else \
-                "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+            what = kind_of(mode)
             shown = filename if target == filename else f"{filename} (-> {target})"
             raise backend_error(f"Cannot save to {shown}: it exists and is {what}, which "
                                 "save() never replaces. Save to a regular file path.")
@@ -380,6 +384,8 @@ class Loaded:
         rng_state: the stored RNG state, or ``None``.
         version: the PopTorch version that wrote it (this one).
         checked: the checked parts of the file.
+        offline: it was compiled without a device (``connectionType Never``), so it
+            stores no optimizer device state.
     """
     filename: str
     options: Any
@@ -392,6 +398,7 @@ class Loaded:
     rng_state: Optional[list]
     version: str
     checked: CheckedFile = dataclasses.field(repr=False, default=None)
+    offline: bool = False
 
     def check(self, expected: Expected) -> None:
         """Raise unless the stored program fits the wrapper built for it.
@@ -429,7 +436,8 @@ def read_exported(filename: str, version: str, edit_opts_fn: Optional[Callable] 
     options = decode(meta["options"])  # a copy: checked.options is what the file holds
     options._unfreeze()
     options.deleteIfExists("ipu_version")
-    if options.connection_type == enums.ConnectionType.Never.value:
+    offline = options.connection_type == enums.ConnectionType.Never.value
+    if offline:
         options.connectionType(enums.ConnectionType.Always)
     if edit_opts_fn is not None:
         edit_opts_fn(options)
@@ -443,4 +451,5 @@ def read_exported(filename: str, version: str, edit_opts_fn: Optional[Callable] 
                                           params)
     return Loaded(filename, options, model, bool(meta["training"]), optimizer,
                   blobs.get("optimizer.safetensors", b""), checked.program,
-                  dict(checked.groupings), meta.get("rng_state"), version, checked)
+                  dict(checked.groupings), meta.get("rng_state"), version, checked,
+                  offline=offline)

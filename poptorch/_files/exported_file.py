@@ -147,8 +147,13 @@ def check_file(path: str, blobs: Dict[str, bytes], meta: Dict[str, Any],
                        else None))
         if with_model:
             checked.weights = _check_weights(meta, blobs, structure)
-            if meta["training"] and "optimizer" in meta and \
-                    "optimizer.safetensors" not in blobs:
+            if meta["export_model"] and meta["training"] != ("optimizer" in meta):
+                raise fs.Invalid(
+                    f"metadata.json: training is {str(meta['training']).lower()} but "
+                    f"the file {'holds no' if meta['training'] else 'holds an'} "
+                    "optimizer (an exported training executable always holds one, an "
+                    "inference executable none)")
+            if meta["training"] and "optimizer.safetensors" not in blobs:
                 raise fs.Invalid("the blob optimizer.safetensors is missing")
     except fs.Invalid as exc:
         raise fs.invalid_file(path, exc) from None

@@ -9,6 +9,8 @@ the device optimizer state (``ipu_state`` / ``ipu_param``).
 """
 from __future__ import annotations
 
+import collections
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -21,7 +23,7 @@ from poptorch._files.shapes import checked_tensors, decoded
 from poptorch._files.container import encode, tensors_from_bytes, tensors_to_bytes
 
 __all__ = ["device_state_of", "optimizer_record", "rebuild_optimizer",
-           "write_device_state"]
+           "restore_state"]
 
 _CLASSES = {f"poptorch.optim.{c.__name__}": c for c in (
     optim.SGD, optim.Adam, optim.AdamW, optim.RMSprop, optim.LAMB)}
@@ -30,6 +32,8 @@ _CLASSES.update({f"torch.optim.{c.__name__}": c for c in (
 _KEY_OF = {cls: key for key, cls in _CLASSES.items()}
 #: PopTorch attributes restored on the rebuilt optimizer.
 _ATTRIBUTES = optim.ATTRIBUTES
+#: The parts of a stored optimizer state: device state and hyper-parameter tensors.
+_STATE_PARTS = ("ipu_state", "ipu_param")
 
 
 def device_state_of(optimizer: torch.optim.Optimizer, session: Any
@@ -42,16 +46,49 @@ def device_state_of(optimizer: torch.optim.Optimizer, session: Any
     return session.readOptimizerState()
 
 
-def write_device_state(optimizer: torch.optim.Optimizer, session: Any,
-                       state_bytes: bytes) -> None:
-    """Write the ``torch.optim`` device state :func:`device_state_of` stored to the
-    compiled ``session`` (``poptorch.optim`` state is uploaded by the executor)."""
-    if isinstance(optimizer, optim.Optimizer):
+def restore_state(binding: Any, session: Any, state_bytes: bytes,
+                  offline: bool) -> None:
+    """Write the device optimizer state a file stores (``optimizer.safetensors``, read
+    by :func:`rebuild_optimizer`) to the compiled ``session`` of ``binding`` (the
+    executor's optimizer binding), so that training continues exactly where it was
+    saved.
+
+    The stored ``ipu_state`` must name exactly the state tensors of the compiled
+    optimizer, with their shapes; only a file compiled offline (``connectionType
+    Never``, no device at save) may store none.
+
+    Raises:
+        Invalid: a missing, unknown or misshapen state tensor ("optimizer.safetensors:
+            ..."), or one the device refuses.
+    """
+    tensors = tensors_from_bytes(state_bytes)
+    parts = {part: {k.split("/", 1)[1]: v for k, v in tensors.items()
+                    if k.startswith(part + "/")} for part in _STATE_PARTS}
+    state = parts["ipu_state"]
+    optimizer = binding.optimizer
+    if session is None:  # uploaded when a device is attached
+        if tensors and isinstance(optimizer, optim.Optimizer):
+            optimizer.set_state_dict(parts)
         return
-    prefix = "ipu_state/"
-    state = {k[len(prefix):]: v for k, v in tensors_from_bytes(state_bytes).items()
-             if k.startswith(prefix)}
-    if state:
+    if tensors or not offline:
+        expected = session.readOptimizerState()
+        missing = sorted(set(expected) - set(state))
+        unknown = sorted(set(state) - set(expected))
+        if missing or unknown:
+            raise Invalid(f"optimizer.safetensors: {'missing' if missing else 'unknown'} "
+                          f"optimizer state ipu_state/{(missing or unknown)[0]} (the "
+                          f"compiled {type(optimizer).__name__} has "
+                          f"{len(expected)} state tensors, the file {len(state)})")
+        for name, value in state.items():
+            if list(value.shape) != list(expected[name].shape):
+                raise Invalid(f"optimizer.safetensors: optimizer state ipu_state/{name} "
+                              f"has shape {list(value.shape)} but the compiled optimizer "
+                              f"expects {list(expected[name].shape)}")
+    if isinstance(optimizer, optim.Optimizer):
+        if tensors:
+            optimizer.set_state_dict(parts)
+            binding.write_pending_state(session)
+    elif state:
         session.checkOptimizerState(state)
         session.writeOptimizerState(state)
 
@@ -81,7 +118,7 @@ def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, st
     tensors: Dict[str, torch.Tensor] = {}
     if isinstance(optimizer, optim.Optimizer) and optimizer.has_state():
         state = optimizer.get_state_dict()
-        for part in ("ipu_state", "ipu_param"):
+        for part in _STATE_PARTS:
             for name, value in (state.get(part) or {}).items():
                 tensors[f"{part}/{name}"] = value
     for name, value in (device_state or {}).items():
@@ -91,7 +128,8 @@ def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, st
 
 def _check_hyper(hyper: Any, reference: Dict[str, Any], where: str) -> None:
     """Hyper-parameters of the types the optimizer class uses: numbers, booleans,
-    ``None`` (``foreach``, ``fused``) and tuples of numbers (``betas``)."""
+    ``None`` (``foreach``, ``fused``) and tuples of numbers (``betas``); every
+    hyper-parameter of the class present, its numbers finite and not negative."""
     def number(v: Any) -> bool:
         return type(v) in (int, float)
 
@@ -106,14 +144,21 @@ def _check_hyper(hyper: Any, reference: Dict[str, Any], where: str) -> None:
                 all(number(v) for v in value)
         else:  # numbers, and entries such as an LR scheduler's initial_lr
             ok = number(value) or value is None and name not in reference
+        numbers = value if isinstance(value, tuple) else (value,)
+        if ok and name in reference and not all(
+                isinstance(v, bool) or v is None or 0 <= v < math.inf for v in numbers):
+            ok = False  # torch.optim refuses negative (and NaN) rates, decays, ...
         if not ok:
             raise Invalid(f"{where}: {name} = {value!r} is not a valid value")
+    missing = sorted(set(reference) - set(hyper))
+    if missing:
+        raise Invalid(f"{where}: the hyper-parameter {missing[0]!r} is missing")
 
 
 def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
                       params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer :func:`optimizer_record` described, over ``params`` (by name),
-    with its device state pending upload. ``settings`` has the shape
+    """The optimizer :func:`optimizer_record` described, over ``params`` (by name);
+    its device state is written by :func:`restore_state` once compiled. ``settings`` has the shape
     :data:`poptorch._file_shapes.OPTIMIZER`.
 
     Raises:
@@ -144,8 +189,16 @@ def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
         if missing:
             raise Invalid(f"metadata.json.optimizer: the optimizer refers to parameters "
                           f"{missing} that the model does not have")
+        twice = sorted(n for n, k in collections.Counter(group["params"]).items() if k > 1)
+        if twice:
+            raise Invalid(f"metadata.json.optimizer: a param group lists {twice[0]!r} "
+                          "more than once")
         groups.append({**hyper, "params": [params[n] for n in group["params"]]})
-    tensors = checked_tensors(state_bytes, "optimizer.safetensors")
+    unknown = sorted(n for n in checked_tensors(state_bytes, "optimizer.safetensors")
+                     if n.split("/", 1)[0] not in _STATE_PARTS)
+    if unknown:
+        raise Invalid(f"optimizer.safetensors: unexpected tensor {unknown[0]!r} (not "
+                      "ipu_state/... or ipu_param/...)")
     try:
         optimizer = cls(groups, lr=defaults.get("lr", groups[0].get("lr")))
         optimizer.defaults.clear()
@@ -154,11 +207,6 @@ def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
             optimizer.param_groups[index].update(hyper)
         for name, value in attributes.items():
             optimizer.__dict__[name] = value
-        if tensors and isinstance(optimizer, optim.Optimizer):
-            optimizer.set_state_dict({
-                part: {k.split("/", 1)[1]: v for k, v in tensors.items()
-                       if k.startswith(part + "/")}
-                for part in ("ipu_state", "ipu_param")})
     except Error as exc:
         raise Invalid(f"metadata.json.optimizer: {exc.message}") from None
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:

@@ -201,6 +201,12 @@ def _leaves(spec: Optional[Spec]) -> List[Spec]:
     return [leaf for child in (spec.children or []) for leaf in _leaves(child)]
 
 
+def _dims(shape) -> tuple:
+    """A shape as compared between a structure and its program: the rank and all but
+    the (batch) first dimension."""
+    return len(shape), tuple(shape)[1:]
+
+
 def _check_consistent(captured: Captured, program: "Program",
                       structure: Dict[str, Any]) -> None:
     """The stored structure matches the stored program (same inputs, outputs and
@@ -209,18 +215,24 @@ def _check_consistent(captured: Captured, program: "Program",
     exported = graph.program
     # The stored input structure is that of a whole call; the program's inputs are one
     # micro-batch of it (float64 inputs demoted): compare all but the batch dimension.
-    inputs = [(len(s.meta[1]), tuple(s.meta[1])[1:]) for s in _leaves(program.input_spec)]
-    actual = [(len(i.shape), tuple(i.shape)[1:]) if i is not None else None
-              for i in graph.user_inputs]
+    inputs = [_dims(s.meta[1]) for s in _leaves(program.input_spec)]
+    actual = [_dims(i.shape) if i is not None else None for i in graph.user_inputs]
     if inputs != actual:
         raise fs.Invalid(f"structure.json: the inputs {inputs} do not match the "
                          f"program's {actual}")
     leaves = captured.output_leaves
-    if len(leaves) != len(_leaves(captured.output_spec)) or any(
+    specs = _leaves(captured.output_spec)
+    if len(leaves) != len(specs) or any(
             i is not None and i >= graph.num_user_outputs for i in leaves) or \
             sum(i is None for i in leaves) != len(captured.host_outputs):
         raise fs.Invalid("structure.json: output_leaves do not match the program's "
                          "outputs")
+    outputs = [_dims(s.meta[1]) for s, i in zip(specs, leaves) if i is not None]
+    actual = [_dims(graph.user_outputs[i].shape) if graph.user_outputs[i] is not None
+              else None for i in leaves if i is not None]
+    if outputs != actual:
+        raise fs.Invalid(f"structure.json: the outputs {outputs} do not match the "
+                         f"program's {actual}")
     signature = {e["name"]: e for e in structure["state"]}
     for spec in exported.graph_signature.input_specs:
         if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER) or \

@@ -175,14 +175,19 @@ def check_signature(data: Optional[list], where: str) -> inspect.Signature:
 
 # -- options --------------------------------------------------------------------------
 
-def _same_layout(value: Any, default: Any, where: str, depth: int = 0) -> None:
+def _same_layout(value: Any, default: Any, where: str, depth: int = 0,
+                 complete: bool = False) -> None:
     """``value`` (decoded from a file) has the attributes and value types of
-    ``default`` (a fresh object of the same kind)."""
+    ``default`` (a fresh object of the same kind); ``complete``: a dict that must have
+    every key of ``default`` (the values of an options group)."""
     if depth > 32:
         raise fs.Invalid(f"{where}: nested too deeply")
     if isinstance(default, dict):
         if not isinstance(value, dict):
             fs._fail(where, "a dict", value)
+        missing = sorted(set(default) - set(value), key=str) if complete else []
+        if missing:
+            raise fs.Invalid(f"{where}: the option {missing[0]!r} is missing")
         for key, item in value.items():
             if key in default:
                 _same_layout(item, default[key], f"{where}[{key!r}]", depth + 1)
@@ -198,7 +203,8 @@ def _same_layout(value: Any, default: Any, where: str, depth: int = 0) -> None:
                 raise fs.Invalid(f"{where}: {'missing' if missing else 'unknown'} "
                                  f"attribute {(missing or unknown)[0]!r}")
             for key, item in vars(value).items():
-                _same_layout(item, vars(default)[key], f"{where}.{key}", depth + 1)
+                _same_layout(item, vars(default)[key], f"{where}.{key}", depth + 1,
+                             complete=key == "_values")
         return
     if default is None or value is None:
         return
@@ -226,7 +232,9 @@ def checked_options(value: Any, where: str):
     options = decoded(value, where)
     if type(options) is not Options:
         fs._fail(where, "poptorch.Options", options)
-    _same_layout(options, Options(), where)
+    # the built-in defaults: the environment (POPTORCH_DEFAULT_OPTIONS) may create
+    # options that the saving process did not have
+    _same_layout(options, Options(_environment=False), where)
     try:
         values = options.toDict()
         values.pop("compilation_progress_bar_fn", None)

@@ -18,11 +18,13 @@ import tracemalloc
 import zipfile
 
 import pytest
+import sympy
 import torch
 
 import poptorch
 from poptorch._files import container as _serialization
 from poptorch._files.program import _deserialize_program, _program_state, structure_of
+from poptorch._files.sym_expr import check_expression
 
 try:
     from .test_precompilation import Net, data
@@ -103,11 +105,22 @@ def _pytree_import(doc, code):
                                 "name": "a"}])}])
 
 
+def _pow_tower(depth):
+    """``Pow(...Pow(Integer(99...9), Integer(64))..., Integer(64))``: small exponents,
+    but SymPy evaluates it into an integer of 133 * 64**depth bits."""
+    text = "Integer(" + "9" * 40 + ")"
+    for _ in range(depth):
+        text = f"Pow({text}, Integer(64))"
+    return text
+
+
 #: Payloads that run code when torch deserializes the program.
 PAYLOADS = {"size expression": _size, "stride expression": _stride,
             "placeholder name": _placeholder_name, "pytree context import": _pytree_import}
-#: Also refused (torch happens not to evaluate this one first, today).
-REFUSED = {**PAYLOADS, "storage offset expression": _offset}
+#: Also refused (torch happens not to evaluate this one first, today); the power tower
+#: runs no code but SymPy would compute for hours (64**4 * 133 bits).
+REFUSED = {**PAYLOADS, "storage offset expression": _offset,
+           "size SymPy cannot evaluate": lambda doc, code: _size(doc, _pow_tower(4))}
 
 
 @pytest.fixture
@@ -183,6 +196,42 @@ def test_symbolic_values_torch_writes_are_accepted(tmp_path, captures):
     assert len(captures) == 2  # the export and the first cached compile
 
 
+@pytest.mark.parametrize("text", [
+    "Pow(Symbol('s0', integer=True, positive=True), Integer(64))",
+    "Mul(Integer(-1), Pow(Symbol('s0'), Integer(-1)))",
+    "Pow(Integer(-1), Symbol('s1'))", "RShift(Symbol('s0'), Symbol('s1'))",
+    "FloorToInt(Float('1.5e300', precision=53))",
+    "Pow(Integer(" + "9" * 40 + "), Integer(60))",  # 7973 bits
+    # the size of a concatenation of 200 dynamic tensors: a sum of integers grows by
+    # 8 bits, not 200 * 64
+    "Add(" + ", ".join(f"Symbol('s{i}', integer=True)" for i in range(200)) + ")"])
+def test_symbolic_values_of_bounded_size_are_accepted(text):
+    check_expression(text)
+
+
+@pytest.mark.parametrize("text, reason", [
+    (_pow_tower(2), "more than 8192 bits"), (_pow_tower(4), "more than 8192 bits"),
+    ("Mul(" + ", ".join(["Pow(Symbol('s0'), Integer(64))"] * 3) + ")",
+     "more than 8192 bits"),  # 3 * 64 * 64 bits once torch substitutes int64 hints
+    ("FloorToInt(Float('1e9999'))", "more than 8192 bits"),
+    (("Add(Rational(1, " + "9" * 40 + "), ") * 62 + "Integer(1)" + ")" * 62,
+     "more than 8192 bits"),  # denominators multiply
+    ("Pow(Integer(2), Symbol('s0'))", "not an integer literal"),
+    ("LShift(Integer(1), Symbol('u0'))", "not an integer literal"),
+    ("Pow(Symbol('s0'), Integer(65))", "magnitude above 64")])
+def test_symbolic_values_sympy_would_blow_up_are_refused(text, reason):
+    """Refused while parsing, before SymPy evaluates anything (issue 19: no resource
+    blow-ups): the parser bounds the bits of every number the expression stands for."""
+    with pytest.raises(ValueError, match=reason):
+        check_expression(text)
+
+
+def test_the_power_tower_is_a_real_blow_up():
+    """SymPy evaluates the refused tower of depth 2 into a 544 768-bit integer (depth
+    4, the payload above: 2**31 bits)."""
+    assert sympy.sympify(_pow_tower(2)).p.bit_length() > 500_000
+
+
 @pytest.mark.parametrize("target", [
     "torch.os.system", "builtins.eval", "torch.ops.aten.save.default",
     "torch.ops.aten.from_file.default", "torch.ops.load_library",
@@ -219,21 +268,37 @@ def test_program_metadata_is_reduced_to_what_the_compiler_reads(files, tmp_path)
 
 # -- item 2: malformed parts ----------------------------------------------------------
 
+def _at(doc, path):
+    """The part of ``doc`` at ``path``; a key ``"*name"`` is the value of the entry
+    ``name`` of a tagged dict (``{"__dict__": [[k, v], ...]}``)."""
+    for key in path:
+        doc = dict(doc["__dict__"])[key[1:]] if str(key).startswith("*") else doc[key]
+    return doc
+
+
 def _set(path, value):
     def edit(doc):
-        target = doc
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
+        _at(doc, path[:-1])[path[-1]] = value
     return edit
 
 
 def _delete(path):
     def edit(doc):
-        target = doc
-        for key in path[:-1]:
-            target = target[key]
-        del target[path[-1]]
+        del _at(doc, path[:-1])[path[-1]]
+    return edit
+
+
+def _drop_entry(path, name):
+    def edit(doc):
+        entries = _at(doc, path)["__dict__"]
+        entries[:] = [kv for kv in entries if kv[0] != name]
+    return edit
+
+
+def _set_entry(path, name, value):
+    def edit(doc):
+        entries = _at(doc, path)["__dict__"]
+        entries[:] = [[k, value if k == name else v] for k, v in entries]
     return edit
 
 
@@ -248,6 +313,15 @@ MALFORMED = {
         '["device_iterations", 1]', '["device_iterations", "many"]')), "options"),
     "options naming a foreign class": ("metadata.json", _set(["options"], {
         "__object__": "os:system", "state": {"__dict__": []}}), "options"),
+    "option missing": ("metadata.json", _drop_entry(["options", "state", "*_values"],
+                                                    "replication_factor"),
+                       r"options\._values: the option 'replication_factor' is missing"),
+    "training without optimizer": ("metadata.json", _set(["training"], True),
+                                   "training is true but the file holds no optimizer"),
+    "output shape not the program's": ("structure.json", _set(["outputs", "shape"],
+                                                              [8, 10**9]),
+                                       r"the outputs \[\(2, \(1000000000,\)\)\] do "
+                                       r"not match the program's \[\(2, \(4,\)\)\]"),
     "weights layout a list": ("metadata.json", _set(["weights"], []), "weights"),
     "weights missing a tensor": ("metadata.json", _set(["weights", "kinds", "extra"],
                                                        "parameter"), "weights"),
@@ -314,6 +388,19 @@ def test_weights_must_match_the_program(files, tmp_path):
     (_set(["optimizer", "attributes"], {"__dict__": [["zero_grad", 1]]}),
      "unknown attribute 'zero_grad'"),
     (_set(["optimizer", "groups"], "all"), r"optimizer\.groups"),
+    (_drop_entry(["optimizer", "defaults"], "lr"),
+     "optimizer.defaults: the hyper-parameter 'lr' is missing"),
+    (_drop_entry(["optimizer", "groups", 0, "hyper"], "momentum"),
+     r"groups\[0\]\.hyper: the hyper-parameter 'momentum' is missing"),
+    (_set_entry(["optimizer", "groups", 0, "hyper"], "lr", -1.0),
+     r"groups\[0\]\.hyper: lr = -1.0 is not a valid value"),
+    (_set_entry(["optimizer", "groups", 0, "hyper"], "lr", float("inf")),
+     r"groups\[0\]\.hyper: lr = inf is not a valid value"),
+    (_set_entry(["optimizer", "defaults"], "momentum", float("nan")),
+     "defaults: momentum = nan is not a valid value"),
+    (lambda d: d["optimizer"]["groups"][0]["params"].append(
+        d["optimizer"]["groups"][0]["params"][0]), "lists 'fc1.weight' more than once"),
+    (_set(["training"], False), "training is false but the file holds an optimizer"),
 ])
 def test_malformed_optimizer_records(files, tmp_path, edit, where):
     path = craft(files / "train.poptorch", tmp_path / "opt.poptorch", "metadata.json",
@@ -457,14 +544,47 @@ def test_save_writes_through_a_link_to_a_regular_file(compiled, tmp_path):
     torch.testing.assert_close(poptorch.load(str(link))(x), compiled(x), rtol=0, atol=0)
 
 
-def test_cache_entries_are_never_written_over_special_files(tmp_path, poptorch_logs):
-    """A FIFO planted under an entry's name is left alone; the compile still works."""
+@pytest.mark.parametrize("plant, what", [
+    (os.mkfifo, "a FIFO"), (os.mkdir, "a directory"),
+    (lambda p: os.symlink("/dev/zero", p), "a symbolic link"),
+    (lambda p: os.symlink("/nonexistent/entry", p), "a symbolic link")],
+    ids=["fifo", "directory", "link_to_dev_zero", "dangling_link"])
+def test_cache_entries_are_never_written_over_special_files(tmp_path, poptorch_logs,
+                                                            plant, what):
+    """Something planted under an entry's name is left alone; the compile works, with
+    one warning (not a "rebuilt" warning and then a "could not write" one)."""
     x, _ = data()
     model = Net().eval()
     opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
     poptorch.inferenceModel(model, opts)(x)
     (entry,) = tmp_path.glob("*.poptorch")
     entry.unlink()
-    os.mkfifo(entry)
+    plant(str(entry))
+    kind = os.lstat(entry).st_mode
+    poptorch_logs.clear()
+    for _ in range(2):
+        torch.testing.assert_close(poptorch.inferenceModel(model, opts)(x), model(x))
+    warnings = [r.getMessage() for r in poptorch_logs.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings  # one per compile
+    assert all(f"entry {entry} is {what}, which the cache never reads" in w
+               for w in warnings)
+    assert os.lstat(entry).st_mode == kind
+
+
+def test_a_bad_cache_entry_warning_names_the_entry(tmp_path, poptorch_logs):
+    x, _ = data()
+    model = Net().eval()
+    opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
+    poptorch.inferenceModel(model, opts)(x)
+    (entry,) = tmp_path.glob("*.poptorch")
+    craft(entry, entry, "structure.json", _set(["state"], {"a": 1}))
+    poptorch_logs.clear()
     torch.testing.assert_close(poptorch.inferenceModel(model, opts)(x), model(x))
-    assert stat.S_ISFIFO(os.lstat(entry).st_mode)
+    (warning,) = [r.getMessage() for r in poptorch_logs.records
+                  if r.levelname == "WARNING"]
+    assert f"(Invalid file {entry}: structure.json.state: expected a list" in warning
+    assert "it is rebuilt" in warning
+    poptorch_logs.clear()
+    poptorch.inferenceModel(model, opts)(x)  # rebuilt: loaded without a warning
+    assert [r for r in poptorch_logs.records if r.levelname == "WARNING"] == []
+    assert "Loaded the executable from the cache" in poptorch_logs.text

@@ -168,3 +168,41 @@ def test_default_options_that_are_not_json(monkeypatch):
     monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", "notjson")
     with pytest.raises(ValueError, match="POPTORCH_DEFAULT_OPTIONS='notjson': Expecting"):
         poptorch.Options()
+
+
+@pytest.mark.parametrize("value, on", [
+    ("1", True), ("true", True), ("YES", True), (" On ", True), ("2", True),
+    ("0", False), ("false", False), ("No", False), ("off", False), ("", False)])
+def test_flag_variables_accept_the_usual_spellings(monkeypatch, value, on):
+    """Every on / off variable reads the same spellings (``true`` was silently off for
+    POPTORCH_IPU_MODEL_STRICT_MEMORY)."""
+    from popart_compiler import config as compiler_config
+    from poptorch import _config
+    for name in ("POPTORCH_IPU_MODEL_STRICT_MEMORY", "POPTORCH_SMALL_IPU_MODEL",
+                 "POPTORCH_VERIFY", "POPTORCH_IPU_MODEL_AS_HARDWARE",
+                 "POPTORCH_EXPORT_PROTO_AS_BINARY"):
+        monkeypatch.setenv(name, value)
+        assert _config.flag(name) is on, name
+    assert compiler_config.strict_memory() is on
+    monkeypatch.setenv("POPTORCH_IPU_MODEL", "no")
+    assert compiler_config.ipu_model_flags() == (False, on)
+    assert compiler_config.verify_graphs() is on
+    assert _config.proto_export()[1] is on
+
+
+def test_flag_variables_refuse_other_values(monkeypatch):
+    from popart_compiler import config as compiler_config
+    monkeypatch.setenv("POPTORCH_IPU_MODEL_STRICT_MEMORY", "enabled")
+    with pytest.raises(poptorch.Error, match="POPTORCH_IPU_MODEL_STRICT_MEMORY='enabled' "
+                       "is not an on / off value: set it to 1, true, yes, on"):
+        compiler_config.strict_memory()
+
+
+def test_strict_memory_spelled_true_is_strict(monkeypatch):
+    monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
+    monkeypatch.setenv("POPTORCH_IPU_MODEL_STRICT_MEMORY", "true")
+    model = poptorch.inferenceModel(torch.nn.Linear(1024, 1024),
+                                    poptorch.Options().showCompilationProgressBar(False))
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.randn(4, 1024))
+    assert info.value.type == "poplar_out_of_memory"

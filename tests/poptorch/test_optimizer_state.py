@@ -349,12 +349,13 @@ def test_pickled_optimizer_and_rewrapped_optimizer_upload_their_state():
 
 # -- torch.optim state in saved executables (S-62) -------------------------------------
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-    lambda p: torch.optim.Adam(p, lr=0.01)], ids=["sgd_momentum", "adam"])
-def test_torch_optim_state_survives_save_and_load(tmp_path, make):
-    """A ``torch.optim`` optimizer keeps its state only on the device: save() lost
-    the momentum / Adam moments, so the loaded model trained differently (S-62)."""
+_MAKERS = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+           "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+           "poptorch_adam": lambda p: poptorch.optim.Adam(p, lr=0.01)}
+
+
+def _trained_file(path, make):
+    """A training executable saved after two steps; the trainer and its data."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4))
     trainer = poptorch.trainingModel(
@@ -362,13 +363,46 @@ def test_torch_optim_state_survives_save_and_load(tmp_path, make):
     x, t = torch.randn(4, 4), torch.randint(0, 4, (4,))
     for _ in range(2):
         trainer(x, t)
-    path = str(tmp_path / "train.poptorch")
-    trainer.save(path)
+    trainer.save(str(path))
+    return trainer, x, t
+
+
+@pytest.mark.parametrize("kind", sorted(_MAKERS))
+def test_optimizer_state_survives_save_and_load(tmp_path, kind):
+    """A ``torch.optim`` optimizer keeps its state only on the device: save() lost
+    the momentum / Adam moments, so the loaded model trained differently (S-62)."""
+    path = tmp_path / "train.poptorch"
+    trainer, x, t = _trained_file(path, _MAKERS[kind])
     expected = [trainer(x, t) for _ in range(3)]
-    loaded = poptorch.load(path)
+    loaded = poptorch.load(str(path))
     got = [loaded(x, t) for _ in range(3)]
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["sgd_momentum", "poptorch_adam"])
+@pytest.mark.parametrize("edit, message", [
+    (lambda state: {}, "missing optimizer state ipu_state/"),  # was: state reset
+    (lambda state: {k: torch.zeros(1) if k.startswith("ipu_state/") else v
+                    for k, v in state.items()},
+     r"optimizer state ipu_state/\S+ has shape \[1\] but the compiled optimizer "
+     r"expects \[4"),
+    (lambda state: {**state, "ipu_state/Accl9___x": torch.zeros(1)},
+     "unknown optimizer state ipu_state/Accl9___x"),
+], ids=["empty", "wrong_shapes", "unknown"])
+def test_stored_optimizer_state_must_match_the_optimizer(tmp_path, kind, edit, message):
+    """The state in ``optimizer.safetensors`` names exactly the compiled optimizer's
+    state tensors, with their shapes, or the file is refused, naming it."""
+    from poptorch._files import container
+    path = tmp_path / "train.poptorch"
+    _trained_file(path, _MAKERS[kind])
+    blobs = container.read_container(str(path))
+    state = container.tensors_from_bytes(blobs["optimizer.safetensors"])
+    blobs["optimizer.safetensors"] = container.tensors_to_bytes(edit(state))
+    container.write_container(str(path), blobs)
+    with pytest.raises(poptorch.Error,
+                       match=f"Invalid file {path}: optimizer.safetensors: {message}"):
+        poptorch.load(str(path))
 
 
 class _Loss(nn.Module):
@@ -378,3 +412,24 @@ class _Loss(nn.Module):
 
     def forward(self, x, t):
         return F.cross_entropy(self.body(x), t)
+
+
+def test_a_training_file_compiled_offline_stores_no_state_and_loads(tmp_path):
+    """Compiled without a device (``useOfflineIpuTarget``), a training file holds no
+    optimizer state: it loads, and trains from the optimizer's initial state."""
+    from poptorch._files import container
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    fresh = copy.deepcopy(model)
+    x, t = torch.randn(4, 4), torch.randint(0, 4, (4,))
+    path = str(tmp_path / "offline.poptorch")
+    poptorch.trainingModel(_Loss(model), poptorch.Options().useOfflineIpuTarget(),
+                           optimizer=poptorch.optim.Adam(model.parameters(), lr=0.01)
+                           ).compileAndExport(path, x, t)
+    blobs = container.read_container(path)
+    assert container.tensors_from_bytes(blobs["optimizer.safetensors"]) == {}
+    loaded = poptorch.load(path)
+    reference = poptorch.trainingModel(
+        _Loss(fresh), optimizer=poptorch.optim.Adam(fresh.parameters(), lr=0.01))
+    for _ in range(2):
+        assert torch.equal(loaded(x, t), reference(x, t))

@@ -127,7 +127,7 @@ def test_load_of_an_executable_only_file_points_at_load_executable(tmp_path):
         poptorch.load(str(path))
 
 
-def test_save_errors_and_target_paths(tmp_path, poptorch_logs):
+def test_save_errors_and_target_paths(tmp_path, poptorch_logs, monkeypatch):
     exe = poptorch.inferenceModel(Net())
     with pytest.raises(poptorch.Error,
                        match="Model has not been compiled or has been destroyed."):
@@ -142,6 +142,19 @@ def test_save_errors_and_target_paths(tmp_path, poptorch_logs):
     (tmp_path / "file").write_text("x")
     with pytest.raises(AssertionError, match="is not a directory"):
         exe.save(str(tmp_path / "file" / "c.poptorch"))
+    # a directory that does not exist yet, named with a trailing separator
+    exe.save(str(tmp_path / "newdir") + os.sep)
+    assert (tmp_path / "newdir" / "model.poptorch").is_file()
+    assert "ends with a path separator" in poptorch_logs.text
+    # an empty name: refused before anything is written (not even a temporary file in
+    # the parent of the working directory)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(poptorch.Error, match="Cannot save to '': give the path of a file"):
+        exe.save("")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert not list((tmp_path / "cwd").iterdir())
 
 
 def test_trivial_model_has_nothing_to_export(tmp_path):
@@ -189,17 +202,21 @@ def test_truncated_corrupted_and_foreign_files_are_refused(exported, tmp_path):
         poptorch.load(str(tmp_path / "missing.poptorch"))
 
 
-def test_another_format_version_is_refused(exported, tmp_path):
+@pytest.mark.parametrize("version, shown", [
+    (1, "1"),  # before the options' classes moved
+    ("2", "'2'"), (2.0, "2.0"), (True, "True")])  # the right number, not an integer
+def test_another_format_version_is_refused(exported, tmp_path, version, shown):
     other = tmp_path / "v1.poptorch"
     with zipfile.ZipFile(exported) as src, zipfile.ZipFile(other, "w") as dst:
         for item in src.namelist():
             data_ = src.read(item)
             if item == "manifest.json":
                 manifest = json.loads(data_)
-                manifest["format_version"] = 1  # before the options' classes moved
+                manifest["format_version"] = version
                 data_ = json.dumps(manifest).encode()
             dst.writestr(item, data_)
-    with pytest.raises(poptorch.Error, match="format version 1 is not supported"):
+    with pytest.raises(poptorch.Error, match=f"format version {shown} is not supported "
+                       r"by this PopTorch \(which reads version 2\)"):
         poptorch.load(str(other))
 
 
@@ -294,6 +311,16 @@ def test_offline_precompilation_and_edit_opts_fn(tmp_path):
     # S-62: only run-time options may change after loading
     with pytest.raises(poptorch.Error, match="compile-time option replication_factor"):
         poptorch.load(str(path), edit_opts_fn=lambda o: o.replicationFactor(2))
+
+
+def test_options_the_environment_creates_are_not_required_in_a_file(exported,
+                                                                    monkeypatch):
+    """Every option a file stores must be present (a missing one is refused), but not
+    those that this process's POPTORCH_DEFAULT_OPTIONS creates (random_seed)."""
+    monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", '{"randomSeed": 3}')
+    assert poptorch.Options().exists("random_seed")
+    x, _ = data()
+    assert poptorch.load(str(exported))(x).shape == (8, 4)
 
 
 def test_import_metadata_describes_the_file(exported):
