@@ -79,7 +79,7 @@ def restore_state(binding: Any, session: Any, state_bytes: bytes,
                           f"optimizer state ipu_state/{(missing or unknown)[0]} (the "
                           f"compiled {type(optimizer).__name__} has "
                           f"{len(expected)} state tensors, the file {len(state)})")
-        for name, value in state.items():
+        for name, value in sorted(state.items()):  # the first misfit by name
             if list(value.shape) != list(expected[name].shape):
                 raise Invalid(f"optimizer.safetensors: optimizer state ipu_state/{name} "
                               f"has shape {list(value.shape)} but the compiled optimizer "
