@@ -3,9 +3,10 @@ whichever of the two runs it faster.
 
 Policy, per compiled program (one session):
 
-1. Every call runs on the eager backend until the program has proven hot
-   (:attr:`AutoPolicy.hot_calls` calls that took :attr:`AutoPolicy.hot_seconds` in
-   all): the first result is never later than the eager backend's, and a program that
+1. Every call runs on the eager backend until the program has proven hot: at least
+   :attr:`AutoPolicy.hot_calls` calls (3) *and* at least :attr:`AutoPolicy.hot_seconds`
+   (1 s) spent in all of them, by the policy's clock; a program whose calls never add
+   up to 1 s never compiles. The first result is never later than the eager backend's, and a program that
    runs briefly never pays for Inductor (a compilation takes seconds).
 2. Then TorchInductor compiles the program in a background thread (holding
    :data:`~popart_compiler.backends.tracing.TRACE_LOCK`, as every compilation does;
@@ -19,6 +20,9 @@ Policy, per compiled program (one session):
    otherwise the eager backend is kept and Inductor's compilation is dropped. (The
    fastest call, not the median: on a shared machine the time other processes take
    only ever adds to a call.)
+   Logged at INFO: the start of the compilation (calls and seconds so far), its end
+   (its duration) and the choice (the fastest timed calls); at DEBUG each call while
+   the program is not hot yet.
 4. Any Inductor failure (compiling, or a call raising) logs one warning and keeps the
    eager backend for good; a call that failed on Inductor is run again on the eager
    backend (the session has rolled the device state back first).
@@ -204,8 +208,11 @@ class AutoChooser:
 
     def _record(self, name: str, seconds: float, trial: bool) -> None:
         self._calls += 1
-        if self._inductor is None and self._thread is None:
+        if self._inductor is None and self._thread is None and self.chosen is None:
             self._spent += seconds
+            logger.debug("Backend auto: not hot yet after %d calls taking %.4g s in all "
+                         "(compiles after %d calls and %.4g s in all)", self._calls,
+                         self._spent, self.policy.hot_calls, self.policy.hot_seconds)
         if not trial or self.chosen is not None:
             return
         if name == "inductor" and not self._warmed:
@@ -234,8 +241,10 @@ class AutoChooser:
         self._decide("eager", "Inductor failed")
 
     def _start_compiling(self) -> None:
-        logger.debug("Backend auto: the program is hot after %d calls; compiling it with "
-                     "TorchInductor", self._calls)
+        logger.info("Backend auto: the program is hot (%d calls took %.4g s in all; "
+                    "thresholds %d calls and %.4g s): compiling it with TorchInductor "
+                    "while calls keep running on the eager backend", self._calls,
+                    self._spent, self.policy.hot_calls, self.policy.hot_seconds)
         if self.policy.synchronous:
             self._build()
             return
@@ -247,6 +256,7 @@ class AutoChooser:
         self._thread.start()
 
     def _build(self) -> None:
+        start = time.perf_counter()
         try:
             lowering = self._compile()
         except Exception as e:  # pylint: disable=broad-except
@@ -256,4 +266,7 @@ class AutoChooser:
                 return
             self._fail(f"compiling raised {type(e).__name__}: {e}")
             return
+        logger.info("Backend auto: TorchInductor compiled the program in %.3g s; timing "
+                    "%d calls of each backend before choosing",
+                    time.perf_counter() - start, self.policy.trials)
         self._inductor = lowering

@@ -14,7 +14,9 @@ own package) is recorded as ONE op, ``poptorch::autograd_function``:
 
 What cannot be honoured is refused with a ``poptorch.Error`` naming the Function: a
 ``forward`` that modifies an input in place (``ctx.mark_dirty``), returns something
-other than tensors, or takes tensors inside containers / keyword arguments.
+other than tensors, or takes tensors inside containers / keyword arguments; a
+``backward`` whose gradient cannot be shaped like its input (PyTorch's check: a
+broadcast gradient is summed to the input's shape).
 Inference captures still trace through ``forward`` (no backward is needed).
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.autograd.function import _is_setup_context_defined
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-from popart_compiler.errors import py_error
+from popart_compiler.errors import Error, py_error
 from poptorch import _impl
 from poptorch._ops import library
 from poptorch._ops.host import empty_outputs, encode_outputs
@@ -153,6 +155,7 @@ def _setup(ctx, inputs, output) -> None:
                                                          call.arguments(tensors)))
     ctx.user, ctx.call, ctx.outputs = user_ctx, call, [o.detach() for o in output]
     ctx.count = len(tensors)
+    ctx.input_shapes = [t.shape for t in tensors]
 
 
 def _backward(ctx, grads):
@@ -163,10 +166,31 @@ def _backward(ctx, grads):
     result = call.cls.backward(user_ctx, *grads)
     result = list(result) if isinstance(result, (tuple, list)) else [result]
     per_tensor: List[Optional[torch.Tensor]] = []
-    for (is_tensor, _), grad in itertools.zip_longest(call.template, result):
+    shapes = iter(ctx.input_shapes)
+    for index, ((is_tensor, _), grad) in enumerate(
+            itertools.zip_longest(call.template, result)):
         if is_tensor:
-            per_tensor.append(grad)
+            per_tensor.append(_checked_grad(call, index, grad, next(shapes)))
     return per_tensor, None, None
+
+
+def _checked_grad(call: _Call, index: int, grad: Optional[torch.Tensor],
+                  shape: torch.Size) -> Optional[torch.Tensor]:
+    """``grad`` for the input of ``shape`` at ``index`` of ``apply()``, as PyTorch
+    checks a Function's gradients: a broadcast gradient is summed to ``shape``; one
+    that ``shape`` cannot be expanded to is refused, naming the Function."""
+    if grad is None or grad.shape == shape:
+        return grad
+    try:
+        expandable = torch.broadcast_shapes(shape, grad.shape) == grad.shape
+    except RuntimeError:
+        expandable = False
+    if expandable:
+        return grad.sum_to_size(shape)
+    raise py_error(f"The torch.autograd.Function {call.name} returned an invalid gradient "
+                   f"at index {index} - got {list(grad.shape)} but expected shape "
+                   f"compatible with {list(shape)}: its backward must return one "
+                   "gradient per forward input, shaped like that input.")
 
 
 _AUTOGRAD_FUNCTION = library.define(
@@ -186,10 +210,14 @@ def _example_outputs(call: _Call, tensors: Sequence[torch.Tensor]) -> Any:
     with disable_proxy_modes_tracing():
         try:
             return call.run_forward(tensors)[1]
+        except Error:  # a refusal (ctx.mark_dirty): final
+            raise
         except Exception:  # noqa: BLE001 - a forward that reads values: try zeros
             pass
     with unset_fake_temporarily(), disable_proxy_modes_tracing():
-        zeros = [torch.zeros(tuple(t.shape), dtype=t.dtype) for t in tensors]
+        # device given: the capture's device mode warns about factories without one
+        zeros = [torch.zeros(tuple(t.shape), dtype=t.dtype, device=t.device)
+                 for t in tensors]
         return call.run_forward(zeros)[1]
 
 

@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from popart_compiler.errors import py_error
 from poptorch._impl import isRunningOnIpu
 from poptorch._ops import library
-from poptorch._ops.print_format import FLOAT_FORMATS, PrintFormat, format_tensor
+from poptorch._ops.print_format import PrintFormat, format_tensor, make_format
 
 __all__ = ["ipu_print_tensor", "CPU"]
 
@@ -64,7 +64,7 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
         print_gradient: also print the gradient in training.
         summarise_threshold: above this many elements show ``edge_items`` per edge of
             every dimension and an ellipsis (0 disables).
-        edge_items: items per edge when summarising.
+        edge_items: items per edge when summarising (0: the ellipsis alone).
         max_line_width: wrap longer rows, continuing two columns past the row's
             bracket (0 disables).
         digits: significant digits of a float, the exponent excluded (``digits=8``:
@@ -79,15 +79,18 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
         nothing is printed (S-4).
 
     Raises:
-        poptorch.Error: ``tensor`` is not a tensor.
-        KeyError: unknown ``float_format``.
+        poptorch.Error: ``tensor`` is not a tensor; a count (``summarise_threshold``,
+            ``edge_items``, ``max_line_width``, ``digits``) that is not an int >= 0; a
+            ``separator`` or bracket that is not a ``str``. Checked when the op is
+            called (at capture), naming the argument and the allowed values.
+        KeyError: unknown ``float_format`` (case-sensitive, as PopTorch); the error is
+            also a ``poptorch.Error``.
     """
     if not isinstance(tensor, (torch.Tensor, torch.fx.Proxy)):
         raise py_error("ipu print tensor must take a torch.tensor argument, got "
                        f"{type(tensor).__name__}")
-    fmt = PrintFormat(int(summarise_threshold), int(edge_items), int(max_line_width),
-                      int(digits), FLOAT_FORMATS[float_format], str(separator),
-                      str(open_bracket), str(close_bracket))
+    fmt = make_format(summarise_threshold, edge_items, max_line_width, digits,
+                      float_format, separator, open_bracket, close_bracket)
     if not isRunningOnIpu() and not isinstance(tensor, torch.fx.Proxy):
         return tensor
     return _PRINT(tensor, str(title), bool(print_gradient),

@@ -6,7 +6,8 @@ formats tensors for PopTorch.
   ``", "``); inner rows go on new lines indented by one space per level, with no
   separator between rows.
 * Above ``summarise_threshold`` elements (0: never) ``edge_items`` are shown at each
-  edge of every dimension, around an ellipsis.
+  edge of every dimension, around an ellipsis (``edge_items=0``: the ellipsis alone,
+  ``(...)``).
 * A row longer than ``max_line_width`` (0: never wrap) is continued on new lines
   indented two characters past its opening bracket; the first element always stays
   on the bracket's line.
@@ -27,7 +28,9 @@ from typing import Callable, List
 
 import torch
 
-__all__ = ["PrintFormat", "format_tensor", "FLOAT_FORMATS"]
+from popart_compiler.errors import Error
+
+__all__ = ["PrintFormat", "format_tensor", "FLOAT_FORMATS", "make_format"]
 
 #: ``float_format`` values: the keys are what users pass.
 FLOAT_FORMATS = {"auto": "auto", "fixed": "fixed", "scientific": "scientific",
@@ -45,6 +48,50 @@ class PrintFormat:
     separator: str = ", "
     open_bracket: str = "("
     close_bracket: str = ")"
+
+
+class FloatFormatError(Error, KeyError):
+    """Unknown ``float_format``: a ``poptorch.Error`` that is also the ``KeyError``
+    PopTorch raises (api §8.2), so ``except KeyError`` keeps working."""
+
+
+_COUNTS = {"summarise_threshold": "0 disables summarising",
+           "edge_items": "0 shows only the ellipsis",
+           "max_line_width": "0 disables wrapping",
+           "digits": "0 disables the analysis"}
+
+
+def make_format(summarise_threshold, edge_items, max_line_width, digits, float_format,
+                separator, open_bracket, close_bracket) -> PrintFormat:
+    """Check the formatting arguments of ``ipu_print_tensor`` and bundle them.
+
+    Counts must be ``int`` >= 0 (``bool`` refused); ``float_format`` one of
+    :data:`FLOAT_FORMATS`, matched case-sensitively as PopTorch's dictionary lookup;
+    ``separator`` and the brackets ``str``.
+
+    Raises:
+        poptorch.Error: a count that is not an int >= 0, or a layout string that is
+            not a ``str``; the message names the argument and the allowed values.
+        FloatFormatError: (a ``poptorch.Error`` and ``KeyError``) unknown
+            ``float_format``.
+    """
+    counts = dict(summarise_threshold=summarise_threshold, edge_items=edge_items,
+                  max_line_width=max_line_width, digits=digits)
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise Error(f"ipu_print_tensor: {name} must be an int >= 0 "
+                        f"({_COUNTS[name]}), got {value!r}")
+    if not isinstance(float_format, str) or float_format not in FLOAT_FORMATS:
+        allowed = ", ".join(repr(k) for k in FLOAT_FORMATS)
+        raise FloatFormatError(f"ipu_print_tensor: float_format must be one of "
+                               f"{allowed} (lower case), got {float_format!r}")
+    strings = dict(separator=separator, open_bracket=open_bracket,
+                   close_bracket=close_bracket)
+    for name, value in strings.items():
+        if not isinstance(value, str):
+            raise Error(f"ipu_print_tensor: {name} must be a str, got {value!r}")
+    return PrintFormat(summarise_threshold, edge_items, max_line_width, digits,
+                       FLOAT_FORMATS[float_format], separator, open_bracket, close_bracket)
 
 
 def _integer_digits(magnitude: float) -> int:
@@ -140,5 +187,5 @@ def _shown(t: torch.Tensor, fmt: PrintFormat) -> torch.Tensor:
     for dim in range(t.dim()):
         if t.shape[dim] > 2 * fmt.edge_items:
             keep = [i for i in _indices(t.shape[dim], fmt, True) if i >= 0]
-            t = t.index_select(dim, torch.tensor(keep))
+            t = t.index_select(dim, torch.tensor(keep, dtype=torch.long))
     return t

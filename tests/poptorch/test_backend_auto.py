@@ -147,6 +147,41 @@ def test_auto_compiles_only_once_the_calls_took_hot_seconds(stand_in):
         assert len(stand_in) == 1
 
 
+def test_auto_logs_when_it_turns_hot_compiles_and_decides(stand_in, caplog):
+    """The hot rule (3 calls *and* 1 s in all by default) is visible in the log: DEBUG
+    for each call while not hot, INFO when compiling starts (calls, seconds), when it
+    ends and when a backend is kept (the fastest timed calls). Each call takes 0.1 s by
+    the injected clock; hot after 4 calls (0.4 s >= 0.35 s)."""
+    ticks = iter(range(1000))
+    with auto.policy(synchronous=True, hot_calls=2, hot_seconds=0.35, trials=1,
+                     clock=lambda: next(ticks) * 0.1,
+                     measure=_timings(eager=2.0, inductor=1.0)), \
+            caplog.at_level(logging.DEBUG, logger="poptorch:cpp"):
+        _, model = _inference()
+        for _ in range(4):
+            model(torch.randn(16, 8))
+        waiting = [r for r in caplog.records if "not hot yet" in r.getMessage()]
+        assert [r.levelno for r in waiting] == [logging.DEBUG] * 4
+        assert "after 4 calls taking 0.4 s in all (compiles after 2 calls and 0.35 s" \
+            in waiting[-1].getMessage()
+        caplog.clear()
+        for _ in range(3):  # compiles, 1 untimed inductor call, 1 timed call of each
+            model(torch.randn(16, 8))
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO
+             and r.getMessage().startswith("Backend auto")]
+    assert len(infos) == 3, infos
+    assert "the program is hot (4 calls took 0.4 s in all; thresholds 2 calls and " \
+        "0.35 s): compiling it with TorchInductor" in infos[0]
+    assert "TorchInductor compiled the program in " in infos[1]
+    assert infos[2] == ("Backend auto: keeping inductor (fastest call 1 s on inductor "
+                        "against 2 s on eager)")
+    assert not [r for r in caplog.records if "not hot yet" in r.getMessage()]
+
+
+def test_auto_default_hot_rule_is_3_calls_and_1_second():
+    assert (auto.POLICY.hot_calls, auto.POLICY.hot_seconds) == (3, 1.0)
+
+
 @pytest.mark.parametrize("where, message", [("compile", "no C++ compiler"),
                                             ("call", "kernel crashed")])
 def test_auto_falls_back_to_eager_when_inductor_fails(where, message, monkeypatch, caplog):

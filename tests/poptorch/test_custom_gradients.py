@@ -1,6 +1,8 @@
 """Custom gradients are never dropped silently (issue 22): a ``torch.autograd.Function``
 with its own ``backward`` trains with that backward, equal to PyTorch's gradients; what
 cannot be honoured is refused. ``int(t)`` points to ``t.item()``."""
+import logging
+
 import pytest
 import torch
 
@@ -142,6 +144,47 @@ def test_a_function_that_modifies_its_input_is_refused():
     training = poptorch.trainingModel(Net(lambda h: InPlace.apply(h * 1.0)))
     with pytest.raises(poptorch.Error, match=r"InPlace modifies its input in place"):
         training(torch.randn(4, 4), torch.rand(4, 3))
+
+
+def test_the_refusal_logs_no_forcing_to_ipu_warning(caplog):
+    """Fresh-user report D7: the refusal of a ctx.mark_dirty Function was preceded by
+    "No device set in torch.zeros(): forcing to IPU" from our own example run."""
+    training = poptorch.trainingModel(Net(lambda h: InPlace.apply(h * 1.0)))
+    with caplog.at_level(logging.WARNING, logger="poptorch"), \
+            pytest.raises(poptorch.Error, match=r"InPlace modifies its input in place"):
+        training(torch.randn(4, 4), torch.rand(4, 3))
+    assert not [r for r in caplog.records if "forcing to IPU" in r.getMessage()]
+
+
+class WrongShapeGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.sum(0)  # [3] for an input of [4, 3]
+
+
+class BroadcastGrad(WrongShapeGrad):
+    @staticmethod
+    def backward(ctx, grad):
+        return (2 * grad).expand(5, *grad.shape)  # summed to the input's shape, as PyTorch
+
+
+def test_a_wrongly_shaped_gradient_names_the_function():
+    """Fresh-user report D6: a raw RuntimeError naming an internal op before."""
+    training = poptorch.trainingModel(Net(lambda h: WrongShapeGrad.apply(h)))
+    with pytest.raises(RuntimeError, match=r"invalid gradient at index 0"):
+        Net(lambda h: WrongShapeGrad.apply(h))(torch.randn(4, 4), torch.rand(4, 3)).backward()
+    with pytest.raises(poptorch.Error, match=r"Function \S*WrongShapeGrad returned an invalid gradient at index 0 - got "
+                       r"\[3\] but expected shape compatible with \[4, 3\]"):
+        training(torch.randn(4, 4), torch.rand(4, 3))
+
+
+def test_a_broadcast_gradient_is_summed_like_pytorch():
+    model, ref = _train_both(lambda h: BroadcastGrad.apply(h))
+    torch.testing.assert_close(model.fc.weight, ref.fc.weight)
 
 
 def test_labels_moved_to_the_logits_device_stay_in_the_last_stage():

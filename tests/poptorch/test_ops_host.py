@@ -79,6 +79,53 @@ def test_print_errors():
         poptorch.ipu_print_tensor(torch.ones(1), float_format="engineering")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(float_format="bogus"), r"float_format must be one of 'auto', 'fixed', "
+     r"'scientific', 'none' \(lower case\), got 'bogus'"),
+    (dict(float_format="FIXED"), r"float_format must be one of .*got 'FIXED'"),
+    (dict(digits=-1), r"digits must be an int >= 0 \(0 disables the analysis\), got -1"),
+    (dict(max_line_width=-3), r"max_line_width must be an int >= 0 .*got -3"),
+    (dict(summarise_threshold=-5), r"summarise_threshold must be an int >= 0 .*got -5"),
+    (dict(edge_items=-1), r"edge_items must be an int >= 0 \(0 shows only the "
+     r"ellipsis\), got -1"),
+    (dict(edge_items=1.5), r"edge_items must be an int >= 0 .*got 1.5"),
+    (dict(digits=True), r"digits must be an int >= 0 .*got True"),
+    (dict(separator=None), r"separator must be a str, got None"),
+    (dict(open_bracket=1), r"open_bracket must be a str, got 1"),
+])
+def test_print_arguments_are_checked_when_captured(kwargs, message):
+    """Fresh-user report D5: unknown float_format gave a bare KeyError wrapped in a
+    capture error; bad counts and a None separator were accepted silently."""
+    class M(nn.Module):
+        def forward(self, x):
+            return poptorch.ipu_print_tensor(x, "t", **kwargs) + 0
+    with pytest.raises(poptorch.Error, match=message):
+        poptorch.inferenceModel(M(), quiet())(torch.arange(4.))
+    with pytest.raises(poptorch.Error, match=message):  # on the CPU too
+        poptorch.ipu_print_tensor(torch.ones(1), **kwargs)
+
+
+def test_unknown_float_format_is_still_a_key_error_as_in_poptorch():
+    with pytest.raises(KeyError) as info:
+        poptorch.ipu_print_tensor(torch.ones(1), float_format="Auto")
+    assert isinstance(info.value, poptorch.Error)
+
+
+def test_print_with_zero_edge_items_shows_only_the_ellipsis(capfd):
+    """Fresh-user report D4: edge_items=0 with summarising raised a raw index_select
+    RuntimeError at run time."""
+    class M(nn.Module):
+        def forward(self, x):
+            return poptorch.ipu_print_tensor(x, "t", summarise_threshold=5,
+                                             edge_items=0) + 0
+    out = poptorch.inferenceModel(M(), quiet())(torch.arange(20.))
+    torch.testing.assert_close(out, torch.arange(20.))
+    assert print_lines(capfd.readouterr().err, "t") == ["t: (...)"]
+    grid = format_tensor(torch.arange(20.).reshape(4, 5),
+                         PrintFormat(summarise_threshold=5, edge_items=0))
+    assert grid == "(\n ...\n)"
+
+
 GRID = torch.tensor([[2.7182817, 3.1415927], [1.4142135, 1.7320508]])
 
 
