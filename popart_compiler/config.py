@@ -48,6 +48,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("TORCHELASTIC_RUN_ID", "", "set by torchrun: the process was launched"),
     Variable("TORCHELASTIC_USE_AGENT_STORE", "",
              "set by torchrun: its agent, not process 0, hosts the rendezvous store"),
+    Variable("TORCHELASTIC_RESTART_COUNT", "0",
+             "set by torchrun: how many times the workers were restarted"),
     Variable("RANK", "", "torchrun's process index"),
     Variable("WORLD_SIZE", "", "torchrun's process count"),
     Variable("LOCAL_RANK", "", "torchrun's process index on this host (CUDA device)"),

@@ -27,6 +27,14 @@ processes' pending or next collective fails within moments, and their error name
 failed process and its exception. A killed process (SIGKILL, ``os._exit``) closes its
 connections too; only a process that stops participating without ending is detected
 by the collective timeout.
+
+A process whose script ends normally records its exit in the store and waits (at most
+``_EXIT_BARRIER_S``, polling the store) until every process recorded its own; when one
+waits in a pipeline call this process never made (each pipeline call is counted in the
+store), it leaves at once recording "process <i> of <n> ended normally ... after <k>
+pipeline calls while ... waits in pipeline call <k+1>". Under torchrun, a process that
+ends without ever joining the run records it in the agent's store, and the others
+fail when they join instead of waiting in the rendezvous.
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ from popart_compiler.config import TIMEOUT_ENV
 from popart_compiler.enums import ReductionType
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
+from popart_compiler.runtime import rendezvous
 
 if TYPE_CHECKING:
     from popart_compiler.optim.description import OptimizerDescription
@@ -132,6 +141,8 @@ class ProcessGroup:
         self.size = int(num_processes)
         self.owned = False
         self.failed: Optional[str] = None
+        #: pipeline calls this process started (:meth:`begin_call`)
+        self.calls = 0
         #: what this process does in the run (" (pipeline stage 1 of 2 (IPU 1))"),
         #: part of every error message that names it
         self.role = ""
@@ -146,6 +157,7 @@ class ProcessGroup:
                     "make Options.Distributed.configureProcessId(id, n) match the "
                     "process group (or leave it to the launcher's RANK / WORLD_SIZE).")
             self.backend = str(dist.get_backend())
+            rendezvous.joined()
             _install_excepthook()
             self.set_role("")
             return
@@ -162,6 +174,8 @@ class ProcessGroup:
         logger.info("Initialising the torch.distributed process group: %s, process %d "
                     "of %d, %s, timeout %.0f s", self.backend, self.rank, self.size,
                     init_method, timeout.total_seconds())
+        rendezvous.joined()
+        rendezvous.wait_for_peers(self.rank, self.size, timeout)
         try:
             dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
                                     world_size=self.size, timeout=timeout)
@@ -177,20 +191,69 @@ class ProcessGroup:
         self.set_role("")
 
     def shutdown(self) -> None:
-        """Leave the run cleanly (at exit, for a group this process created): wait
+        """Leave the run cleanly (at exit, for a group this process created): record
+        in the rendezvous store that this process ended normally after its calls, wait
         (at most ``_EXIT_BARRIER_S``) until every process got here, then destroy the
         group, so that no process closes its connections while another still uses
-        them (gloo aborts the process then)."""
+        them (gloo aborts the process then). A process found waiting in a later
+        pipeline call than this one's last (mismatched calls) will never get here:
+        this process then leaves at once, recording why, and that process's call
+        fails naming this one (see :meth:`_leave`)."""
         if not self.owned or self.failed is not None or not dist.is_initialized():
+            return
+        mismatch = self._wait_for_exits()
+        if mismatch is not None:
+            self._leave(mismatch)
             return
         self.owned = False
         try:
-            if self.backend == "gloo":
-                dist.monitored_barrier(
-                    timeout=datetime.timedelta(seconds=_EXIT_BARRIER_S))
             dist.destroy_process_group()
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, AssertionError) as e:
             logger.debug("Leaving the distributed run: %s", e)
+
+    def begin_call(self) -> None:
+        """A pipeline call starts: count it, in the store too, so that a process that
+        ends its script after fewer calls can tell that this one waits for it."""
+        self.calls += 1
+        try:
+            dist.distributed_c10d._get_default_store().set(
+                f"{_CALLS_KEY}/{self.rank}", str(self.calls))
+        except (RuntimeError, ValueError) as e:
+            logger.debug("Could not record the call in the store: %s", e)
+
+    def _wait_for_exits(self) -> Optional[str]:
+        """Record this process's exit and wait until every process recorded its own.
+        Returns what to record for the others when one of them waits in a call this
+        process never makes (or did not get here in ``_EXIT_BARRIER_S``), else
+        ``None``."""
+        calls = f"{self.calls} pipeline call{'s' if self.calls != 1 else ''}"
+        ended = f"{self.name()} ended normally (its script finished) after {calls}"
+        deadline = time.monotonic() + _EXIT_BARRIER_S
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{_EXIT_KEY}/{self.rank}", str(self.calls))
+            others = [r for r in range(self.size) if r != self.rank]
+            while others:
+                if store.check([_FAILURE_KEY]):
+                    return None
+                others = [r for r in others if not store.check([f"{_EXIT_KEY}/{r}"])]
+                for r in others:
+                    key = f"{_CALLS_KEY}/{r}"
+                    theirs = int(store.get(key)) if store.check([key]) else 0
+                    if theirs > self.calls:
+                        return (f"{ended} while {self.name(r)} waits in pipeline call "
+                                f"{theirs}: every process of the pipeline must make the "
+                                "same calls (the same training / inference steps), "
+                                "mismatched calls leave the others waiting")
+                if others and time.monotonic() > deadline:
+                    return (f"{ended} and left after waiting {_EXIT_BARRIER_S} s for "
+                            f"{' and '.join(self.name(r) for r in others)} to end: every "
+                            "process must make the same calls")
+                if others:
+                    time.sleep(0.05)
+        except (RuntimeError, ValueError) as e:  # the store's host has gone: it ended
+            logger.debug("Waiting for the other processes to end: %s", e)
+        return None
 
     def name(self, rank: Optional[int] = None) -> str:
         """``"process 1 of 2"`` and its role, e.g. ``"process 1 of 2 (pipeline stage 1
@@ -239,15 +302,22 @@ class ProcessGroup:
 
     def leave_after_error(self, what: str) -> None:
         """This process ends with an uncaught error: record ``what`` in the rendezvous
-        store for the other processes (the first record wins) and close this
-        process's connections (for a group it created) so that their collectives fail
-        now rather than after the collective timeout."""
+        store for the other processes and leave (see :meth:`_leave`)."""
         if self.failed is not None or not dist.is_initialized():
             return
-        self.failed = what
+        self._leave(f"{self.name()} ended with {what}")
+
+    def _leave(self, record: str) -> None:
+        """Record ``record`` ("process 1 of 2 ended with ...") in the rendezvous store
+        for the other processes (the first record wins) and close this process's
+        connections (for a group it created) so that their collectives fail now
+        rather than after the collective timeout."""
+        if self.failed is not None or not dist.is_initialized():
+            return
+        self.failed = record
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.compare_set(_FAILURE_KEY, "", f"{self.name()} ended with {what}")
+            store.compare_set(_FAILURE_KEY, "", record)
         except (RuntimeError, ValueError) as e:  # the store's host has gone
             logger.debug("Could not record the failure in the store: %s", e)
         if not self.owned:
@@ -430,6 +500,10 @@ _EXIT_BARRIER_S = 30
 #: processes that read it.
 _FAILURE_KEY = "poptorch/failure"
 _SEEN_KEY = "poptorch/failure_seen"
+#: Rendezvous-store key prefixes of each process's pipeline calls started so far and
+#: of its normal exit (:meth:`ProcessGroup.shutdown`).
+_CALLS_KEY = "poptorch/calls"
+_EXIT_KEY = "poptorch/exited"
 #: Longest time (seconds) a failed process hosting the store keeps it for the others.
 _FAILURE_READ_S = 5.0
 _HOOKED = [False]

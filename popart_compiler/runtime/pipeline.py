@@ -31,7 +31,9 @@ What each process does, so that the results equal the single-process run:
 A failure in one stage (an exception in a micro-batch, Ctrl-C) makes that process
 leave the run at once, recording which stage failed; the others' pending send or
 receive fails within moments with a ``poptorch.Error`` naming it (issue 19's
-mechanism, :mod:`.collectives`).
+mechanism, :mod:`.collectives`). So does a process that ends its script normally
+while another waits in a pipeline call it never makes (mismatched calls): each call
+is counted in the rendezvous store, and the ending process compares the counts.
 """
 from __future__ import annotations
 
@@ -487,6 +489,7 @@ class PipelineTrainingSession(_PipelineSession, TrainingSession):
         super().writeOptimizerState(state)
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        self.layout.group.begin_call()
         self.publisher.settle()
         o = self.options
         d, a, r = o.device_iterations, o.gradient_accumulation, o.replication_factor
@@ -520,6 +523,7 @@ class PipelineInferenceSession(_PipelineSession, InferenceSession):
         self._start_pipeline(False)
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        self.layout.group.begin_call()
         self.publisher.settle()
         o = self.options
         d, r = o.device_iterations, o.replication_factor

@@ -34,6 +34,7 @@ from poptorch._files.container import (decode, encode, kind_of, tensors_to_bytes
 from poptorch._files.exported_file import CheckedFile, check_file, read_file
 from poptorch._files.optimizer_record import (device_state_of, optimizer_record,
                                               rebuild_optimizer, restore_state)
+from poptorch._files.processes import PROCESS_KEYS, adopt_processes
 from poptorch._files.program import Program, from_blobs, to_blobs
 from poptorch._files.schema import Invalid, invalid_file
 from poptorch._files.structure import decode_signature, encode_signature
@@ -200,9 +201,13 @@ def import_metadata(filename: str) -> bytes:
 
 
 def _options_difference(current, stored) -> Optional[str]:
-    """The first compile-time option whose value differs, or ``None``."""
-    now = {k: v for k, v in current.toDict().items() if k not in _RUNTIME_OPTIONS}
-    then = {k: v for k, v in stored.toDict().items() if k not in _RUNTIME_OPTIONS}
+    """The first compile-time option whose value differs, or ``None`` (a pipeline
+    across processes runs as the loading process: see :mod:`.processes`)."""
+    then = stored.toDict()
+    skip = _RUNTIME_OPTIONS | (PROCESS_KEYS if then.get("pipeline_across_processes")
+                               else frozenset())
+    now = {k: v for k, v in current.toDict().items() if k not in skip}
+    then = {k: v for k, v in then.items() if k not in skip}
     for key in sorted(set(now) | set(then), key=str):
         if str(now.get(key)) != str(then.get(key)):
             return f"{key} is {now.get(key)!r} here but {then.get(key)!r} in the file"
@@ -439,6 +444,7 @@ def read_exported(filename: str, version: str, edit_opts_fn: Optional[Callable] 
     offline = options.connection_type == enums.ConnectionType.Never.value
     if offline:
         options.connectionType(enums.ConnectionType.Always)
+    adopt_processes(filename, options)
     if edit_opts_fn is not None:
         edit_opts_fn(options)
     model = _loaded_model(filename, blobs, checked, unpickle_model)

@@ -239,9 +239,22 @@ def _inference(model, tokens, target, pipeline, world=1, rank=0):
     return results
 
 
-def _scenario_fault(rank, world, fault):
-    """Stage 1 fails at its second call (raises, or dies); stage 0 reports what it
-    saw and how long it took."""
+def _timed_error(fn):
+    """Run ``fn``: ``"<seconds>s Error: <message>"`` of the ``poptorch.Error`` it
+    raises, else ``"no error"``."""
+    start = time.monotonic()
+    try:
+        fn()
+    except poptorch.Error as e:
+        return f"{time.monotonic() - start:.1f}s {type(e).__name__}: {e}"
+    return "no error"
+
+
+def _scenario_fault(rank, world, fault, out_dir):
+    """Stage 1 fails at its second call (raises, or dies), or ends its script
+    normally after its first call ("mismatched_calls": each process saves its
+    executable after the first call); stage 0 reports what it saw and how long it
+    took."""
     cfg = dict(CONFIGS["sgd_bn"], bn=False)
     torch.manual_seed(1)
     model = Blocks(2)
@@ -249,17 +262,28 @@ def _scenario_fault(rank, world, fault):
                                       _optimizer("sgd", model))
     tokens, target = (t.reshape(-1, *t.shape[4:]) for t in global_data(cfg, 0))
     training(tokens, target)
+    if fault == "mismatched_calls":
+        training.save(os.path.join(out_dir, f"model{rank}.poptorch"))
     if rank == 1:
         if fault == "raise":
             raise RuntimeError("stage 1 failed on purpose")
-        os._exit(3)
-    start = time.monotonic()
-    try:
-        for _ in range(3):
-            training(tokens, target)
-    except poptorch.Error as e:
-        return f"{time.monotonic() - start:.1f}s {type(e).__name__}: {e}"
-    return "no error"
+        if fault == "die":
+            os._exit(3)
+        return None
+    return _timed_error(lambda: [training(tokens, target) for _ in range(3)])
+
+
+def _scenario_inference_in_process_0(rank, world):
+    """Only process 0 builds and runs a pipelined inference model; process 1 ends its
+    script at once (never joins the run)."""
+    if rank != 0:
+        return None
+    torch.manual_seed(1)
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Distributed.pipelineAcrossProcesses()
+    tokens, target = (t.reshape(-1, *t.shape[4:])[:4]
+                      for t in global_data(CONFIGS["sgd_bn"], 0))
+    return _timed_error(lambda: poptorch.inferenceModel(Blocks(2), opts)(tokens, target))
 
 
 def main(argv):
@@ -271,8 +295,10 @@ def main(argv):
         result["host"] = _scenario_host(rank, world, out_dir)
     elif scenario == "train4":
         result = _scenario_configs(rank, world, CONFIGS_4)
+    elif scenario == "inference_in_process_0":
+        result = _scenario_inference_in_process_0(rank, world)
     else:
-        result = _scenario_fault(rank, world, scenario)
+        result = _scenario_fault(rank, world, scenario, out_dir)
     processes.write_result(out_dir, rank, result)
 
 

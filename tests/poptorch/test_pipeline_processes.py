@@ -114,6 +114,75 @@ def test_failed_stage_makes_the_other_fail_naming_it(tmp_path, fault, code):
             "an error (killed" in message
 
 
+def test_process_ending_normally_makes_the_one_waiting_in_a_call_fail(tmp_path,
+                                                                      monkeypatch):
+    """Process 1 ends its script after 1 call while process 0 makes a 2nd: both hung
+    (process 1 in gloo at exit, process 0 in the call). Now process 0 fails within
+    seconds naming process 1 and the mismatched calls, and both exit. Then the
+    executable saved by process 0 of that run, loaded in this single process (no
+    launcher), raises the error a new model gets (it waited in the rendezvous)."""
+    codes, logs = processes.launch(WORKER, "mismatched_calls", tmp_path, world=2,
+                                   **{collectives.TIMEOUT_ENV: ""})
+    assert codes == [0, 0], logs
+    message = processes.read(tmp_path, 0)
+    seconds = float(message.split("s ", 1)[0])
+    assert seconds < 100, message  # far below the 300 s timeout; the machine may be loaded
+    assert "Distributed pipeline step failed in process 0 of 2 (pipeline stage 0 of 2 " \
+        "(IPU 0)): Process 1 of 2 (pipeline stage 1 of 2 (IPU 1)) ended normally (its " \
+        "script finished) after 1 pipeline call while process 0 of 2 (pipeline stage 0 " \
+        "of 2 (IPU 0)) waits in pipeline call 2: every process of the pipeline must " \
+        "make the same calls" in message
+    if collectives.dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                 "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(poptorch.Error, match=r"this model runs as 2 pipeline stages, one "
+                       r"per process, but only 1 process was started: launch one "
+                       r"process per stage"):
+        poptorch.load(str(tmp_path / "model0.poptorch"))
+    assert not collectives.dist.is_initialized()
+
+
+def test_loaded_file_runs_as_the_loading_process(monkeypatch):
+    """A file of process 1 of 2, loaded without a launcher: a pipeline takes this
+    process's place (process 0 of 1, then refused as a new model is); a replicated
+    run is refused naming both."""
+    from poptorch._files.processes import adopt_processes
+    if collectives.dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("POPTORCH_PIPELINE_ACROSS_PROCESSES", raising=False)
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(1, 2).pipelineAcrossProcesses()
+    adopt_processes("f.poptorch", opts)
+    assert (opts.Distributed.processId, opts.Distributed.numProcesses) == (0, 1)
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(1, 2)
+    with pytest.raises(poptorch.Error, match=r"f.poptorch was saved by process 1 of 2 of "
+                       r"a distributed run, but this is process 0 of 1 \(no launcher\): "
+                       r"load it in process 1 of a run of 2 processes"):
+        adopt_processes("f.poptorch", opts)
+
+
+def test_process_ending_without_joining_makes_the_other_fail(tmp_path):
+    """Under torchrun, only process 0 runs a pipelined inference model; process 1 ends
+    its script at once. Process 0 waited in the rendezvous until its timeout; now it
+    fails within seconds naming process 1."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(processes.free_port()), WORKER,
+           "inference_in_process_0", str(tmp_path)]
+    codes, logs = processes.run([cmd], [processes.env(**{collectives.TIMEOUT_ENV: ""})])
+    assert codes == [0], logs
+    message = processes.read(tmp_path, 0)
+    seconds = float(message.split("s ", 1)[0])
+    assert seconds < 100, message
+    assert "Process 0 of 2 could not join the other processes: process 1 of 2 ended " \
+        "normally (its script finished) without joining the run" in message
+    assert "every process must make the same calls" in message
+
+
 # -- what the mode refuses: a clear error before any process waits ----------------------
 
 def _refused(model, opts, *args):
