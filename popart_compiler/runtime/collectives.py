@@ -5,15 +5,10 @@ factor is ``R × num_processes``. Everything that crosses process boundaries goe
 through ``torch.distributed`` (gloo on the CPU, NCCL when the session runs on CUDA),
 launched by ``torchrun`` / ``poprun`` or by the user; nothing here opens sockets itself.
 
-What a training session exchanges:
-
-* at compile, a small signature of the program and options (``all_gather_object``),
-  so that processes compiled differently fail with an error naming the difference;
-* at compile, the weights, buffers and optimizer state of process 0 (``broadcast``),
-  so that every process starts identical;
-* at every weight update, the sum over processes of the gradients already summed over
-  the local replicas: one flat ``all_reduce`` per dtype (a single call for float32
-  gradients), whatever the number of parameters.
+A training session exchanges, at compile, a signature of the program and options
+(``all_gather_object``: processes compiled differently fail naming the difference) and
+process 0's weights, buffers and optimizer state (``broadcast``); at every weight update,
+the sum over processes of the locally summed gradients (one flat ``all_reduce`` per dtype).
 
 Every collective is bounded by the collective timeout (``POPTORCH_DISTRIBUTED_TIMEOUT``
 seconds, default :data:`DEFAULT_TIMEOUT_S`, read when this module creates the process
@@ -23,10 +18,9 @@ the failure is re-raised as a ``poptorch.Error`` that says so.
 A process that leaves with an uncaught exception (``sys.excepthook``, KeyboardInterrupt
 included) records "process <i> of <n> ended with <exception>" in the rendezvous store
 and closes its connections at once instead of waiting in the exit barrier: the other
-processes' pending or next collective fails within moments, and their error names the
-failed process and its exception. A killed process (SIGKILL, ``os._exit``) closes its
-connections too; only a process that stops participating without ending is detected
-by the collective timeout.
+processes' pending or next collective fails within moments, naming it and its
+exception. A killed process (SIGKILL, ``os._exit``) closes its connections too; only one
+that stops participating without ending is detected by the collective timeout.
 
 A process whose script ends normally records its exit in the store and waits (at most
 ``_EXIT_BARRIER_S``, polling the store) until every process recorded its own; when one
