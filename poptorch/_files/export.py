@@ -444,7 +444,7 @@ def read_exported(filename: str, version: str, edit_opts_fn: Optional[Callable] 
     offline = options.connection_type == enums.ConnectionType.Never.value
     if offline:
         options.connectionType(enums.ConnectionType.Always)
-    adopt_processes(filename, options)
+    adopt_processes(filename, options, bool(meta["training"]))
     if edit_opts_fn is not None:
         edit_opts_fn(options)
     model = _loaded_model(filename, blobs, checked, unpickle_model)

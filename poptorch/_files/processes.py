@@ -32,16 +32,17 @@ def _this_process(options: Any) -> Tuple[int, int, str]:
         "the launcher's RANK / WORLD_SIZE" if launched else "no launcher"
 
 
-def adopt_processes(filename: str, options: Any) -> None:
+def adopt_processes(filename: str, options: Any, training: bool = True) -> None:
     """Make the stored ``options`` (of a file saved by a distributed run) run as this
     process: a pipeline across processes takes this process's index and count (each
     process holds the whole program, so the pipeline's checks then apply as for a new
-    model: e.g. "only 1 process was started"); a replicated run must be loaded by as
-    many processes as saved it.
+    model: e.g. "only 1 process was started"); a replicated training run must be
+    loaded by as many processes as saved it (replicated inference never joins the
+    other processes: its file loads anywhere, as before).
 
     Raises:
-        Error: a file saved by process ``i`` of ``n`` (data parallel, ``n > 1``)
-            loaded in a process that is not process ``i`` of ``n``.
+        Error: a training file saved by process ``i`` of ``n`` (data parallel,
+            ``n > 1``) loaded in a process that is not process ``i`` of ``n``.
     """
     d = options.Distributed
     saved = (d.processId, d.numProcesses)
@@ -55,6 +56,8 @@ def adopt_processes(filename: str, options: Any) -> None:
                     "it runs as process %d of %d here (%s).", filename, *saved, rank,
                     size, source)
         d.configureProcessId(rank, size)
+        return
+    if not training:
         return
     raise backend_error(
         f"{filename} was saved by process {saved[0]} of {saved[1]} of a distributed run, "

@@ -164,6 +164,8 @@ def test_loaded_file_runs_as_the_loading_process(monkeypatch):
                        r"a distributed run, but this is process 0 of 1 \(no launcher\): "
                        r"load it in process 1 of a run of 2 processes"):
         adopt_processes("f.poptorch", opts)
+    adopt_processes("f.poptorch", opts, training=False)  # inference: loads anywhere
+    assert (opts.Distributed.processId, opts.Distributed.numProcesses) == (1, 2)
 
 
 def test_process_ending_without_joining_makes_the_other_fail(tmp_path):
