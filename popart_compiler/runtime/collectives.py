@@ -17,9 +17,8 @@ the failure is re-raised as a ``poptorch.Error`` that says so.
 
 A process that leaves with an uncaught exception (``sys.excepthook``, KeyboardInterrupt
 included) records "process <i> of <n> ended with <exception>" in the rendezvous store
-and closes its connections at once instead of waiting in the exit barrier: the other
-processes' pending or next collective fails within moments, naming it and its
-exception. A killed process (SIGKILL, ``os._exit``) closes its connections too; only one
+and closes its connections at once instead of waiting in the exit barrier: the others'
+pending or next collective fails within moments, naming it. A killed process (SIGKILL, ``os._exit``) closes its connections too; only one
 that stops participating without ending is detected by the collective timeout.
 
 A process whose script ends normally records its exit in the store and waits (at most
