@@ -506,11 +506,9 @@ _PROCESS_KEY = "poptorch/process"
 
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` of this host is running (a zombie is not)."""
-    try:
+    with contextlib.suppress(OSError):  # without /proc, ask the kernel below
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -102,7 +102,7 @@ _DECIMAL = re.compile(r"-?([0-9]{1,40})(?:\.([0-9]{0,40}))?(?:e([-+]?[0-9]{1,4})
 
 
 class _Reject(ValueError):
-    pass
+    """An expression outside the grammar or its size bounds (becomes "Invalid file")."""
 
 
 class _Value(NamedTuple):

@@ -212,13 +212,12 @@ def _example_outputs(call: _Call, tensors: Sequence[torch.Tensor]) -> Any:
             return call.run_forward(tensors)[1]
         except Error:  # a refusal (ctx.mark_dirty): final
             raise
-        except Exception:  # noqa: BLE001 - a forward that reads values: try zeros
-            pass
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
-        # device given: the capture's device mode warns about factories without one
-        zeros = [torch.zeros(tuple(t.shape), dtype=t.dtype, device=t.device)
-                 for t in tensors]
-        return call.run_forward(zeros)[1]
+        except Exception:  # noqa: BLE001 - a forward that reads values: run it on zeros
+            with unset_fake_temporarily():
+                # device given: the capture's device mode warns about factories without one
+                zeros = [torch.zeros(tuple(t.shape), dtype=t.dtype, device=t.device)
+                         for t in tensors]
+                return call.run_forward(zeros)[1]
 
 
 def _record(cls: type, args: Tuple[Any, ...], kwargs: dict):
