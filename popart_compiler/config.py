@@ -86,7 +86,8 @@ def parse_flag(name: str, value: str) -> bool:
         return int(word) != 0
     except ValueError:
         raise backend_error(f"{name}={value!r} is not an on / off value: set it to 1, "
-                            f"{', '.join(FLAG_ON)} (on) or 0, {', '.join(FLAG_OFF)} (off), "
+                            f"{', '.join(FLAG_ON)} (on; so is any non-zero integer) or 0, "
+                            f"{', '.join(FLAG_OFF)} (off), "
                             "or unset it.") from None
 
 

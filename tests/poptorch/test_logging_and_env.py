@@ -198,6 +198,16 @@ def test_flag_variables_refuse_other_values(monkeypatch):
         compiler_config.strict_memory()
 
 
+def test_flag_error_says_any_non_zero_integer_is_on(monkeypatch):
+    """POPTORCH_IPU_MODEL_STRICT_MEMORY=2 is on: the refusal of other values says so."""
+    from popart_compiler import config as compiler_config
+    monkeypatch.setenv("POPTORCH_IPU_MODEL_STRICT_MEMORY", "2")
+    assert compiler_config.strict_memory() is True
+    monkeypatch.setenv("POPTORCH_IPU_MODEL_STRICT_MEMORY", "nope")
+    with pytest.raises(poptorch.Error, match="so is any non-zero integer"):
+        compiler_config.strict_memory()
+
+
 def test_strict_memory_spelled_true_is_strict(monkeypatch):
     monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
     monkeypatch.setenv("POPTORCH_IPU_MODEL_STRICT_MEMORY", "true")
