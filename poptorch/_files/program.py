@@ -301,5 +301,11 @@ def _from_blobs(blobs: Dict[str, bytes],
     program = Program(captured, input_spec, list(structure["input_names"]),
                       int(structure["num_positional"]),
                       blobs={k: v for k, v in blobs.items() if k in _PROGRAM_BLOBS})
-    _check_consistent(captured, program, structure)
+    try:
+        _check_consistent(captured, program, structure)
+    except fs.Invalid:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch's shape checks on a bad program
+        raise fs.Invalid(f"program.json: the stored shapes cannot be checked "
+                         f"({type(exc).__name__}: {str(exc)[:500]})") from None
     return program

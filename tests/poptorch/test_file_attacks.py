@@ -315,6 +315,10 @@ MALFORMED = {
     "option missing": ("metadata.json", _drop_entry(["options", "state", "*_values"],
                                                     "replication_factor"),
                        r"options\._values: the option 'replication_factor' is missing"),
+    # a size over an undeclared symbol: torch's shape checks asserted (fresh-user N1)
+    "size over an undeclared symbol": ("program.json", lambda d: _size(
+        d, "Pow(Symbol('s0', integer=True, positive=True), Integer(64))") or d,
+        "program.json"),
     "training without optimizer": ("metadata.json", _set(["training"], True),
                                    "training is true but the file holds no optimizer"),
     "output shape not the program's": ("structure.json", _set(["outputs", "shape"],
