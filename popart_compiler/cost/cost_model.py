@@ -11,6 +11,7 @@ out-of-memory report (:func:`check`: a warning, or an error in strict mode); ``P
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,10 +24,12 @@ from popart_compiler.errors import backend_error
 from popart_compiler.cost.memory_model import IpuMemory, Location, MemorySettings, estimate_memory
 from popart_compiler.cost.memory_report import memory_problem
 from popart_compiler.cost.op_costs import ProgramCosts, collect
+from popart_compiler.implicit_defaults import (ImplicitDefault, ProgramFacts, implicit_defaults,
+                                               with_defaults)
 from popart_compiler.session_options import SessionOptions
 
 __all__ = ["IpuEstimate", "estimate", "estimate_costs", "estimate_with", "memory_settings",
-           "cycle_settings", "check"]
+           "cycle_settings", "check", "with_implicit_defaults"]
 
 
 @dataclasses.dataclass
@@ -41,6 +44,8 @@ class IpuEstimate:
         settings: the memory settings used.
         micro_batch: samples per micro-batch.
         replicas: replication factor.
+        defaults: the options PopTorch's compiler set because the user did not
+            (:mod:`popart_compiler.implicit_defaults`), as the estimate used them.
     """
     target: IpuTarget
     costs: ProgramCosts
@@ -49,6 +54,7 @@ class IpuEstimate:
     settings: MemorySettings
     micro_batch: int
     replicas: int
+    defaults: Tuple[ImplicitDefault, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -70,6 +76,7 @@ class IpuEstimate:
                        "memory_per_ipu": self.target.memory_bytes},
             "replicas": self.replicas, "micro_batch": self.micro_batch,
             "fits": self.fits,
+            "implicit_defaults": {d.key: d.shown for d in self.defaults},
             "memory": [{"ipu": m.ipu, "capacity": m.capacity, "total": int(m.total),
                         "fits": m.fits, "off_chip": int(m.off_chip),
                         "categories": {k: int(v) for k, v in m.categories.items()},
@@ -121,10 +128,15 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
                     ) -> MemorySettings:
     """The :class:`MemorySettings` of these session options and optimizer.
 
-    Reads ``autoRecomputation``, ``execution_mode`` (pipelined unless sharded or
-    phased), the four ``location_*`` dictionaries (options.md §4.3),
+    Reads ``autoRecomputation`` and ``explicitRecomputation``, ``execution_mode`` and
+    ``enablePipelining`` (pipelined unless sharded or phased),
+    ``enableLoadAndOffloadRNGState``, the four ``location_*`` dictionaries (options.md
+    §4.3),
     ``available_memory_proportion`` and the partials types
-    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``).
+    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``). The compiler
+    hands it the options with PopTorch's implicit defaults added
+    (:mod:`popart_compiler.implicit_defaults`: ``autoRecomputation = Pipeline`` for a
+    pipeline over several IPUs, off-chip locations for phased execution, ...).
     """
     raw = options.raw
     accumulating = training and options.gradient_accumulation > 1
@@ -143,7 +155,10 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
         accumulator_bytes=accum,
         replicas=options.replication_factor,
         auto_recomputation=int(raw.get("autoRecomputation", 0)),
-        pipelined=int(raw.get("execution_mode", 0)) == 0,
+        explicit_recomputation=bool(raw.get("explicitRecomputation", False)),
+        pipelined=int(raw.get("execution_mode", 0)) == 0 and
+        bool(raw.get("enablePipelining", True)),
+        rng_state=bool(raw.get("enableLoadAndOffloadRNGState", False)),
         weight=Location.from_dict(raw.get("location_weight")),
         optimizer=Location.from_dict(raw.get("location_optimizer")),
         accumulator=Location.from_dict(raw.get("location_accumulator")),
@@ -194,12 +209,32 @@ def cycle_settings(settings: MemorySettings, options: SessionOptions, training: 
         io_tiles=int(options.raw.get("numIOTiles", 0) or 0))
 
 
+def with_implicit_defaults(options: SessionOptions, costs: ProgramCosts, training: bool,
+                           optimizer=None
+                           ) -> Tuple[SessionOptions, Tuple[ImplicitDefault, ...]]:
+    """``options`` with the defaults PopTorch's compiler derives for this program
+    (:mod:`popart_compiler.implicit_defaults`) added where the user set nothing: the
+    compiler's ``session_defaults`` pass has added them already; a direct call of
+    :func:`estimate` gets the same. Facts come from the costed program (the IPUs its
+    ops use) and the optimizer (gradient clipping). Returns the options and the
+    defaults added."""
+    norm = getattr(optimizer, "max_grad_norm", math.inf) if training else math.inf
+    facts = ProgramFacts(training=training,
+                         used_ipus=max(1, len({op.ipu for op in costs.ops})),
+                         clipping=norm is not None and math.isfinite(norm))
+    defaults = implicit_defaults(options.raw, facts)
+    return dataclasses.replace(options, raw=with_defaults(options.raw, defaults)), defaults
+
+
 def estimate_costs(costs: ProgramCosts, options: SessionOptions, training: bool,
                    target: IpuTarget, optimizer=None, micro_batch: int = 1) -> IpuEstimate:
-    """:func:`estimate` of a program already costed (:func:`~.op_costs.collect`)."""
+    """:func:`estimate` of a program already costed (:func:`~.op_costs.collect`), under
+    ``options`` with PopTorch's implicit defaults (:func:`with_implicit_defaults`)."""
+    options, defaults = with_implicit_defaults(options, costs, training, optimizer)
     settings = memory_settings(options, training, optimizer)
-    return estimate_with(costs, target, settings,
-                         cycle_settings(settings, options, training, optimizer, micro_batch))
+    result = estimate_with(costs, target, settings,
+                           cycle_settings(settings, options, training, optimizer, micro_batch))
+    return dataclasses.replace(result, defaults=defaults)
 
 
 def estimate_with(costs: ProgramCosts, target: IpuTarget, settings: MemorySettings,

@@ -227,7 +227,7 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
     backward: Dict[int, float] = {}
     recomputed = {name for st in stage_memory(
         costs.ops, costs.stages, costs.user_inputs, memory.auto_recomputation,
-        memory.pipelined) for name in st.recomputed} if memory.training else set()
+        memory.pipelined, memory.explicit_recomputation) for name in st.recomputed} if memory.training else set()
     link = link_bytes_per_cycle(target)
     consumers: Dict[str, set] = {}
     for op in costs.ops:

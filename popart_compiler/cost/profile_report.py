@@ -143,6 +143,17 @@ def _tensors_section(summary: Dict[str, Any]) -> List[str]:
     return out
 
 
+def _defaults_section(summary: Dict[str, Any]) -> List[str]:
+    """The options PopTorch's compiler set by itself (``implicit_defaults``)."""
+    defaults = summary.get("implicit_defaults") or {}
+    out = ["<h2>Options set by default</h2>",
+           '<table><tr><th class="l">option</th><th class="l">value</th></tr>']
+    out += [f'<tr><td class="l">{html.escape(k)}</td><td class="l">{html.escape(str(v))}'
+            f'</td></tr>' for k, v in defaults.items()]
+    out.append("</table>")
+    return out
+
+
 def render_html(report: Dict[str, Any]) -> str:
     """The self-contained HTML page of a ``profile.json`` dictionary."""
     c = report["cycles"]
@@ -160,7 +171,8 @@ def render_html(report: Dict[str, Any]) -> str:
         f"<p>Estimated cycles per run: <b>{_b(c['run'])}</b>; estimated throughput "
         f"<b>{c['samples_per_second']:,.1f}</b> samples/s; "
         f"{'fits' if report['fits'] else 'does not fit'} in memory.</p>"]
-    body = _memory_section(report) + _timeline_section(report) + _tensors_section(report)
+    body = _memory_section(report) + _timeline_section(report) + \
+        _tensors_section(report) + _defaults_section(report)
     return "\n".join(head + body + ["</body></html>", ""])
 
 

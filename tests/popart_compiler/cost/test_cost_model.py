@@ -203,17 +203,28 @@ def test_off_chip_optimizer_state_and_replicated_tensor_sharding():
 def test_recomputation_keeps_only_checkpoints():
     x = torch.randn(64, 256)
     plain = memory(capture(Mlp(256, 4), x)).memory[0].categories
-    checkpointed = memory(capture(Mlp(256, 4, checkpoints=True), x)).memory[0].categories
     activation = 64 * 256 * 4
     # Without recomputation the input, every linear output (the relus run in place on
     # them) and the scalar sum are kept.
     assert plain["activations"] == activation + 4 * activation + 4
-    # With a checkpoint after each layer only the input and the checkpoints that later
-    # ops of the stage read are kept (all four: the last one feeds the sum).
+    # On one IPU PopTorch leaves recomputation off: PopART ignores the checkpoints
+    ignored = memory(capture(Mlp(256, 4, checkpoints=True), x)).memory[0].categories
+    assert ignored["activations"] == plain["activations"]
+    # With recomputation on (ResNet-50's RecomputeAll + explicitRecomputation) only
+    # the input and the checkpoints that later ops of the stage read are kept (all
+    # four: the last one feeds the sum) ...
+    explicit = {"autoRecomputation": 4, "explicitRecomputation": True}
+    checkpointed = memory(capture(Mlp(256, 4, checkpoints=True), x),
+                          raw=explicit).memory[0].categories
     assert checkpointed["activations"] == activation + 4 * activation
-    pipeline = memory(capture(Mlp(256, 4), x),
-                      raw={"autoRecomputation": 3}).memory[0].categories
-    assert pipeline["activations"] == activation  # only the stage input
+    # ... and without checkpoints only the stage input
+    everything = memory(capture(Mlp(256, 4), x), raw=explicit).memory[0].categories
+    assert everything["activations"] == activation
+    # implicit recomputation keeps what follows the last checkpoint (PopART's
+    # allCheckpointAfterLastCheckpoint): here the scalar sum
+    implicit = memory(capture(Mlp(256, 4, checkpoints=True), x),
+                      raw={"autoRecomputation": 4}).memory[0].categories
+    assert implicit["activations"] == activation + 4 * activation + 4
 
 
 def test_pipeline_stash_holds_the_micro_batches_in_flight():
