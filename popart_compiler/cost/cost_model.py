@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from popart_compiler.cost.cycle_model import CycleEstimate, CycleSettings, estimate_cycles
+from popart_compiler.cost.host_model import HostSettings, HostTime, host_time
 from popart_compiler.cost.ipu_model import IpuTarget
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
@@ -29,7 +30,8 @@ from popart_compiler.implicit_defaults import (ImplicitDefault, ProgramFacts, im
 from popart_compiler.session_options import SessionOptions
 
 __all__ = ["IpuEstimate", "estimate", "estimate_costs", "estimate_with", "memory_settings",
-           "cycle_settings", "check", "with_implicit_defaults"]
+           "cycle_settings", "check", "with_implicit_defaults", "host_settings",
+           "call_time"]
 
 
 @dataclasses.dataclass
@@ -55,6 +57,7 @@ class IpuEstimate:
     micro_batch: int
     replicas: int
     defaults: Tuple[ImplicitDefault, ...] = ()
+    host: Optional[HostTime] = None
 
     @property
     def fits(self) -> bool:
@@ -63,8 +66,15 @@ class IpuEstimate:
 
     @property
     def samples_per_second(self) -> float:
-        """Estimated samples per second of all replicas."""
+        """Estimated samples per second of all replicas, as the device sees it."""
         return self.cycles.samples_per_second
+
+    @property
+    def loop_samples_per_second(self) -> float:
+        """Estimated samples per second of a Python loop of calls (:mod:`.host_model`:
+        the device's run plus the call's host time); the device's figure when the host
+        time is unknown."""
+        return self.host.loop_samples_per_second if self.host else self.samples_per_second
 
     def summary(self) -> Dict[str, Any]:
         """A JSON-ready summary (the figures of ``profile.json``)."""
@@ -96,6 +106,12 @@ class IpuEstimate:
                                                "cycles": int(w), "forward_cycles": int(f)}
                                               for i, n, mb, w, f in p.work]}
                                     for p in c.schedule]},
+            "host": None if self.host is None else {
+                "seconds_per_call": self.host.total, "device": self.host.device,
+                "call": self.host.call, "inputs": self.host.inputs,
+                "outputs": self.host.outputs, "loading": self.host.loading,
+                "samples_per_call": self.host.samples,
+                "samples_per_second": round(self.host.loop_samples_per_second, 3)},
         }
 
 
@@ -206,7 +222,8 @@ def cycle_settings(settings: MemorySettings, options: SessionOptions, training: 
         else options.device_iterations,
         device_iterations=options.device_iterations,
         optimizer=optimizer.type if optimizer is not None else "SGD",
-        io_tiles=int(options.raw.get("numIOTiles", 0) or 0))
+        io_tiles=int(options.raw.get("numIOTiles", 0) or 0),
+        synthetic=options.synthetic_data)
 
 
 def with_implicit_defaults(options: SessionOptions, costs: ProgramCosts, training: bool,
@@ -234,7 +251,30 @@ def estimate_costs(costs: ProgramCosts, options: SessionOptions, training: bool,
     settings = memory_settings(options, training, optimizer)
     result = estimate_with(costs, target, settings,
                            cycle_settings(settings, options, training, optimizer, micro_batch))
-    return dataclasses.replace(result, defaults=defaults)
+    return dataclasses.replace(result, defaults=defaults,
+                               host=call_time(result, options, training))
+
+
+def host_settings(options: SessionOptions, training: bool, costs: ProgramCosts,
+                  loader_samples_per_s: Optional[float] = None) -> HostSettings:
+    """The :class:`~.host_model.HostSettings` of these options and program."""
+    return HostSettings(
+        micro_batches=options.gradient_accumulation if training else 1,
+        device_iterations=options.device_iterations,
+        replicas=options.replication_factor, ipus_per_replica=costs.num_ipus,
+        input_bytes=costs.input_bytes, output_bytes=costs.output_bytes,
+        output_mode=options.output_mode,
+        output_return_period=options.output_return_period,
+        synthetic=options.synthetic_data, loader_samples_per_s=loader_samples_per_s)
+
+
+def call_time(result: "IpuEstimate", options: SessionOptions, training: bool,
+              loader_samples_per_s: Optional[float] = None) -> HostTime:
+    """The host time of one call of the estimated program (:func:`.host_model.host_time`),
+    optionally fed by a ``DataLoader`` of ``loader_samples_per_s``."""
+    device = result.cycles.run_cycles / result.target.clock_hz
+    return host_time(device, result.micro_batch,
+                     host_settings(options, training, result.costs, loader_samples_per_s))
 
 
 def estimate_with(costs: ProgramCosts, target: IpuTarget, settings: MemorySettings,
