@@ -12,6 +12,8 @@ Graphcore's code builds them, on the ``meta`` device (the estimates read shapes)
 * :class:`EfficientNet`: EfficientNet with Graphcore's ``efficientnet_group_dim``
   (grouped instead of depthwise 3×3 / 5×5 convolutions, 16 channels per group),
   ``efficientnet_expand_ratio`` and group norm (``vision/cnns/pytorch``).
+* :class:`Clip`: CLIP ViT-B/32 placed as ``multimodal/CLIP/pytorch`` places it.
+* :class:`ClusterGcn`: the two-layer GraphSAGE of the Cluster-GCN tutorial.
 * :func:`hf_pipelined`: a Hugging Face model (Swin, ViT) split by
   ``layers_per_ipu`` with one ``poptorch.BeginBlock`` per layer and a
   recomputation checkpoint on each layer's output, as Graphcore's ``pipeline_model``
@@ -30,7 +32,8 @@ import poptorch
 
 from calibration_models import checkpoint_outputs, layer_ipus
 
-__all__ = ["TutorialCnn", "Conformer", "EfficientNet", "hf_pipelined", "ImageClassifier"]
+__all__ = ["TutorialCnn", "Conformer", "EfficientNet", "hf_pipelined", "ImageClassifier",
+           "Clip", "ClusterGcn"]
 
 
 class TutorialCnn(nn.Module):
@@ -333,3 +336,97 @@ class ImageClassifier(nn.Module):
         s = self.image_size
         return (torch.zeros(samples, 3, s, s, dtype=dtype, device="meta"),
                 torch.zeros(samples, dtype=torch.int64, device="meta"))
+
+
+class Clip(nn.Module):
+    """CLIP ViT-B/32 as ``multimodal/CLIP/pytorch`` places it (``parallelize``): the
+    image encoder's 12 layers on IPUs 0-4 as ``[1, 3, 3, 3, 2]``, the token
+    embedding and text layer 0 on IPU 5, text layers 1-5 on IPU 6, 6-11 and the
+    contrastive loss on IPU 7, a checkpoint after every layer.
+    ``forward(images, texts)`` returns the loss."""
+
+    def __init__(self, context: int = 77):
+        super().__init__()
+        import transformers
+        config = transformers.CLIPConfig(
+            text_config={"hidden_size": 512, "num_hidden_layers": 12,
+                         "num_attention_heads": 8, "intermediate_size": 2048,
+                         "max_position_embeddings": context, "vocab_size": 49408},
+            vision_config={"hidden_size": 768, "num_hidden_layers": 12,
+                           "num_attention_heads": 12, "intermediate_size": 3072,
+                           "patch_size": 32, "image_size": 224},
+            projection_dim=512)
+        config._attn_implementation = "eager"
+        self.model = transformers.CLIPModel(config)
+        self.context = context
+        vision = self.model.vision_model.encoder.layers
+        hf_pipelined(vision, [1, 3, 3, 3, 2])
+        text = self.model.text_model
+        text.embeddings = poptorch.BeginBlock(text.embeddings, "embedding", ipu_id=5)
+        ipus = [5] + [6] * 5 + [7] * 6
+        for index, layer in enumerate(text.encoder.layers):
+            checkpoint_outputs(layer)
+            text.encoder.layers[index] = poptorch.BeginBlock(layer, f"text{index}",
+                                                             ipu_id=ipus[index])
+
+    def forward(self, images, texts):
+        m = self.model  # the image encoder first, as Graphcore's model runs it
+        image = m.visual_projection(m.vision_model(pixel_values=images).pooler_output)
+        t = m.text_model  # its pooling (an argmax over the ids) as Graphcore's: the EOT
+        hidden = t.embeddings(input_ids=texts)  # token is the last of the context
+        length = hidden.shape[1]
+        causal = torch.full((length, length), -1e4, dtype=hidden.dtype,
+                            device=hidden.device).triu(1)[None, None]
+        hidden = t.final_layer_norm(t.encoder(inputs_embeds=hidden, attention_mask=causal
+                                              ).last_hidden_state)
+        text = m.text_projection(hidden[:, -1])
+        image = image / image.norm(dim=-1, keepdim=True)
+        text = text / text.norm(dim=-1, keepdim=True)
+        logits = (m.logit_scale.exp() * text @ image.t()).float()
+        labels = torch.arange(logits.shape[0], device=logits.device)
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+        return poptorch.identity_loss(loss, reduction="none")
+
+    def example_inputs(self, samples: int):
+        return (torch.zeros(samples, 3, 224, 224, dtype=torch.float16, device="meta"),
+                torch.zeros(samples, self.context, dtype=torch.int64, device="meta"))
+
+
+class ClusterGcn(nn.Module):
+    """The two ``SAGEConv`` layers (mean aggregation) of Graphcore's Cluster-GCN
+    tutorial (``gnn/cluster_gcn/pytorch_geometric``: Reddit, 602 features, 41 classes,
+    128 hidden), written with ``index_select`` / ``index_add`` as PyG's message
+    passing runs them, on a fixed-size batch of ``nodes`` and ``edges``.
+    ``forward(x, edges, mask, target)`` (``edges``: ``[E, 2]``, the batch dimension
+    first) returns the log-probabilities and the loss."""
+
+    def __init__(self, features: int = 602, hidden: int = 128, classes: int = 41,
+                 nodes: int = 1000, edges: int = 200_000):
+        super().__init__()
+        self.nodes, self.edges, self.features = nodes, edges, features
+        self.lin_l1, self.lin_r1 = nn.Linear(features, hidden), nn.Linear(features, hidden,
+                                                                          bias=False)
+        self.lin_l2, self.lin_r2 = nn.Linear(hidden, classes), nn.Linear(hidden, classes,
+                                                                         bias=False)
+
+    def _sage(self, x, edge_index, lin_l, lin_r):
+        messages = x.index_select(0, edge_index[0])
+        summed = torch.zeros_like(x).index_add(0, edge_index[1], messages)
+        count = torch.zeros(x.shape[0], 1, dtype=x.dtype, device=x.device).index_add(
+            0, edge_index[1], torch.ones(edge_index.shape[1], 1, dtype=x.dtype,
+                                         device=x.device))
+        return lin_l(summed / count.clamp(min=1)) + lin_r(x)
+
+    def forward(self, x, edges, mask, target):
+        edge_index = edges.t()  # [edges, 2]: the batch dimension first
+        x = F.relu(self._sage(x, edge_index, self.lin_l1, self.lin_r1))
+        x = F.log_softmax(self._sage(x, edge_index, self.lin_l2, self.lin_r2), dim=-1)
+        target = torch.where(mask, target, torch.full_like(target, -100))
+        return x, F.nll_loss(x, target)
+
+    def example_inputs(self, samples: int = 1):
+        n, e = self.nodes * samples, self.edges * samples
+        return (torch.zeros(n, self.features, device="meta"),
+                torch.zeros(e, 2, dtype=torch.int64, device="meta"),
+                torch.zeros(n, dtype=torch.bool, device="meta"),
+                torch.zeros(n, dtype=torch.int64, device="meta"))

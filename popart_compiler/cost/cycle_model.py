@@ -12,20 +12,24 @@ Per op (one micro-batch):
   of their activation inputs and outputs one load or store), a share of their inputs
   re-laid out over the exchange, and one synchronisation; backward costs
   :data:`BACKWARD_VECTOR_FACTOR` × forward.
+* every op: the fixed cost of its compute sets (:mod:`.op_classes`).
 
 Training: ops whose output does not depend on a trainable weight have no backward;
 ops that are not kept for backward are recomputed (forward again) as
-:mod:`.activation_memory` decides; recomputation checkpoints cost nothing. Stages are PopART's merged stages;
-they add the IPU-Link copies of their boundary tensors, the first and last stage the
-host-link transfer of inputs / outputs (unless ``numIOTiles`` overlaps I/O with
-compute). The pipeline runs in cycles: ``M`` micro-batches over ``S`` stages
+:mod:`.activation_memory` decides; recomputation checkpoints cost nothing. Stages are
+PopART's merged stages; they add the IPU-Link copies of their boundary tensors, the
+first and last stage the stream copies of inputs / outputs from the IPU-Gateway
+(unless ``numIOTiles`` overlaps I/O with compute, or the data is synthetic); the host
+link behind the gateway is host time (:mod:`.host_model`). The pipeline runs in cycles: ``M`` micro-batches over ``S`` stages
 (training: ``2N − 1``, the last forward stage merged with the first backward stage)
 take ``M + S − 1`` pipeline cycles; in each, every IPU runs its active stages and the
 cycle lasts as long as the busiest IPU (ramp-up and ramp-down have fewer active
 stages). Sharded (not pipelined) execution runs the stages one after the other. Each
-weight update adds the optimizer (vector work over the weights, streaming of off-chip
-state at the streaming-memory bandwidth) and the gradient all-reduce between replicas
-over the IPU-Links.
+weight update adds the optimizer (vector work over the weights and its compute sets,
+streaming of off-chip state at the streaming-memory bandwidth) and the gradient
+all-reduce between replicas over the IPU-Links (GCL's ring,
+:func:`allreduce_bytes_per_cycle`); each device iteration its synchronisation with
+the host (:data:`~.host_model.STEP_SYNC_SECONDS`).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import math
 from typing import Dict, List, Sequence, Tuple
 
 from popart_compiler.cost.activation_memory import stage_memory
-from popart_compiler.cost.host_model import GATEWAY_STREAM_BYTES_PER_S
+from popart_compiler.cost.host_model import GATEWAY_STREAM_BYTES_PER_S, STEP_SYNC_SECONDS
 from popart_compiler.cost.ipu_model import IpuTarget
 from popart_compiler.cost.matmul_plan import LOAD_BYTES_PER_CYCLE, SYNC_CYCLES, VECTOR_LANES
 from popart_compiler.cost.memory_model import MemorySettings, TILE_GRAIN_BYTES
@@ -238,7 +242,8 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
     backward: Dict[int, float] = {}
     recomputed = {name for st in stage_memory(
         costs.ops, costs.stages, costs.user_inputs, memory.auto_recomputation,
-        memory.pipelined, memory.explicit_recomputation) for name in st.recomputed} if memory.training else set()
+        memory.pipelined, memory.explicit_recomputation)
+        for name in st.recomputed} if memory.training else set()
     link = link_bytes_per_cycle(target)
     consumers: Dict[str, set] = {}
     for op in costs.ops:
@@ -372,12 +377,13 @@ def schedule_cycles(stages: Sequence[Stage], update: float, target: IpuTarget,
         efficiency = m * steady / pipeline if pipeline else 1.0
     else:
         efficiency = 1.0
+    sync = STEP_SYNC_SECONDS * target.clock_hz  # each device iteration's host sync
     if memory.training:
-        step = pipeline + update
+        step = pipeline + update + sync
         run = settings.device_iterations * step
     else:
         update = 0.0
-        step = run = pipeline
+        step = run = pipeline + settings.device_iterations * sync
     samples = settings.micro_batch * m * max(1, memory.replicas)
     seconds = step / target.clock_hz
     return CycleEstimate(target.clock_hz, list(op_cycles), stages, schedule, pipeline,

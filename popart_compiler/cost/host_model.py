@@ -4,16 +4,17 @@ A call of a compiled PopTorch program (``model(inputs)``) runs ``deviceIteration
 device iterations of ``gradientAccumulation`` micro-batches on every replica; its
 time, as Graphcore's benchmarks measure it around the call, is:
 
-* **the device's run** (:mod:`.cycle_model`), which includes the stream copies that
-  move each micro-batch's inputs from the IPU-Gateway into the IPU
+* **the device's run** (:mod:`.cycle_model`), which includes each device
+  iteration's synchronisation with the host (:data:`STEP_SYNC_SECONDS`) and the
+  stream copies that move each micro-batch's inputs from the IPU-Gateway into the IPU
   (:data:`GATEWAY_STREAM_BYTES_PER_S` per IPU, serial with compute: PopART's default
   host IO is not overlapped unless IO tiles are set);
 * **the host link**: the data of every replica of an IPU-Machine crosses its one
   100 GbE RoCE link (IPU-M2000 and Bow-2000 alike: an RNIC on the IPU-Gateway,
   :data:`HOST_LINK_BYTES_PER_S` per machine). PopART prefetches each step's streams
-  (``enablePrefetchDatastreams``, on by default), so the link's transfer of a device
-  iteration overlaps the device's work on the previous one and only its excess over
-  the device time of an iteration, plus the first iteration's transfer, is seen;
+  (``enablePrefetchDatastreams``, on by default), so the link's transfer of a
+  micro-batch overlaps the device's work on the previous one and only its excess over
+  the device time of a micro-batch, plus the first micro-batch's transfer, is seen;
 * **the call's own work** (:data:`CALL_SECONDS`): PopTorch's argument checks and
   buffer hand-over, PopART's ``run`` and Poplar's engine start and completion, a
   round trip to the device;
@@ -39,7 +40,8 @@ from typing import Optional
 from popart_compiler.enums import OutputMode
 
 __all__ = ["HostSettings", "HostTime", "host_time", "HOST_LINK_BYTES_PER_S",
-           "GATEWAY_STREAM_BYTES_PER_S", "CALL_SECONDS", "IPUS_PER_MACHINE"]
+           "GATEWAY_STREAM_BYTES_PER_S", "CALL_SECONDS", "IPUS_PER_MACHINE",
+           "STEP_SYNC_SECONDS"]
 
 #: Host link of one IPU-Machine (IPU-M2000, Bow-2000): 100 Gb/s RoCE.
 HOST_LINK_BYTES_PER_S = 100e9 / 8
@@ -49,6 +51,11 @@ GATEWAY_STREAM_BYTES_PER_S = 16e9
 IPUS_PER_MACHINE = 4
 #: PopTorch's, PopART's and Poplar's work per call, besides transfers (an estimate).
 CALL_SECONDS = 1.0e-3
+#: A device iteration's synchronisation with the host: the IPU waits at the start of
+#: each step of PopART's main loop until the host has serviced the step's streams
+#: (even with synthetic data; counted in the device's run). Fitted to one case of
+#: the validation set (``bench/validation.py``: the tutorial CNN, synthetic data).
+STEP_SYNC_SECONDS = 110e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +154,11 @@ def host_time(device_seconds: float, micro_batch: int, settings: HostSettings
     link = HOST_LINK_BYTES_PER_S / per_machine
     inputs = outputs = 0.0
     if not s.synthetic:
-        iterations = max(1, s.device_iterations)
-        step_in = s.input_bytes * s.micro_batches / link
-        step_device = device_seconds / iterations
-        # prefetching hides each iteration's transfer behind the previous one
-        inputs = step_in + (iterations - 1) * max(0.0, step_in - step_device)
+        steps = max(1, s.device_iterations * s.micro_batches)
+        step_in = s.input_bytes / link
+        step_device = device_seconds / steps
+        # prefetching hides each micro-batch's transfer behind the previous one
+        inputs = step_in + (steps - 1) * max(0.0, step_in - step_device)
         outputs = s.output_bytes * _returned_micro_batches(s) / link
     loading = samples / s.loader_samples_per_s if s.loader_samples_per_s else 0.0
     if not math.isfinite(loading):

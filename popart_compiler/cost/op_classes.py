@@ -39,7 +39,7 @@ POINTWISE, REDUCTION, NORMALISATION, SOFTMAX, GATHER, PRODUCT, VIEW = (
 #: vertices' start-up and the tiles' synchronisation. The one constant fitted to the
 #: small-program case of the validation set (``bench/validation.py``,
 #: ``docs/ipu-model-estimates.md``); the matmul plans count their own syncs.
-COMPUTE_SET_CYCLES = 2600.0
+COMPUTE_SET_CYCLES = 1500.0
 
 _REDUCTIONS = frozenset({
     "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "prod",

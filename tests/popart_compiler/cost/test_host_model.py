@@ -19,7 +19,7 @@ def test_a_call_costs_its_device_run_plus_its_fixed_work():
     assert t.loop_samples_per_second == pytest.approx(800 / t.total)
 
 
-def test_prefetching_hides_each_iteration_s_inputs_behind_the_device():
+def test_prefetching_hides_each_micro_batch_s_inputs_behind_the_device():
     link = host_model.HOST_LINK_BYTES_PER_S
     fast = host_time(1.0, 1, HostSettings(device_iterations=10, input_bytes=MB))
     assert fast.inputs == pytest.approx(MB / link)  # only the first iteration's
