@@ -10,8 +10,7 @@ Per op (one micro-batch):
   (4 float16 / 2 float32 lanes per tile per cycle; transcendental ops count
   :data:`~.op_costs.TRANSCENDENTAL_OPS` operations per element; every 64-bit word
   of their activation inputs and outputs one load or store), a share of their inputs
-  re-laid out over the exchange (all of a copy's, :func:`.op_classes.exchange_share`),
-  and one synchronisation; backward costs
+  re-laid out over the exchange, and one synchronisation; backward costs
   :data:`BACKWARD_VECTOR_FACTOR` × forward.
 * every op: the fixed cost of its compute sets (:mod:`.op_classes`).
 
@@ -44,8 +43,7 @@ from popart_compiler.cost.ipu_model import IpuTarget
 from popart_compiler.cost.matmul_plan import LOAD_BYTES_PER_CYCLE, SYNC_CYCLES, VECTOR_LANES
 from popart_compiler.cost.memory_model import MemorySettings, TILE_GRAIN_BYTES
 from popart_compiler.cost.op_classes import (COMPUTE_SET_CYCLES, UPDATE_COMPUTE_SETS,
-                                             compute_sets,
-                                             exchange_share)
+                                             compute_sets)
 from popart_compiler.cost.op_costs import OpCost, ProgramCosts
 from popart_compiler.cost.op_plans import exchange_bytes_per_cycle, op_plans
 
@@ -54,6 +52,8 @@ __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate
            "op_backward_cycles", "weight_update_cycles", "link_bytes_per_cycle",
            "host_bytes_per_cycle", "allreduce_bytes_per_cycle"]
 
+#: Share of a vector op's inputs re-laid out over the exchange.
+VECTOR_EXCHANGE_SHARE = 0.1
 #: Backward of a vector op over its forward.
 BACKWARD_VECTOR_FACTOR = 2.0
 #: Vector operations per weight element of one optimizer update.
@@ -161,7 +161,7 @@ def _vector_cycles(op: OpCost, target: IpuTarget) -> float:
     tiles = _tiles_used(op, target)
     moved = (op.in_bytes - op.weight_bytes + op.out_bytes) / LOAD_BYTES_PER_CYCLE
     compute = (moved + op.vector_ops / VECTOR_LANES[op.half]) / tiles
-    exchange = exchange_share(op) * (op.in_bytes - op.weight_bytes) / tiles / \
+    exchange = VECTOR_EXCHANGE_SHARE * (op.in_bytes - op.weight_bytes) / tiles / \
         exchange_bytes_per_cycle(target)
     return compute + exchange + SYNC_CYCLES
 

@@ -14,8 +14,6 @@ builds it:
   the normalisation (four);
 * **softmax** and ``log_softmax``: a max, the exponentials, a sum, the division
   (four);
-* **copies** (``contiguous`` / ``reshape`` of a transposed tensor, ``roll``, ``cat``,
-  padding, ``clone``): a re-arrangement whose every byte crosses the exchange (one);
 * **gathers and embeddings**: the indices broadcast, the rows exchanged (two);
   their backward adds the rows into the table (``multiUpdateAdd``);
 * **matmuls and convolutions**: each product re-arranges its operands, runs the
@@ -30,13 +28,12 @@ each weight on its own, ``mergeVarUpdate`` being off by default).
 """
 from __future__ import annotations
 
-__all__ = ["op_class", "compute_sets", "exchange_share", "COMPUTE_SET_CYCLES",
-           "UPDATE_COMPUTE_SETS", "POINTWISE", "REDUCTION", "NORMALISATION", "SOFTMAX",
-           "GATHER", "PRODUCT", "VIEW", "COPY", "VECTOR_EXCHANGE_SHARE"]
+__all__ = ["op_class", "compute_sets", "COMPUTE_SET_CYCLES", "UPDATE_COMPUTE_SETS",
+           "POINTWISE", "REDUCTION", "NORMALISATION", "SOFTMAX", "GATHER", "PRODUCT",
+           "VIEW"]
 
-POINTWISE, REDUCTION, NORMALISATION, SOFTMAX, GATHER, PRODUCT, VIEW, COPY = (
-    "pointwise", "reduction", "normalisation", "softmax", "gather", "product", "view",
-    "copy")
+POINTWISE, REDUCTION, NORMALISATION, SOFTMAX, GATHER, PRODUCT, VIEW = (
+    "pointwise", "reduction", "normalisation", "softmax", "gather", "product", "view")
 
 #: Cycles of one compute set besides its work: the exchange phase's and the
 #: vertices' start-up and the tiles' synchronisation. The one constant fitted to the
@@ -60,16 +57,9 @@ _GATHERS = frozenset({
     "_embedding_bag", "scatter", "scatter_add", "index_put", "index_add", "one_hot",
     "take_along_dim"})
 
-_COPIES = frozenset({"contiguous", "reshape", "flatten", "clone", "roll", "cat", "stack",
-                     "pad", "constant_pad_nd", "copy", "flip", "repeat"})
-
 #: Compute sets of each class's forward (products: per product).
 _FORWARD_SETS = {POINTWISE: 1, REDUCTION: 2, NORMALISATION: 4, SOFTMAX: 4, GATHER: 2,
-                 PRODUCT: 3, VIEW: 0, COPY: 1}
-
-#: Share of a vector op's activation inputs re-laid out over the exchange (an
-#: estimate, not fitted); a copy moves all of them.
-VECTOR_EXCHANGE_SHARE = 0.1
+                 PRODUCT: 3, VIEW: 0}
 
 #: Compute sets of one trainable tensor's update, by optimizer (PopART's var update
 #: ops: SGD's velocity and weight; Adam's moments, bias correction and update; LAMB
@@ -90,8 +80,6 @@ def op_class(op) -> str:
         return NORMALISATION
     if name in _GATHERS:
         return GATHER
-    if name in _COPIES:
-        return COPY
     if name in _REDUCTIONS:
         return REDUCTION
     return POINTWISE
@@ -103,9 +91,3 @@ def compute_sets(op) -> int:
     if kind == PRODUCT:
         return _FORWARD_SETS[PRODUCT] * sum(p.repeat for p in op.products)
     return _FORWARD_SETS[kind]
-
-
-def exchange_share(op) -> float:
-    """Share of the op's activation inputs that crosses the exchange: all of a copy's,
-    :data:`VECTOR_EXCHANGE_SHARE` of another vector op's."""
-    return 1.0 if op_class(op) == COPY else VECTOR_EXCHANGE_SHARE

@@ -233,27 +233,10 @@ def _bytes(value) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
-#: Ops that alias their input where its layout allows and copy it otherwise.
-_LAYOUT_COPIES = frozenset({"contiguous", "reshape", "flatten"})
-
-
-def _copies_layout(node: fx.Node) -> bool:
-    """Whether ``node`` (``contiguous``, ``reshape``, ``flatten``) copies its input:
-    the input is not contiguous (a transpose or permute before it), so the data is
-    re-laid out: on the IPU an exchange of the whole tensor (:mod:`.op_classes`)."""
-    if _op_name(node) not in _LAYOUT_COPIES or not node.args or \
-            not isinstance(node.args[0], fx.Node):
-        return False
-    source = node.args[0].meta.get("val")
-    return isinstance(source, torch.Tensor) and not source.is_contiguous()
-
-
 def _is_view(node: fx.Node) -> bool:
     target = node.target
     if target is operator.getitem:
         return True
-    if _copies_layout(node):
-        return False
     if not isinstance(target, torch._ops.OpOverload):
         return False
     if _op_name(node) in ("_assert_tensor_metadata", "sym_size", "sym_numel"):

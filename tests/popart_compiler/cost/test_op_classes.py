@@ -63,21 +63,3 @@ def test_the_all_reduce_runs_at_the_ring_s_link_bandwidth():
     per_cycle = cycle_model.allreduce_bytes_per_cycle(target, 4)
     assert per_cycle * target.clock_hz == pytest.approx(
         target.ipu_link_bytes_per_s / cycle_model.LINKS_PER_IPU * cycle_model.RING_LINKS)
-
-
-class _Transposed(nn.Module):
-    def forward(self, x):
-        return (x.transpose(1, 2).contiguous() * 2).sum()
-
-
-def test_a_contiguous_copy_of_a_transposed_tensor_crosses_the_exchange():
-    """The input that was free: contiguous() after a transpose (attention's heads
-    merged back) was a view; on the IPU it re-lays the data out over the exchange."""
-    costs = op_costs.collect(Graph(torch.export.export(_Transposed(),
-                                                       (torch.randn(8, 64, 32),))))
-    copy = next(o for o in costs.ops if o.op == "contiguous")
-    assert not copy.view and copy.out_bytes == 8 * 64 * 32 * 4
-    assert op_classes.op_class(copy) == op_classes.COPY
-    assert op_classes.exchange_share(copy) == 1.0
-    relu = _op("relu")
-    assert op_classes.exchange_share(relu) == op_classes.VECTOR_EXCHANGE_SHARE
