@@ -171,6 +171,14 @@ def render_html(report: Dict[str, Any]) -> str:
         f"<p>Estimated cycles per run: <b>{_b(c['run'])}</b>; estimated throughput "
         f"<b>{c['samples_per_second']:,.1f}</b> samples/s; "
         f"{'fits' if report['fits'] else 'does not fit'} in memory.</p>"]
+    host = report.get("host")
+    if host:
+        head.append(
+            f"<p>A call ({_b(host['samples_per_call'])} samples): "
+            f"{host['seconds_per_call'] * 1e3:,.3f} ms as a Python loop of calls sees it "
+            f"(device {host['device'] * 1e3:,.3f} ms, call {host['call'] * 1e3:,.3f} ms, "
+            f"inputs {host['inputs'] * 1e3:,.3f} ms, outputs {host['outputs'] * 1e3:,.3f} "
+            f"ms): <b>{host['samples_per_second']:,.1f}</b> samples/s.</p>")
     body = _memory_section(report) + _timeline_section(report) + \
         _tensors_section(report) + _defaults_section(report)
     return "\n".join(head + body + ["</body></html>", ""])
