@@ -66,11 +66,15 @@ class StageMemory:
         return self.saved * (self.depth - 1)
 
 
-def recomputation_active(ops, auto_recomputation: int, training: bool) -> bool:
+def recomputation_active(ops, auto_recomputation: int, training: bool,
+                         pipeline: bool = True) -> bool:
     """Whether the program recomputes forward ops in backward: ``autoRecomputation``
     is on (PopTorch sets ``Pipeline`` for a pipeline over more than one IPU,
-    :mod:`popart_compiler.implicit_defaults`). Without it PopART ignores
+    :mod:`popart_compiler.implicit_defaults`); ``Pipeline`` acts only in a pipeline of
+    several stages (``pipeline``). Without it PopART ignores
     ``recomputationCheckpoint`` marks and keeps every activation."""
+    if auto_recomputation == RECOMPUTE_PIPELINE and not pipeline:
+        return False
     return training and auto_recomputation != RECOMPUTE_NONE
 
 
@@ -201,7 +205,8 @@ def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
         pipelined: pipelined execution (else every stage has depth 1).
         explicit: ``explicitRecomputation`` (see :func:`one_stage`).
     """
-    recomputing = recomputation_active(ops, auto_recomputation, True)
+    recomputing = recomputation_active(ops, auto_recomputation, True,
+                                       pipelined and len(stages) > 1)
     producer = {op.name: op.stage for op in ops}
     sizes = {op.name: op.out_bytes for op in ops}
     owner = owners(ops)

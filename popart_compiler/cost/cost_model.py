@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from popart_compiler.cost.activation_memory import RECOMPUTE_PIPELINE
 from popart_compiler.cost.cycle_model import CycleEstimate, CycleSettings, estimate_cycles
 from popart_compiler.cost.host_model import HostSettings, HostTime, host_time
 from popart_compiler.cost.ipu_model import IpuTarget
@@ -170,7 +171,9 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
         optimizer_param_tensors=param_tensors,
         accumulator_bytes=accum,
         replicas=options.replication_factor,
-        auto_recomputation=int(raw.get("autoRecomputation", 0)),
+        # unset: PopTorch's default, Pipeline, which acts in a pipeline of several
+        # IPUs only (implicit_defaults.py; activation_memory.recomputation_active)
+        auto_recomputation=int(raw.get("autoRecomputation", RECOMPUTE_PIPELINE)),
         explicit_recomputation=bool(raw.get("explicitRecomputation", False)),
         pipelined=int(raw.get("execution_mode", 0)) == 0 and
         bool(raw.get("enablePipelining", True)),

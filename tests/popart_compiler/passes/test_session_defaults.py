@@ -1,6 +1,12 @@
-"""PopTorch's implicit session-option defaults (Compiler.cpp initSession's
-setOptionIfNotSet): one test per default (the compiler applying them:
-tests/poptorch/test_implicit_defaults_applied.py)."""
+"""The ``session_defaults`` pass: PopTorch's implicit session-option defaults
+(Compiler.cpp initSession's setOptionIfNotSet), one test per default, and the pass
+applying them (over several IPUs: tests/poptorch/test_implicit_defaults_applied.py)."""
+import torch
+import torch.nn as nn
+
+from popart_compiler import compiler
+from popart_compiler.ir import Graph
+from popart_compiler.session_options import SessionOptions
 from popart_compiler.implicit_defaults import (ProgramFacts, implicit_defaults,
                                                with_defaults)
 
@@ -113,3 +119,16 @@ def test_host_copy_ops_and_explicit_loops_only_with_overlapped_io():
 
 def test_a_program_on_no_ipu_gets_no_defaults():
     assert implicit_defaults({}, ProgramFacts(True, used_ipus=0)) == ()
+
+
+
+def test_the_pass_logs_and_records_the_defaults_of_a_one_ipu_program(compiler_logs):
+    module = nn.Linear(4, 2)
+    graph = Graph(torch.export.export(module, (torch.randn(3, 4),)))
+    exe = compiler.compile(graph, SessionOptions(), False)
+    found = {d.key: d.value for d in exe.defaults}
+    assert found["enablePipelining"] is False and "autoRecomputation" not in found
+    assert exe.options.raw["enableLoadAndOffloadRNGState"] is True
+    assert exe.options.raw["virtualGraphMode"] == 2  # Auto
+    assert "enablePipelining set to value false" in compiler_logs.text
+    assert exe.estimate.summary()["implicit_defaults"]["constantWeights"] == "false"
