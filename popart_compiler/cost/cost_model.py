@@ -20,6 +20,7 @@ from popart_compiler.cost.activation_memory import RECOMPUTE_PIPELINE
 from popart_compiler.cost.cycle_model import CycleEstimate, CycleSettings, estimate_cycles
 from popart_compiler.cost.host_model import HostSettings, HostTime, host_time
 from popart_compiler.cost.ipu_model import IpuTarget
+from popart_compiler.enums import OutputMode
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
 from popart_compiler.errors import backend_error
@@ -87,7 +88,6 @@ class IpuEstimate:
                        "memory_per_ipu": self.target.memory_bytes},
             "replicas": self.replicas, "micro_batch": self.micro_batch,
             "fits": self.fits,
-            "implicit_defaults": {d.key: d.shown for d in self.defaults},
             "memory": [{"ipu": m.ipu, "capacity": m.capacity, "total": int(m.total),
                         "fits": m.fits, "off_chip": int(m.off_chip),
                         "categories": {k: int(v) for k, v in m.categories.items()},
@@ -177,7 +177,7 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
         explicit_recomputation=bool(raw.get("explicitRecomputation", False)),
         pipelined=int(raw.get("execution_mode", 0)) == 0 and
         bool(raw.get("enablePipelining", True)),
-        rng_state=bool(raw.get("enableLoadAndOffloadRNGState", False)),
+        rng_state=bool(raw.get("enableLoadAndOffloadRNGState", True)),  # PopTorch's
         weight=Location.from_dict(raw.get("location_weight")),
         optimizer=Location.from_dict(raw.get("location_optimizer")),
         accumulator=Location.from_dict(raw.get("location_accumulator")),
@@ -226,7 +226,9 @@ def cycle_settings(settings: MemorySettings, options: SessionOptions, training: 
         device_iterations=options.device_iterations,
         optimizer=optimizer.type if optimizer is not None else "SGD",
         io_tiles=int(options.raw.get("numIOTiles", 0) or 0),
-        synthetic=options.synthetic_data)
+        synthetic=options.synthetic_data, output_mode=int(options.output_mode),
+        output_return_period=options.output_return_period,
+        accumulation=options.gradient_accumulation if training else 1)
 
 
 def with_implicit_defaults(options: SessionOptions, costs: ProgramCosts, training: bool,
@@ -254,8 +256,17 @@ def estimate_costs(costs: ProgramCosts, options: SessionOptions, training: bool,
     settings = memory_settings(options, training, optimizer)
     result = estimate_with(costs, target, settings,
                            cycle_settings(settings, options, training, optimizer, micro_batch))
-    return dataclasses.replace(result, defaults=defaults,
-                               host=call_time(result, options, training))
+    return dataclasses.replace(result, defaults=defaults)
+
+
+def _host_of(costs: ProgramCosts, settings: MemorySettings, cycles: CycleSettings
+             ) -> HostSettings:
+    return HostSettings(
+        micro_batches=cycles.accumulation, device_iterations=cycles.device_iterations,
+        replicas=settings.replicas, ipus_per_replica=costs.num_ipus,
+        input_bytes=costs.input_bytes, output_bytes=costs.output_bytes,
+        output_mode=OutputMode(cycles.output_mode),
+        output_return_period=cycles.output_return_period, synthetic=cycles.synthetic)
 
 
 def host_settings(options: SessionOptions, training: bool, costs: ProgramCosts,
@@ -288,6 +299,8 @@ def estimate_with(costs: ProgramCosts, target: IpuTarget, settings: MemorySettin
     cycles = estimate_cycles(costs, target, cycles_settings)
     result = IpuEstimate(target, costs, memory, cycles, settings, cycles_settings.micro_batch,
                          settings.replicas)
+    result.host = host_time(cycles.run_cycles / target.clock_hz, cycles_settings.micro_batch,
+                            _host_of(costs, settings, cycles_settings))
     logger.info("IPU Model estimate (%s, %d IPU(s) per replica): %s; %d cycles per run; "
                 "%.1f samples/s; pipeline efficiency %.1f %%", target.name, costs.num_ipus,
                 ", ".join(f"IPU {m.ipu} {m.total / 1e6:.1f}/{m.capacity / 1e6:.1f} MB"

@@ -74,6 +74,10 @@ class CycleSettings:
         io_tiles: ``numIOTiles`` (overlaps host I/O with compute when > 0).
         synthetic: ``enableSyntheticData``: no stream copies from the host.
         ipus_per_replica: IPUs of one replica (the all-reduce's ring).
+        output_mode / output_return_period: the user outputs' ``OutputMode`` (an int)
+            and ``EveryN`` period (the host time of a call, :mod:`.host_model`).
+        accumulation: micro-batches per device iteration and replica (training:
+            ``gradientAccumulation``; 1 in inference).
     """
     memory: MemorySettings
     micro_batch: int = 1
@@ -83,6 +87,9 @@ class CycleSettings:
     io_tiles: int = 0
     synthetic: bool = False
     ipus_per_replica: int = 1
+    output_mode: int = 2
+    output_return_period: int = 1
+    accumulation: int = 1
 
 
 @dataclasses.dataclass

@@ -202,7 +202,8 @@ def write_report(directory: str, estimate: IpuEstimate, model_name: str,
         Error: ``directory`` cannot be created or written (e.g. a file is in the way).
     """
     report = {"format": FORMAT, "model_name": model_name, "training": training,
-              **estimate.summary()}
+              **estimate.summary(),
+              "implicit_defaults": {d.key: d.shown for d in estimate.defaults}}
     text = json.dumps(report, indent=1)
     path = os.path.join(directory, "profile.json")
     try:

@@ -1,5 +1,8 @@
 """The compiler applies PopTorch's implicit session-option defaults, logs each one as
 PopTorch does and the IPU Model's estimate follows them."""
+import json
+import os
+
 import torch
 import torch.nn as nn
 
@@ -32,24 +35,32 @@ def _accumulating(n):
     return opts
 
 
-def test_the_compiler_logs_and_applies_the_defaults(poptorch_logs):
-    training = _compile(_TwoStages(), _accumulating(8))
+def _defaults_in_report(opts, directory):
+    """Compile with the profile report on; the report's implicit defaults."""
+    opts.enableProfiling(str(directory)).modelName("two")
+    training = _compile(_TwoStages(), opts)
+    with open(os.path.join(directory, "two", "profile.json"), encoding="utf-8") as f:
+        report = json.load(f)
+    return training, report
+
+
+def test_the_compiler_logs_and_applies_the_defaults(poptorch_logs, tmp_path):
+    training, report = _defaults_in_report(_accumulating(8), tmp_path)
     text = poptorch_logs.text
     assert "autoRecomputation set to value Pipeline" in text
     assert "enablePipelining set to value true" in text
     assert "enableGradientAccumulation set to value true" in text
     assert "engineOptions[debug.retainDebugInformation] set to value false" in text
-    report = training.ipuModelEstimate()
     assert report["implicit_defaults"]["autoRecomputation"] == "Pipeline"
     assert report["implicit_defaults"]["virtualGraphMode"] == "Manual"
     training.destroy()
 
 
-def test_the_user_s_recomputation_choice_wins():
+def test_the_user_s_recomputation_choice_wins(tmp_path):
     opts = _accumulating(8)
     opts._Popart.set("autoRecomputation", 0)
-    off = _compile(_TwoStages(), opts).ipuModelEstimate()
-    on = _compile(_TwoStages(), _accumulating(8)).ipuModelEstimate()
+    _, off = _defaults_in_report(opts, tmp_path / "off")
+    _, on = _defaults_in_report(_accumulating(8), tmp_path / "on")
     assert "autoRecomputation" not in off["implicit_defaults"]
     # without recomputation stage 0 also stashes what it computes, not only its input
     assert off["memory"][0]["categories"]["pipeline stash"] > \

@@ -131,4 +131,4 @@ def test_the_pass_logs_and_records_the_defaults_of_a_one_ipu_program(compiler_lo
     assert exe.options.raw["enableLoadAndOffloadRNGState"] is True
     assert exe.options.raw["virtualGraphMode"] == 2  # Auto
     assert "enablePipelining set to value false" in compiler_logs.text
-    assert exe.estimate.summary()["implicit_defaults"]["constantWeights"] == "false"
+    assert {d.key: d.shown for d in exe.estimate.defaults}["constantWeights"] == "false"
