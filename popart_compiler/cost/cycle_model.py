@@ -20,8 +20,9 @@ ops that are not kept for backward are recomputed (forward again) as
 PopART's merged stages; they add the IPU-Link copies of their boundary tensors, the
 first and last stage the stream copies of inputs / outputs from the IPU-Gateway
 (unless ``numIOTiles`` overlaps I/O with compute, or the data is synthetic); the host
-link behind the gateway is host time (:mod:`.host_model`). The pipeline runs in cycles: ``M`` micro-batches over ``S`` stages
-(training: ``2N − 1``, the last forward stage merged with the first backward stage)
+link behind the gateway is host time (:mod:`.host_model`). The pipeline runs in
+cycles: ``M`` micro-batches over ``S`` stages (training: ``2N − 1``, the last forward
+stage merged with the first backward stage)
 take ``M + S − 1`` pipeline cycles; in each, every IPU runs its active stages and the
 cycle lasts as long as the busiest IPU (ramp-up and ramp-down have fewer active
 stages). Sharded (not pipelined) execution runs the stages one after the other. Each
