@@ -178,10 +178,14 @@ def test_enable_profiling_writes_the_report(tmp_path):
     report = read_report(directory)
     assert report["format"] == "poptorch-ipu-model-profile/1"
     assert report["model_name"] == "classifier" and report["training"] is False
+    # the estimate's figures, and the options PopTorch's compiler set by itself
+    assert report["implicit_defaults"]["enablePipelining"] == "false"
     assert report == json.loads(json.dumps({**model.ipuModelEstimate(),
                                             "format": report["format"],
                                             "model_name": "classifier",
-                                            "training": False}))
+                                            "training": False,
+                                            "implicit_defaults":
+                                                report["implicit_defaults"]}))
     assert (directory / "profile.pop").read_text() == (directory / "profile.json").read_text()
     page = (directory / "profile.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page
