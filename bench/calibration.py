@@ -156,6 +156,10 @@ def _resnet(target=21, micro_batch=18, accumulation=57, replicas=16):
         opts = _options(target, replicas, accumulation, [0.16], optimizer_off_chip=False,
                         sharded_state=False)
         opts.broadcastBuffers(False)  # each replica keeps its batch-norm statistics
+        # recompute_mode "manual" of utils/ipu_settings.py: checkpoints count only
+        # with recomputation on, which PopTorch does not turn on for one IPU
+        opts._Popart.set("explicitRecomputation", True)
+        opts._Popart.set("autoRecomputation", 4)  # RecomputationType.RecomputeAll
         sgd = poptorch.optim.SGD(model.parameters(), lr=2.0, momentum=0.9,
                                  weight_decay=1e-4, use_combined_accum=True)
         return model, opts, sgd, model.example_inputs(micro_batch * accumulation * replicas)

@@ -27,6 +27,7 @@ from popart_compiler.passes.compiler_hints import (check_overlapped_io,
 from popart_compiler.passes.dropout import remove_inference_dropout
 from popart_compiler.passes.dtypes import demote_float64, retarget_device
 from popart_compiler.passes.estimate import estimate
+from popart_compiler.passes.defaults import session_defaults
 from popart_compiler.passes.lower import lower
 from popart_compiler.passes.placement import place
 from popart_compiler.passes.split_stages import split_stages
@@ -42,7 +43,7 @@ PASSES: Tuple[Pass, ...] = tuple(Pass.of(run) for run in (
     check_options, check_inputs, demote_float64, retarget_device,
     remove_inference_dropout, check_loss, check_buffers, check_replica_groupings,
     check_overlapped_io, record_available_memory, resolve_anchors, name_tensors,
-    place, split_stages, vectorize, lower, estimate))
+    place, session_defaults, split_stages, vectorize, lower, estimate))
 
 
 def prepare(options: SessionOptions) -> None:
@@ -113,11 +114,11 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
                     "behaviour.")
     plan = c.placement
     return Executable(
-        graph, options, training, c.loss_index,
+        graph, c.options, training, c.loss_index,
         num_ipus=(plan.ipus_per_replica if plan else 1) * options.replication_factor,
         activation_anchors=c.activation_anchors, state_anchors=c.state_anchors,
         vectorized=c.vectorized, tensor_names=c.tensor_names,
         compile_seconds=time.perf_counter() - start,
         vectorized_slots=c.vectorized_slots, placement=plan, stages=c.stages,
         runner=c.runner, stage_runner=c.stage_runner, alternative=c.alternative,
-        estimate=c.estimate, passes=ran)
+        estimate=c.estimate, passes=ran, defaults=c.defaults)

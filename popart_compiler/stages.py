@@ -105,6 +105,8 @@ class Executable:
             (:mod:`popart_compiler.cost.cost_model`).
         passes: the compiler passes that ran, in order, and whether each changed the
             graph.
+        defaults: the options PopTorch's compiler set because the user did not
+            (:mod:`popart_compiler.implicit_defaults`); ``options`` includes them.
     """
     graph: Graph
     options: SessionOptions
@@ -124,6 +126,7 @@ class Executable:
     alternative: Optional[Callable[[], Any]] = None
     estimate: Any = None
     passes: List[Tuple[str, bool]] = dataclasses.field(default_factory=list)
+    defaults: Tuple[Any, ...] = ()
 
     @property
     def module(self) -> fx.GraphModule:

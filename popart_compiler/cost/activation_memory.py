@@ -9,7 +9,8 @@ Follows PopART's pipelining (``transforms/pipeline.cpp``) and recomputation:
   + 1), the last of which is restored in place. The last forward stage runs its
   backward in the same pipeline cycle (one stage: ``forward+backward``): nothing is
   stashed and nothing recomputed; its activations are live until its backward.
-* With recomputation (``recomputation_checkpoint`` ops, or ``autoRecomputation``)
+* With recomputation (``autoRecomputation``; PopTorch sets ``Pipeline`` for a
+  pipeline over several IPUs, and honours ``recomputation_checkpoint`` marks only then)
   a stage keeps the tensors it receives (from another stage, or the host) and the
   checkpoints that later ops of the same stage read (a checkpoint only consumed by the
   next IPU spans one stage and is not stashed); backward recomputes each segment
@@ -65,20 +66,27 @@ class StageMemory:
         return self.saved * (self.depth - 1)
 
 
-def recomputation_active(ops, auto_recomputation: int, training: bool) -> bool:
-    """Whether the program recomputes forward ops in backward (checkpoints or
-    ``autoRecomputation``)."""
-    return training and (auto_recomputation != RECOMPUTE_NONE or
-                         any(op.checkpoint for op in ops))
+def recomputation_active(ops, auto_recomputation: int, training: bool,
+                         pipeline: bool = True) -> bool:
+    """Whether the program recomputes forward ops in backward: ``autoRecomputation``
+    is on (PopTorch sets ``Pipeline`` for a pipeline over more than one IPU,
+    :mod:`popart_compiler.implicit_defaults`); ``Pipeline`` acts only in a pipeline of
+    several stages (``pipeline``). Without it PopART ignores
+    ``recomputationCheckpoint`` marks and keeps every activation."""
+    if auto_recomputation == RECOMPUTE_PIPELINE and not pipeline:
+        return False
+    return training and auto_recomputation != RECOMPUTE_NONE
 
 
 def kept_for_backward(op, auto_recomputation: int, recomputing: bool) -> bool:
-    """Whether ``op``'s output is stored for backward rather than recomputed."""
+    """Whether ``op``'s output is stored for backward rather than recomputed.
+
+    ``Pipeline`` and ``RecomputeAll`` recompute every op the user did not checkpoint
+    (PopART's ``setRecomputation`` / ``annotateRecomputeAll``); ``Standard`` also
+    keeps the outputs of matmuls and convolutions, ``NormOnly`` all but the norms."""
     if not recomputing:
         return True
     mode = auto_recomputation
-    if mode in (RECOMPUTE_PIPELINE, RECOMPUTE_ALL):
-        return False
     return op.checkpoint or (mode == RECOMPUTE_STANDARD and op.flops > 0) or \
         (mode == RECOMPUTE_NORM_ONLY and "norm" not in op.op)
 
@@ -130,9 +138,6 @@ def _saved_and_working(ops, auto_recomputation: int, recompute: bool, received: 
     if not recompute:
         return received + float(sum(op.memory_bytes for op in needed)), float(grads), \
             frozenset()
-    if auto_recomputation in (RECOMPUTE_PIPELINE, RECOMPUTE_ALL):
-        return received, float(sum(op.memory_bytes for op in needed)) + grads, \
-            frozenset(op.name for op in needed)
     owner = owners(ops)
     # buffers a later op of the stage reads (not counting the views and in-place ops
     # that take them over)
@@ -163,7 +168,8 @@ def _saved_and_working(ops, auto_recomputation: int, recompute: bool, received: 
 
 
 def one_stage(mine: Sequence, position: int, count: int, received: float,
-              auto_recomputation: int, recomputing: bool, pipelined: bool) -> StageMemory:
+              auto_recomputation: int, recomputing: bool, pipelined: bool,
+              explicit: bool = False) -> StageMemory:
     """Training memory of one forward stage (module docstring).
 
     Args:
@@ -173,17 +179,22 @@ def one_stage(mine: Sequence, position: int, count: int, received: float,
         auto_recomputation: the ``autoRecomputation`` option.
         recomputing: the program recomputes (:func:`recomputation_active`).
         pipelined: pipelined execution (else depth 1).
+        explicit: ``explicitRecomputation``: a program that is not pipelined also
+            recomputes the ops after its last checkpoint (PopART keeps them only with
+            implicit recomputation, ``allCheckpointAfterLastCheckpoint``).
     """
     piped = pipelined and count > 1
     depth = 2 * (count - 1 - position) + 1 if piped else 1
+    last = position == count - 1
     saved, working, recomputed = _saved_and_working(
         mine, auto_recomputation, recomputing, received,
-        keep_tail=piped and position == count - 1)
+        keep_tail=last and (piped or not explicit))
     return StageMemory(mine[0].stage, mine[0].ipu, depth, saved, working, recomputed)
 
 
 def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
-                 auto_recomputation: int, pipelined: bool) -> List[StageMemory]:
+                 auto_recomputation: int, pipelined: bool, explicit: bool = False
+                 ) -> List[StageMemory]:
     """Training memory of every forward stage.
 
     Args:
@@ -192,8 +203,10 @@ def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
         user_inputs: user input name → bytes.
         auto_recomputation: the ``autoRecomputation`` option.
         pipelined: pipelined execution (else every stage has depth 1).
+        explicit: ``explicitRecomputation`` (see :func:`one_stage`).
     """
-    recomputing = recomputation_active(ops, auto_recomputation, True)
+    recomputing = recomputation_active(ops, auto_recomputation, True,
+                                       pipelined and len(stages) > 1)
     producer = {op.name: op.stage for op in ops}
     sizes = {op.name: op.out_bytes for op in ops}
     owner = owners(ops)
@@ -208,5 +221,5 @@ def stage_memory(ops: Sequence, stages: Sequence, user_inputs: Dict[str, int],
         received = stage_input(mine, lambda name, s=stage: producer.get(name, s) != s,
                                user_inputs, sizes, owner)
         result.append(one_stage(mine, k, len(stages), received, auto_recomputation,
-                                recomputing, pipelined))
+                                recomputing, pipelined, explicit))
     return result

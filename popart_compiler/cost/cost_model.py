@@ -11,22 +11,29 @@ out-of-memory report (:func:`check`: a warning, or an error in strict mode); ``P
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from popart_compiler.cost.activation_memory import RECOMPUTE_PIPELINE
 from popart_compiler.cost.cycle_model import CycleEstimate, CycleSettings, estimate_cycles
+from popart_compiler.cost.host_model import HostSettings, HostTime, host_time
 from popart_compiler.cost.ipu_model import IpuTarget
+from popart_compiler.enums import OutputMode
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
 from popart_compiler.errors import backend_error
 from popart_compiler.cost.memory_model import IpuMemory, Location, MemorySettings, estimate_memory
 from popart_compiler.cost.memory_report import memory_problem
 from popart_compiler.cost.op_costs import ProgramCosts, collect
+from popart_compiler.implicit_defaults import (ImplicitDefault, ProgramFacts, implicit_defaults,
+                                               with_defaults)
 from popart_compiler.session_options import SessionOptions
 
 __all__ = ["IpuEstimate", "estimate", "estimate_costs", "estimate_with", "memory_settings",
-           "cycle_settings", "check"]
+           "cycle_settings", "check", "with_implicit_defaults", "host_settings",
+           "call_time"]
 
 
 @dataclasses.dataclass
@@ -41,6 +48,8 @@ class IpuEstimate:
         settings: the memory settings used.
         micro_batch: samples per micro-batch.
         replicas: replication factor.
+        defaults: the options PopTorch's compiler set because the user did not
+            (:mod:`popart_compiler.implicit_defaults`), as the estimate used them.
     """
     target: IpuTarget
     costs: ProgramCosts
@@ -49,6 +58,8 @@ class IpuEstimate:
     settings: MemorySettings
     micro_batch: int
     replicas: int
+    defaults: Tuple[ImplicitDefault, ...] = ()
+    host: Optional[HostTime] = None
 
     @property
     def fits(self) -> bool:
@@ -57,8 +68,15 @@ class IpuEstimate:
 
     @property
     def samples_per_second(self) -> float:
-        """Estimated samples per second of all replicas."""
+        """Estimated samples per second of all replicas, as the device sees it."""
         return self.cycles.samples_per_second
+
+    @property
+    def loop_samples_per_second(self) -> float:
+        """Estimated samples per second of a Python loop of calls (:mod:`.host_model`:
+        the device's run plus the call's host time); the device's figure when the host
+        time is unknown."""
+        return self.host.loop_samples_per_second if self.host else self.samples_per_second
 
     def summary(self) -> Dict[str, Any]:
         """A JSON-ready summary (the figures of ``profile.json``)."""
@@ -89,6 +107,12 @@ class IpuEstimate:
                                                "cycles": int(w), "forward_cycles": int(f)}
                                               for i, n, mb, w, f in p.work]}
                                     for p in c.schedule]},
+            "host": None if self.host is None else {
+                "seconds_per_call": self.host.total, "device": self.host.device,
+                "call": self.host.call, "inputs": self.host.inputs,
+                "outputs": self.host.outputs, "loading": self.host.loading,
+                "samples_per_call": self.host.samples,
+                "samples_per_second": round(self.host.loop_samples_per_second, 3)},
         }
 
 
@@ -121,10 +145,15 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
                     ) -> MemorySettings:
     """The :class:`MemorySettings` of these session options and optimizer.
 
-    Reads ``autoRecomputation``, ``execution_mode`` (pipelined unless sharded or
-    phased), the four ``location_*`` dictionaries (options.md §4.3),
+    Reads ``autoRecomputation`` and ``explicitRecomputation``, ``execution_mode`` and
+    ``enablePipelining`` (pipelined unless sharded or phased),
+    ``enableLoadAndOffloadRNGState``, the four ``location_*`` dictionaries (options.md
+    §4.3),
     ``available_memory_proportion`` and the partials types
-    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``).
+    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``). The compiler
+    hands it the options with PopTorch's implicit defaults added
+    (:mod:`popart_compiler.implicit_defaults`: ``autoRecomputation = Pipeline`` for a
+    pipeline over several IPUs, off-chip locations for phased execution, ...).
     """
     raw = options.raw
     accumulating = training and options.gradient_accumulation > 1
@@ -142,8 +171,13 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
         optimizer_param_tensors=param_tensors,
         accumulator_bytes=accum,
         replicas=options.replication_factor,
-        auto_recomputation=int(raw.get("autoRecomputation", 0)),
-        pipelined=int(raw.get("execution_mode", 0)) == 0,
+        # unset: PopTorch's default, Pipeline, which acts in a pipeline of several
+        # IPUs only (implicit_defaults.py; activation_memory.recomputation_active)
+        auto_recomputation=int(raw.get("autoRecomputation", RECOMPUTE_PIPELINE)),
+        explicit_recomputation=bool(raw.get("explicitRecomputation", False)),
+        pipelined=int(raw.get("execution_mode", 0)) == 0 and
+        bool(raw.get("enablePipelining", True)),
+        rng_state=bool(raw.get("enableLoadAndOffloadRNGState", True)),  # PopTorch's
         weight=Location.from_dict(raw.get("location_weight")),
         optimizer=Location.from_dict(raw.get("location_optimizer")),
         accumulator=Location.from_dict(raw.get("location_accumulator")),
@@ -191,15 +225,70 @@ def cycle_settings(settings: MemorySettings, options: SessionOptions, training: 
         else options.device_iterations,
         device_iterations=options.device_iterations,
         optimizer=optimizer.type if optimizer is not None else "SGD",
-        io_tiles=int(options.raw.get("numIOTiles", 0) or 0))
+        io_tiles=int(options.raw.get("numIOTiles", 0) or 0),
+        synthetic=options.synthetic_data, output_mode=int(options.output_mode),
+        output_return_period=options.output_return_period,
+        accumulation=options.gradient_accumulation if training else 1)
+
+
+def with_implicit_defaults(options: SessionOptions, costs: ProgramCosts, training: bool,
+                           optimizer=None
+                           ) -> Tuple[SessionOptions, Tuple[ImplicitDefault, ...]]:
+    """``options`` with the defaults PopTorch's compiler derives for this program
+    (:mod:`popart_compiler.implicit_defaults`) added where the user set nothing: the
+    compiler's ``session_defaults`` pass has added them already; a direct call of
+    :func:`estimate` gets the same. Facts come from the costed program (the IPUs its
+    ops use) and the optimizer (gradient clipping). Returns the options and the
+    defaults added."""
+    norm = getattr(optimizer, "max_grad_norm", math.inf) if training else math.inf
+    facts = ProgramFacts(training=training,
+                         used_ipus=max(1, len({op.ipu for op in costs.ops})),
+                         clipping=norm is not None and math.isfinite(norm))
+    defaults = implicit_defaults(options.raw, facts)
+    return dataclasses.replace(options, raw=with_defaults(options.raw, defaults)), defaults
 
 
 def estimate_costs(costs: ProgramCosts, options: SessionOptions, training: bool,
                    target: IpuTarget, optimizer=None, micro_batch: int = 1) -> IpuEstimate:
-    """:func:`estimate` of a program already costed (:func:`~.op_costs.collect`)."""
+    """:func:`estimate` of a program already costed (:func:`~.op_costs.collect`), under
+    ``options`` with PopTorch's implicit defaults (:func:`with_implicit_defaults`)."""
+    options, defaults = with_implicit_defaults(options, costs, training, optimizer)
     settings = memory_settings(options, training, optimizer)
-    return estimate_with(costs, target, settings,
-                         cycle_settings(settings, options, training, optimizer, micro_batch))
+    result = estimate_with(costs, target, settings,
+                           cycle_settings(settings, options, training, optimizer, micro_batch))
+    return dataclasses.replace(result, defaults=defaults)
+
+
+def _host_of(costs: ProgramCosts, settings: MemorySettings, cycles: CycleSettings
+             ) -> HostSettings:
+    return HostSettings(
+        micro_batches=cycles.accumulation, device_iterations=cycles.device_iterations,
+        replicas=settings.replicas, ipus_per_replica=costs.num_ipus,
+        input_bytes=costs.input_bytes, output_bytes=costs.output_bytes,
+        output_mode=OutputMode(cycles.output_mode),
+        output_return_period=cycles.output_return_period, synthetic=cycles.synthetic)
+
+
+def host_settings(options: SessionOptions, training: bool, costs: ProgramCosts,
+                  loader_samples_per_s: Optional[float] = None) -> HostSettings:
+    """The :class:`~.host_model.HostSettings` of these options and program."""
+    return HostSettings(
+        micro_batches=options.gradient_accumulation if training else 1,
+        device_iterations=options.device_iterations,
+        replicas=options.replication_factor, ipus_per_replica=costs.num_ipus,
+        input_bytes=costs.input_bytes, output_bytes=costs.output_bytes,
+        output_mode=options.output_mode,
+        output_return_period=options.output_return_period,
+        synthetic=options.synthetic_data, loader_samples_per_s=loader_samples_per_s)
+
+
+def call_time(result: "IpuEstimate", options: SessionOptions, training: bool,
+              loader_samples_per_s: Optional[float] = None) -> HostTime:
+    """The host time of one call of the estimated program (:func:`.host_model.host_time`),
+    optionally fed by a ``DataLoader`` of ``loader_samples_per_s``."""
+    device = result.cycles.run_cycles / result.target.clock_hz
+    return host_time(device, result.micro_batch,
+                     host_settings(options, training, result.costs, loader_samples_per_s))
 
 
 def estimate_with(costs: ProgramCosts, target: IpuTarget, settings: MemorySettings,
@@ -210,6 +299,8 @@ def estimate_with(costs: ProgramCosts, target: IpuTarget, settings: MemorySettin
     cycles = estimate_cycles(costs, target, cycles_settings)
     result = IpuEstimate(target, costs, memory, cycles, settings, cycles_settings.micro_batch,
                          settings.replicas)
+    result.host = host_time(cycles.run_cycles / target.clock_hz, cycles_settings.micro_batch,
+                            _host_of(costs, settings, cycles_settings))
     logger.info("IPU Model estimate (%s, %d IPU(s) per replica): %s; %d cycles per run; "
                 "%.1f samples/s; pipeline efficiency %.1f %%", target.name, costs.num_ipus,
                 ", ".join(f"IPU {m.ipu} {m.total / 1e6:.1f}/{m.capacity / 1e6:.1f} MB"

@@ -12,20 +12,25 @@ Per op (one micro-batch):
   of their activation inputs and outputs one load or store), a share of their inputs
   re-laid out over the exchange, and one synchronisation; backward costs
   :data:`BACKWARD_VECTOR_FACTOR` × forward.
+* every op: the fixed cost of its compute sets (:mod:`.op_classes`).
 
 Training: ops whose output does not depend on a trainable weight have no backward;
 ops that are not kept for backward are recomputed (forward again) as
-:mod:`.activation_memory` decides; recomputation checkpoints cost nothing. Stages are PopART's merged stages;
-they add the IPU-Link copies of their boundary tensors, the first and last stage the
-host-link transfer of inputs / outputs (unless ``numIOTiles`` overlaps I/O with
-compute). The pipeline runs in cycles: ``M`` micro-batches over ``S`` stages
-(training: ``2N − 1``, the last forward stage merged with the first backward stage)
+:mod:`.activation_memory` decides; recomputation checkpoints cost nothing. Stages are
+PopART's merged stages; they add the IPU-Link copies of their boundary tensors, the
+first and last stage the stream copies of inputs / outputs from the IPU-Gateway
+(unless ``numIOTiles`` overlaps I/O with compute, or the data is synthetic); the host
+link behind the gateway is host time (:mod:`.host_model`). The pipeline runs in
+cycles: ``M`` micro-batches over ``S`` stages (training: ``2N − 1``, the last forward
+stage merged with the first backward stage)
 take ``M + S − 1`` pipeline cycles; in each, every IPU runs its active stages and the
 cycle lasts as long as the busiest IPU (ramp-up and ramp-down have fewer active
 stages). Sharded (not pipelined) execution runs the stages one after the other. Each
-weight update adds the optimizer (vector work over the weights, streaming of off-chip
-state at the streaming-memory bandwidth) and the gradient all-reduce between replicas
-over the IPU-Links.
+weight update adds the optimizer (vector work over the weights and its compute sets,
+streaming of off-chip state at the streaming-memory bandwidth) and the gradient
+all-reduce between replicas over the IPU-Links (GCL's ring,
+:func:`allreduce_bytes_per_cycle`); each device iteration its synchronisation with
+the host (:data:`~.host_model.STEP_SYNC_SECONDS`).
 """
 from __future__ import annotations
 
@@ -34,16 +39,19 @@ import math
 from typing import Dict, List, Sequence, Tuple
 
 from popart_compiler.cost.activation_memory import stage_memory
+from popart_compiler.cost.host_model import GATEWAY_STREAM_BYTES_PER_S, STEP_SYNC_SECONDS
 from popart_compiler.cost.ipu_model import IpuTarget
 from popart_compiler.cost.matmul_plan import LOAD_BYTES_PER_CYCLE, SYNC_CYCLES, VECTOR_LANES
 from popart_compiler.cost.memory_model import MemorySettings, TILE_GRAIN_BYTES
+from popart_compiler.cost.op_classes import (COMPUTE_SET_CYCLES, UPDATE_COMPUTE_SETS,
+                                             compute_sets)
 from popart_compiler.cost.op_costs import OpCost, ProgramCosts
 from popart_compiler.cost.op_plans import exchange_bytes_per_cycle, op_plans
 
 __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate_cycles",
            "pipeline_schedule", "pipeline_stages", "schedule_cycles", "op_forward_cycles",
            "op_backward_cycles", "weight_update_cycles", "link_bytes_per_cycle",
-           "host_bytes_per_cycle"]
+           "host_bytes_per_cycle", "allreduce_bytes_per_cycle"]
 
 #: Share of a vector op's inputs re-laid out over the exchange.
 VECTOR_EXCHANGE_SHARE = 0.1
@@ -65,6 +73,12 @@ class CycleSettings:
         device_iterations: ``D``.
         optimizer: optimizer type (training).
         io_tiles: ``numIOTiles`` (overlaps host I/O with compute when > 0).
+        synthetic: ``enableSyntheticData``: no stream copies from the host.
+        ipus_per_replica: IPUs of one replica (the all-reduce's ring).
+        output_mode / output_return_period: the user outputs' ``OutputMode`` (an int)
+            and ``EveryN`` period (the host time of a call, :mod:`.host_model`).
+        accumulation: micro-batches per device iteration and replica (training:
+            ``gradientAccumulation``; 1 in inference).
     """
     memory: MemorySettings
     micro_batch: int = 1
@@ -72,6 +86,11 @@ class CycleSettings:
     device_iterations: int = 1
     optimizer: str = "SGD"
     io_tiles: int = 0
+    synthetic: bool = False
+    ipus_per_replica: int = 1
+    output_mode: int = 2
+    output_return_period: int = 1
+    accumulation: int = 1
 
 
 @dataclasses.dataclass
@@ -160,23 +179,26 @@ def _plans(op: OpCost, target: IpuTarget, memory: MemorySettings):
 
 
 def op_forward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) -> float:
-    """Forward cycles of one op for one micro-batch (see the module docstring)."""
+    """Forward cycles of one op for one micro-batch (see the module docstring), with
+    its compute sets' fixed cost (:mod:`.op_classes`)."""
     if op.view:  # also the recomputation checkpoints: they only mark their input
         return 0.0
+    fixed = compute_sets(op) * COMPUTE_SET_CYCLES
     if op.products:
-        return _plans(op, target, memory).forward_cycles
-    return _vector_cycles(op, target)
+        return _plans(op, target, memory).forward_cycles + fixed
+    return _vector_cycles(op, target) + fixed
 
 
 def op_backward_cycles(op: OpCost, target: IpuTarget, memory: MemorySettings) -> float:
     """Backward cycles of one op for one micro-batch (gradient products, or
-    :data:`BACKWARD_VECTOR_FACTOR` × the forward of a vector op); recomputation is
-    added by the caller."""
+    :data:`BACKWARD_VECTOR_FACTOR` × the forward of a vector op), with twice the
+    forward's compute sets; recomputation is added by the caller."""
     if op.view:
         return 0.0
+    fixed = BACKWARD_VECTOR_FACTOR * compute_sets(op) * COMPUTE_SET_CYCLES
     if op.products:
-        return _plans(op, target, memory).backward_cycles
-    return BACKWARD_VECTOR_FACTOR * _vector_cycles(op, target)
+        return _plans(op, target, memory).backward_cycles + fixed
+    return BACKWARD_VECTOR_FACTOR * _vector_cycles(op, target) + fixed
 
 
 def pipeline_schedule(stages: Sequence[Stage], micro_batches: int, pipelined: bool
@@ -211,12 +233,13 @@ def link_bytes_per_cycle(target: IpuTarget) -> float:
     return target.ipu_link_bytes_per_s / target.clock_hz
 
 
-def host_bytes_per_cycle(target: IpuTarget, replicas: int, num_ipus: int) -> float:
-    """Host-link bytes per cycle of one replica: the boards' PCIe links shared by the
-    replicas (4 IPUs per board)."""
-    replicas = max(1, replicas)
-    boards = math.ceil(replicas * num_ipus / 4)
-    return target.host_link_bytes_per_s * boards / replicas / target.clock_hz
+def host_bytes_per_cycle(target: IpuTarget, replicas: int = 1, num_ipus: int = 1) -> float:
+    """Bytes per cycle an IPU's stream copies receive from the IPU-Gateway (PCIe Gen4
+    x8 per IPU, :data:`~.host_model.GATEWAY_STREAM_BYTES_PER_S`); the 100 GbE host link
+    that feeds the gateway is host time (:mod:`.host_model`). ``replicas`` and
+    ``num_ipus`` are kept for callers: each IPU has its own gateway link."""
+    del replicas, num_ipus
+    return GATEWAY_STREAM_BYTES_PER_S / target.clock_hz
 
 
 def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
@@ -227,7 +250,8 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
     backward: Dict[int, float] = {}
     recomputed = {name for st in stage_memory(
         costs.ops, costs.stages, costs.user_inputs, memory.auto_recomputation,
-        memory.pipelined) for name in st.recomputed} if memory.training else set()
+        memory.pipelined, memory.explicit_recomputation)
+        for name in st.recomputed} if memory.training else set()
     link = link_bytes_per_cycle(target)
     consumers: Dict[str, set] = {}
     for op in costs.ops:
@@ -249,7 +273,7 @@ def _stages(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings
     host = host_bytes_per_cycle(target, memory.replicas, costs.num_ipus)
     keys = costs.stages or [(0, 0)]
     first, last = keys[0][0], keys[-1][0]
-    if settings.io_tiles <= 0:
+    if settings.io_tiles <= 0 and not settings.synthetic:
         forward[first] = forward.get(first, 0.0) + costs.input_bytes / host
         forward[last] = forward.get(last, 0.0) + costs.output_bytes / host
     return pipeline_stages(keys, forward, backward, memory.training), op_cycles
@@ -280,19 +304,42 @@ def weight_update_cycles(w, target: IpuTarget, settings: CycleSettings) -> float
     link = link_bytes_per_cycle(target)
     streaming = target.streaming_bytes_per_s / target.clock_hz
     elements = w.elements / (replicas if memory.optimizer.sharded else 1)
-    cycles = elements * OPTIMIZER_OPS.get(settings.optimizer, 8) / (2 * target.tiles)
+    cycles = elements * OPTIMIZER_OPS.get(settings.optimizer, 8) / (2 * target.tiles) + \
+        UPDATE_COMPUTE_SETS.get(settings.optimizer, 4) * COMPUTE_SET_CYCLES
     for per_element, location in ((memory.optimizer_bytes_of(w.itemsize), memory.optimizer),
                                   (memory.accumulator_bytes, memory.accumulator)):
         off = location.split(w.elements, per_element * w.elements, replicas)[1]
         cycles += 2 * off / streaming
     if replicas > 1:
-        cycles += 2 * (replicas - 1) / replicas * w.bytes / link
+        cycles += 2 * (replicas - 1) / replicas * w.bytes / \
+            allreduce_bytes_per_cycle(target, replicas, settings.ipus_per_replica)
     return cycles
+
+
+#: IPU-Links one hop of GCL's ring of replicas uses (of the 10 of an IPU: the
+#: IPU-M2000 and Bow-2000 bring 2 per IPU out to the next machine, and a ring over
+#: several machines runs at the pace of those). GCL runs two rings in opposite
+#: directions, each with half the data, so both directions of the links carry it.
+RING_LINKS = 2
+#: IPU-Links per IPU: the spec's bandwidth is that of all of them, both directions.
+LINKS_PER_IPU = 10
+
+
+def allreduce_bytes_per_cycle(target: IpuTarget, replicas: int, ipus_per_replica: int = 1
+                              ) -> float:
+    """Bytes per cycle each IPU sends in the ring all-reduce of replicated gradients
+    (GCL's ring: ``2 (R − 1) / R`` of the gradient's bytes leave each IPU): both
+    directions of the :data:`RING_LINKS` links to its ring neighbours. ``replicas``
+    and ``ipus_per_replica`` are kept for callers (every hop runs at the same pace)."""
+    del replicas, ipus_per_replica
+    per_link = target.ipu_link_bytes_per_s / LINKS_PER_IPU
+    return per_link * RING_LINKS / target.clock_hz
 
 
 def _update_cycles(costs: ProgramCosts, target: IpuTarget, settings: CycleSettings) -> float:
     if not settings.memory.training:
         return 0.0
+    settings = dataclasses.replace(settings, ipus_per_replica=costs.num_ipus)
     per_ipu: Dict[int, float] = {}
     for w in costs.weights:
         if not w.trainable:
@@ -338,12 +385,13 @@ def schedule_cycles(stages: Sequence[Stage], update: float, target: IpuTarget,
         efficiency = m * steady / pipeline if pipeline else 1.0
     else:
         efficiency = 1.0
+    sync = STEP_SYNC_SECONDS * target.clock_hz  # each device iteration's host sync
     if memory.training:
-        step = pipeline + update
+        step = pipeline + update + sync
         run = settings.device_iterations * step
     else:
         update = 0.0
-        step = run = pipeline
+        step = run = pipeline + settings.device_iterations * sync
     samples = settings.micro_batch * m * max(1, memory.replicas)
     seconds = step / target.clock_hz
     return CycleEstimate(target.clock_hz, list(op_cycles), stages, schedule, pipeline,

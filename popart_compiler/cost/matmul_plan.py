@@ -79,6 +79,10 @@ class MatmulProblem:
             weight gradient's operand); weights stay where the plan keeps them.
         half: float16 operands (else float32).
         half_partials: float16 partial sums (``setPartialsType(torch.half)``).
+        row_reuse: the left operand's rows are ``row_reuse`` shifted views of the
+            same data (a convolution's weight gradient: its rows are input channels
+            × kernel positions): its data crosses the exchange once, not once per
+            view.
     """
     groups: int
     rows: int
@@ -89,6 +93,7 @@ class MatmulProblem:
     exchange_cols: bool = False
     half: bool = True
     half_partials: bool = False
+    row_reuse: int = 1
 
     @property
     def macs(self) -> int:
@@ -177,7 +182,7 @@ def _best(problem: MatmulProblem, tiles: int, macs_per_cycle: float,
                         AMP_LOOP_CYCLES)
     received = 0.0
     if p.exchange_rows:
-        received = received + g * m * c * in_bytes
+        received = received + g * m * c * in_bytes / max(1, p.row_reuse)
     if p.exchange_cols:
         received = received + g * c * kernel * n * in_bytes
     partials = g * m * n * partial_bytes

@@ -152,7 +152,8 @@ def products(node: fx.Node, half: bool, state: Sequence[fx.Node],
 def backward_problems(product: Product) -> List[MatmulProblem]:
     """The products of the backward pass of one forward slice: the left operand's
     gradient ``dC @ Bᵀ`` (a convolution's gradient is a convolution over the same
-    kernel) and the right operand's ``Aᵀ @ dC`` (both operands are activations)."""
+    kernel) and the right operand's ``Aᵀ @ dC`` (both operands are activations; a
+    convolution's input crosses the exchange once for all its kernel positions)."""
     p = product.problem
     result = []
     if product.grad_rows:
@@ -160,7 +161,9 @@ def backward_problems(product: Product) -> List[MatmulProblem]:
         result.append(dataclasses.replace(
             p, depth=p.cols * p.kernel, cols=channels, exchange_rows=True))
     if product.grad_cols:
+        # a convolution's weight gradient reads each input element once for all
+        # kernel positions (its rows are channels × positions)
         result.append(dataclasses.replace(
             p, rows=p.depth, depth=p.rows, kernel=1, exchange_rows=True,
-            exchange_cols=True))
+            exchange_cols=True, row_reuse=max(1, p.kernel)))
     return result

@@ -60,6 +60,9 @@ RUNTIME_BYTES_PER_TILE = 8 * 1024
 EXCHANGE_BYTES_PER_TILE = 4 * 1024
 #: Vertex code of one op on one tile.
 CODE_BYTES_PER_TILE_PER_OP = 768
+#: The saved RNG state of one tile (``enableLoadAndOffloadRNGState``): 6 workers × 4
+#: 32-bit seed words, kept once on the tile and once in its stream buffer.
+RNG_STATE_BYTES_PER_TILE = 2 * 6 * 4 * 4
 #: Bytes of a tensor placed on one tile before the tensor spreads to another one.
 TILE_GRAIN_BYTES = 2 * 1024
 
@@ -105,6 +108,9 @@ class MemorySettings:
             ``gradientAccumulation`` is 1, and for the combined SGD variant).
         replicas: replication factor (for replicated tensor sharding).
         auto_recomputation: PopART ``RecomputationType`` value.
+        explicit_recomputation: ``explicitRecomputation``.
+        rng_state: ``enableLoadAndOffloadRNGState`` (PopTorch's default): each tile
+            keeps a copy of its workers' RNG state (:data:`RNG_STATE_BYTES_PER_TILE`).
         pipelined: pipelined execution (``PipelinedExecution``, the default).
         weight / optimizer / accumulator / activation: tensor locations.
         available_memory: IPU → ``setAvailableMemoryProportion`` value.
@@ -118,6 +124,8 @@ class MemorySettings:
     accumulator_bytes: float = 0.0
     replicas: int = 1
     auto_recomputation: int = RECOMPUTE_NONE
+    explicit_recomputation: bool = False
+    rng_state: bool = False
     pipelined: bool = True
     weight: Location = dataclasses.field(default_factory=Location)
     optimizer: Location = dataclasses.field(default_factory=Location)
@@ -205,11 +213,12 @@ def matmul_temporary(op, settings: MemorySettings, target: IpuTarget
     return plans.temporary(settings.training)
 
 
-def _code(mine, target: IpuTarget, training: bool) -> float:
+def _code(mine, target: IpuTarget, training: bool, rng_state: bool = False) -> float:
     signatures = {op.signature: op for op in mine if not op.view}
     per_op = sum(min(target.tiles, max(1, math.ceil(op.out_bytes / TILE_GRAIN_BYTES)))
                  for op in signatures.values()) * CODE_BYTES_PER_TILE_PER_OP
-    return per_op * (3 if training else 1) + RUNTIME_BYTES_PER_TILE * target.tiles
+    runtime = RUNTIME_BYTES_PER_TILE + (RNG_STATE_BYTES_PER_TILE if rng_state else 0)
+    return per_op * (3 if training else 1) + runtime * target.tiles
 
 
 def _state(weights, settings: MemorySettings, replicas: int, cat: Dict[str, float],
@@ -301,7 +310,7 @@ def ipu_parts(ipu: int, mine: Sequence, weights: Sequence, stages: Sequence,
         cat["gradients"] = float(max((op.weight_grad_bytes for op in mine), default=0))
     else:
         cat["activations"] = inference_activations
-    cat["code"] = float(_code(mine, target, settings.training))
+    cat["code"] = float(_code(mine, target, settings.training, settings.rng_state))
     cat["exchange"] = float(EXCHANGE_BYTES_PER_TILE * target.tiles + 2 * host + 2 * boundary)
     if tensors:
         listed += [(op.name, "activations", float(op.out_bytes)) for op in mine
@@ -357,7 +366,8 @@ def estimate_memory(costs: ProgramCosts, target: IpuTarget, settings: MemorySett
         for name in op.inputs:
             read_on.setdefault(name, set()).add(op.ipu)
     stages = stage_memory(costs.ops, costs.stages, costs.user_inputs,
-                          settings.auto_recomputation, settings.pipelined) \
+                          settings.auto_recomputation, settings.pipelined,
+                          settings.explicit_recomputation) \
         if settings.training else []
     result = []
     for ipu in range(costs.num_ipus):

@@ -68,11 +68,12 @@ def macs_per_cycle(target: IpuTarget, half: bool, half_partials: bool = True) ->
     return rate
 
 
-#: Share of the exchange's peak bandwidth a product's operand exchange achieves: the
-#: one constant fitted to Graphcore's published throughputs (``bench/calibration.py``;
-#: ``docs/ipu-model-estimates.md``). It also stands in for what the model leaves
-#: out: Poplar's re-layout copies and the exchange's message overheads.
-EXCHANGE_EFFICIENCY = 0.3
+#: Share of the exchange's peak bandwidth a product's operand exchange achieves:
+#: fitted to the calibration set's published throughputs (``bench/calibration.py``)
+#: together with :data:`~.op_classes.COMPUTE_SET_CYCLES` (fitted on one case of the
+#: validation set; ``docs/ipu-model-estimates.md``). It also stands in for what the
+#: model leaves out: Poplar's re-layout copies and the exchange's message overheads.
+EXCHANGE_EFFICIENCY = 0.4
 
 
 def exchange_bytes_per_cycle(target: IpuTarget) -> float:

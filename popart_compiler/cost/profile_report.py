@@ -143,6 +143,17 @@ def _tensors_section(summary: Dict[str, Any]) -> List[str]:
     return out
 
 
+def _defaults_section(summary: Dict[str, Any]) -> List[str]:
+    """The options PopTorch's compiler set by itself (``implicit_defaults``)."""
+    defaults = summary.get("implicit_defaults") or {}
+    out = ["<h2>Options set by default</h2>",
+           '<table><tr><th class="l">option</th><th class="l">value</th></tr>']
+    out += [f'<tr><td class="l">{html.escape(k)}</td><td class="l">{html.escape(str(v))}'
+            f'</td></tr>' for k, v in defaults.items()]
+    out.append("</table>")
+    return out
+
+
 def render_html(report: Dict[str, Any]) -> str:
     """The self-contained HTML page of a ``profile.json`` dictionary."""
     c = report["cycles"]
@@ -160,7 +171,16 @@ def render_html(report: Dict[str, Any]) -> str:
         f"<p>Estimated cycles per run: <b>{_b(c['run'])}</b>; estimated throughput "
         f"<b>{c['samples_per_second']:,.1f}</b> samples/s; "
         f"{'fits' if report['fits'] else 'does not fit'} in memory.</p>"]
-    body = _memory_section(report) + _timeline_section(report) + _tensors_section(report)
+    host = report.get("host")
+    if host:
+        head.append(
+            f"<p>A call ({_b(host['samples_per_call'])} samples): "
+            f"{host['seconds_per_call'] * 1e3:,.3f} ms as a Python loop of calls sees it "
+            f"(device {host['device'] * 1e3:,.3f} ms, call {host['call'] * 1e3:,.3f} ms, "
+            f"inputs {host['inputs'] * 1e3:,.3f} ms, outputs {host['outputs'] * 1e3:,.3f} "
+            f"ms): <b>{host['samples_per_second']:,.1f}</b> samples/s.</p>")
+    body = _memory_section(report) + _timeline_section(report) + \
+        _tensors_section(report) + _defaults_section(report)
     return "\n".join(head + body + ["</body></html>", ""])
 
 
@@ -182,7 +202,8 @@ def write_report(directory: str, estimate: IpuEstimate, model_name: str,
         Error: ``directory`` cannot be created or written (e.g. a file is in the way).
     """
     report = {"format": FORMAT, "model_name": model_name, "training": training,
-              **estimate.summary()}
+              **estimate.summary(),
+              "implicit_defaults": {d.key: d.shown for d in estimate.defaults}}
     text = json.dumps(report, indent=1)
     path = os.path.join(directory, "profile.json")
     try:

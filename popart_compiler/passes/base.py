@@ -12,7 +12,7 @@ in order (torch.fx's ``PassBase`` / ``PassResult`` in spirit).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch.fx as fx
 
@@ -58,6 +58,8 @@ class Compilation:
         alternative: the ``auto`` backend: builds the Inductor lowering
             (``lower.inductor_lowering``), ``None`` where the program stays eager.
         estimate: the IPU Model's ``IpuEstimate`` (``estimate``).
+        defaults: the options PopTorch's compiler set because the user did not
+            (``session_defaults``; each an ``ImplicitDefault``, in PopTorch's order).
     """
     options: SessionOptions
     training: bool
@@ -74,6 +76,7 @@ class Compilation:
     stage_runner: Optional[Callable[[fx.GraphModule], Callable]] = None
     alternative: Optional[Callable[[], Any]] = None
     estimate: Any = None
+    defaults: Tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ of a program that does not fit (a warning, as Poplar's IPU Model; the error in s
 mode)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from popart_compiler.cost import cost_model
@@ -27,6 +28,8 @@ def estimate(graph: Graph, c: Compilation) -> PassResult:
     o = c.options
     target = target_for(o.ipu_model_version, o.small_ipu_model)
     result = cost_model.estimate(graph, o, c.training, target, c.optimizer)
+    # the options carry PopTorch's implicit defaults already (``session_defaults``)
+    result = dataclasses.replace(result, defaults=tuple(c.defaults) + result.defaults)
     directory = o.profile_dir(c.training)
     if directory is not None:
         write_report(directory, result, os.path.basename(directory), c.training)

@@ -482,15 +482,21 @@ class PoplarExecutor:
         """
         return inspection.cycle_count(self._state)
 
-    def estimatedThroughput(self) -> float:
+    def estimatedThroughput(self, host_loop: bool = False) -> float:
         """The IPU Model's estimate of the samples per second of all replicas (not a
         PopTorch method): micro-batch × micro-batches per step × replicas over the
-        estimated time of a step (pipeline schedule, weight update, host transfers).
+        estimated time of a step (pipeline schedule, weight update, stream copies), as
+        the device sees it; with ``host_loop=True`` as a Python loop of calls sees it
+        (the call's host time added: host link, outputs, PopTorch's per-call work;
+        ``docs/ipu-model-estimates.md``).
 
         Raises:
             poptorch.Error: not compiled.
         """
-        return float(self.ipuModelEstimate()["cycles"]["samples_per_second"])
+        summary = self.ipuModelEstimate()
+        if host_loop and summary.get("host"):
+            return float(summary["host"]["samples_per_second"])
+        return float(summary["cycles"]["samples_per_second"])
 
     def ipuModelEstimate(self) -> Dict[str, Any]:
         """The IPU Model's estimate of the compiled program (not a PopTorch method):

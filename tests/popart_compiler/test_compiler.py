@@ -17,8 +17,8 @@ from popart_compiler.session_options import Anchor, SessionOptions
 NAMES = ["check_options", "check_inputs", "demote_float64", "retarget_device",
          "remove_inference_dropout", "check_loss", "check_buffers",
          "check_replica_groupings", "check_overlapped_io", "record_available_memory",
-         "resolve_anchors", "name_tensors", "place", "split_stages", "vectorize", "lower",
-         "estimate"]
+         "resolve_anchors", "name_tensors", "place", "session_defaults", "split_stages",
+         "vectorize", "lower", "estimate"]
 
 
 def test_passes_are_the_compiler_in_order():

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from popart_compiler.cost import cost_model
-from popart_compiler.cost import cycle_model
+from popart_compiler.cost import cycle_model, host_model, op_classes
 from popart_compiler.cost import memory_model
 from popart_compiler.cost import op_costs
 from popart_compiler.cost import op_plans
@@ -203,17 +203,28 @@ def test_off_chip_optimizer_state_and_replicated_tensor_sharding():
 def test_recomputation_keeps_only_checkpoints():
     x = torch.randn(64, 256)
     plain = memory(capture(Mlp(256, 4), x)).memory[0].categories
-    checkpointed = memory(capture(Mlp(256, 4, checkpoints=True), x)).memory[0].categories
     activation = 64 * 256 * 4
     # Without recomputation the input, every linear output (the relus run in place on
     # them) and the scalar sum are kept.
     assert plain["activations"] == activation + 4 * activation + 4
-    # With a checkpoint after each layer only the input and the checkpoints that later
-    # ops of the stage read are kept (all four: the last one feeds the sum).
+    # On one IPU PopTorch leaves recomputation off: PopART ignores the checkpoints
+    ignored = memory(capture(Mlp(256, 4, checkpoints=True), x)).memory[0].categories
+    assert ignored["activations"] == plain["activations"]
+    # With recomputation on (ResNet-50's RecomputeAll + explicitRecomputation) only
+    # the input and the checkpoints that later ops of the stage read are kept (all
+    # four: the last one feeds the sum) ...
+    explicit = {"autoRecomputation": 4, "explicitRecomputation": True}
+    checkpointed = memory(capture(Mlp(256, 4, checkpoints=True), x),
+                          raw=explicit).memory[0].categories
     assert checkpointed["activations"] == activation + 4 * activation
-    pipeline = memory(capture(Mlp(256, 4), x),
-                      raw={"autoRecomputation": 3}).memory[0].categories
-    assert pipeline["activations"] == activation  # only the stage input
+    # ... and without checkpoints only the stage input
+    everything = memory(capture(Mlp(256, 4), x), raw=explicit).memory[0].categories
+    assert everything["activations"] == activation
+    # implicit recomputation keeps what follows the last checkpoint (PopART's
+    # allCheckpointAfterLastCheckpoint): here the scalar sum
+    implicit = memory(capture(Mlp(256, 4, checkpoints=True), x),
+                      raw={"autoRecomputation": 4}).memory[0].categories
+    assert implicit["activations"] == activation + 4 * activation + 4
 
 
 def test_pipeline_stash_holds_the_micro_batches_in_flight():
@@ -303,7 +314,8 @@ def test_op_cycles_follow_the_target_rates():
     settings = memory_model.MemorySettings()
     ipu2 = cycle_model.op_forward_cycles(linear, TARGETS["ipu2"], settings)
     plans = op_plans.op_plans(linear, TARGETS["ipu2"], False, 0.6)
-    assert ipu2 == plans.forward_cycles
+    # the plan, and the fixed cost of the product's compute sets (op_classes.py)
+    assert ipu2 == plans.forward_cycles + 3 * op_classes.COMPUTE_SET_CYCLES
     # never faster than the AMP peak: 64 half multiply-accumulates per tile per cycle
     # with float16 partials, 32 with float32 partials on GC200
     assert op_plans.macs_per_cycle(TARGETS["ipu2"], True) == pytest.approx(64, rel=3e-3)
@@ -345,8 +357,10 @@ def test_training_cycles_throughput_and_efficiency():
     c = one.cycles
     assert [s.name for s in piped.cycles.stages] == [
         "forward 0 (IPU 0)", "forward+backward 1 (IPU 1)", "backward 0 (IPU 0)"]
-    assert c.run_cycles == pytest.approx(2 * (c.pipeline_cycles + c.update_cycles))
-    seconds = (c.pipeline_cycles + c.update_cycles) / 1.33e9
+    # each device iteration: the pipeline, the weight update and the host sync
+    sync = host_model.STEP_SYNC_SECONDS * 1.33e9
+    assert c.run_cycles == pytest.approx(2 * (c.pipeline_cycles + c.update_cycles + sync))
+    seconds = (c.pipeline_cycles + c.update_cycles + sync) / 1.33e9
     assert c.samples_per_second == pytest.approx(32 * 16 / seconds)
     assert 0 < piped.cycles.efficiency < 1 and c.efficiency == 1
     assert max(piped.cycles.balance) == 1.0
@@ -371,10 +385,11 @@ def test_links_and_streaming_memory_cost_cycles():
     state = sum(w.numel() for w in Mlp(256, 2).parameters()) * 8
     streamed = 2 * state / (TARGETS["ipu2"].streaming_bytes_per_s / 1.33e9)
     assert off.update_cycles == pytest.approx(base.update_cycles + streamed)
-    # replicas all-reduce their gradients over the IPU-Links
+    # replicas all-reduce their gradients over the IPU-Links: GCL's two rings over 2
+    # of the 10 links, both directions (64 GB/s on GC200)
     replicated = cycles(replication_factor=4)
     weights = state / 2
-    reduce = 2 * 3 / 4 * weights / (320e9 / 1.33e9)
+    reduce = 2 * 3 / 4 * weights / (320e9 / 10 * 2 / 1.33e9)
     assert replicated.update_cycles == pytest.approx(base.update_cycles + reduce)
     # a tensor crossing a stage boundary crosses the IPU-Links, forward and backward
     opts = SessionOptions(gradient_accumulation=4)
@@ -388,4 +403,6 @@ def test_links_and_streaming_memory_cost_cycles():
     two = {name: (f, b) for name, _, f, b in split.cycles.op_cycles}
     link = crossing[0].out_bytes / (320e9 / 1.33e9)
     f1, b1 = one[crossing[0].name]
-    assert two[crossing[0].name] == pytest.approx((f1 + link, b1 + link))
+    # over 2 IPUs PopTorch recomputes by default (autoRecomputation = Pipeline): the
+    # first stage's op runs its forward again in backward
+    assert two[crossing[0].name] == pytest.approx((f1 + link, b1 + f1 + link))

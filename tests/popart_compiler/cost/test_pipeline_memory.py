@@ -98,13 +98,15 @@ def test_one_block_per_layer_stashes_per_merged_stage():
 def test_stash_depth_follows_the_stages_between_stash_and_restore():
     graph = place(capture(Layers(), torch.randn(64, 256)), lambda i: (i, i))
     stages = activation_memory.stage_memory(
-        op_costs.collect(graph).ops, [(k, k) for k in range(4)], {"x": ACT}, 0, True)
+        op_costs.collect(graph).ops, [(k, k) for k in range(4)], {"x": ACT},
+        activation_memory.RECOMPUTE_PIPELINE, True)
     assert [s.depth for s in stages] == [7, 5, 3, 1]
     # each stage keeps what it receives (its checkpoints only cross to the next IPU)
     assert [s.saved for s in stages[:3]] == [ACT, ACT, ACT]
     assert [s.stash for s in stages] == [6 * ACT, 4 * ACT, 2 * ACT, 0]
     sharded = activation_memory.stage_memory(
-        op_costs.collect(graph).ops, [(k, k) for k in range(4)], {"x": ACT}, 0, False)
+        op_costs.collect(graph).ops, [(k, k) for k in range(4)], {"x": ACT},
+        activation_memory.RECOMPUTE_PIPELINE, False)
     assert [s.depth for s in sharded] == [1, 1, 1, 1]
 
 
@@ -130,7 +132,8 @@ def test_a_head_on_ipu_0_is_the_last_stage_and_is_not_stashed():
                               TARGETS["ipu2"], ADAM, layers_per_ipu=[1, 1], head_ipu=0)
     assert est.costs.stages == [(0, 0), (1, 1), (2, 0)]
     stages = activation_memory.stage_memory(est.costs.ops, est.costs.stages,
-                                            est.costs.user_inputs, 0, True)
+                                            est.costs.user_inputs,
+                                            activation_memory.RECOMPUTE_PIPELINE, True)
     head = stages[-1]
     assert (head.stage, head.ipu, head.depth, head.stash) == (2, 0, 1, 0)
     # the head keeps its outputs once: the [64, 1000] logits and the loss, plus the
@@ -180,7 +183,10 @@ def test_the_backward_working_set_counts_a_segment_once():
 
     ops = [op("a", 1000, ("x",)), op("b", 3000, ("a",)), op("c", 0, ("b",), inplace=True),
            op("d", 2000, ("c",), checkpoint=True), op("e", 500, ("d",))]
-    stage = activation_memory.stage_memory(ops, [(0, 0)], {"x": 100}, 0, False)[0]
+    # RecomputeAll with explicit recomputation (ResNet-50's "manual" recompute mode)
+    stage = activation_memory.stage_memory(ops, [(0, 0)], {"x": 100},
+                                           activation_memory.RECOMPUTE_ALL, False,
+                                           explicit=True)[0]
     # kept: the input and the checkpoint; recomputed: a, b (c runs in place on b)
     assert stage.saved == 100 + 2000 and stage.recomputed == {"a", "b", "c", "e"}
     # working set: the larger segment (a + b = 4000) once, plus the gradients of its
