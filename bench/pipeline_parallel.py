@@ -126,9 +126,6 @@ def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
     seconds = time.perf_counter() - start
     result = {"samples": calls * batch * d * a, "seconds": seconds,
               "cpu_s": time.process_time() - cpu}
-    if pipelined:  # the state publication after each call (pipeline_sync)
-        stats = training._state.session.publisher.stats
-        result.update(publish_bytes=stats["bytes"], publish_wait_s=stats["seconds"])
     if not pipelined:
         cycles = training.ipuModelEstimate()["cycles"]
         # the same micro-batches with the stages one after another

@@ -234,20 +234,25 @@ def fetch(provider: StateProvider, mesh, state_group, wanted: Iterable[Tuple[int
                    "version": [version.runs, version.writes], "tag": tag}
         _store().queue_push(f"{_QUEUE}/{owner}", json.dumps(request))
         pending.append((stage, kind, owner, tag, version))
-    for stage, kind, owner, tag, version in pending:
+    refused = None
+    for stage, kind, owner, tag, version in pending:  # every answer, even after a refusal
         tensors = provider.owned[stage][kind]
         what = f"read of the {kind} of {provider.describe(stage)}"
         header = torch.zeros(1, dtype=torch.int64)
         group.guard(what, lambda: dist.recv(header, owner, group=state_group, tag=tag))
         if int(header[0]) != 0:
-            raise stage_error(_store().get(f"{_ERROR}/{group.rank}/{tag}").decode(
-                errors="replace"))
+            refused = refused or _store().get(f"{_ERROR}/{group.rank}/{tag}").decode(
+                errors="replace")
+            continue
         flats = [torch.empty(sum(tensors[k].numel() for k in indices), dtype=dtype)
                  for dtype, indices in flat_layout(tensors)]
         for flat in flats:
             group.guard(what, lambda flat=flat: dist.recv(flat, owner, group=state_group,
                                                           tag=tag))
-        unflatten_into(flats, tensors)
-        fetched[(stage, kind)] = version
+        if refused is None:
+            unflatten_into(flats, tensors)
+            fetched[(stage, kind)] = version
         svc.stats.reads += 1
         svc.stats.bytes_received += sum(f.numel() * f.element_size() for f in flats)
+    if refused is not None:
+        raise stage_error(refused)
