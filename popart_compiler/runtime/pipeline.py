@@ -189,6 +189,7 @@ class _PipelineSession:
         self._service = pipeline_service.service(layout.group)
         self._service.register(self.provider, layout.mesh.state_group)
         self._closer = weakref.finalize(self, self._service.close, self.provider)
+        self._closer.atexit = False  # at exit the run ends anyway
 
     @property
     def stage(self) -> int:
