@@ -143,7 +143,9 @@ class _Message:
 
 class _Link:
     """One direction of one boundary: messages of one layout to or from one peer of
-    the pipeline group (its group rank: the peer's stage)."""
+    the pipeline group (its group rank: the peer's stage), posted on the group's
+    ``ProcessGroup`` itself (``send`` / ``recv``: what ``dist.isend`` / ``dist.irecv``
+    call, without their per-call checks)."""
 
     def __init__(self, message: _Message, peer: int, group, stats: ScheduleStats):
         self.message = message
@@ -155,7 +157,7 @@ class _Link:
     def post(self) -> None:
         """Post the receive of the next message."""
         buf = self.message.empty()
-        self._posted = (dist.irecv(buf, group=self.group, group_src=self.peer), buf)
+        self._posted = (self.group.recv([buf], self.peer, 0), buf)
 
     def reset(self) -> None:
         """Forget a posted receive (after a failed step)."""
@@ -176,7 +178,7 @@ class _Link:
     def send(self, tensors: Sequence[torch.Tensor]) -> dist.Work:
         """Start sending ``tensors`` (returns at once)."""
         buf, owned = self.message.pack(tensors)
-        work = dist.isend(buf, group=self.group, group_dst=self.peer)
+        work = self.group.send([buf], self.peer, 0)
         if owned:
             self.message.retire(buf, [work])
         self.stats.messages += 1
