@@ -18,8 +18,10 @@ the failure is re-raised as a ``poptorch.Error`` that says so.
 A process that leaves with an uncaught exception (``sys.excepthook``, KeyboardInterrupt
 included) records "process <i> of <n> ended with <exception>" in the rendezvous store
 and closes its connections at once instead of waiting in the exit barrier: the others'
-pending or next collective fails within moments, naming it. A killed process (SIGKILL, ``os._exit``) closes its connections too; only one
-that stops participating without ending is detected by the collective timeout.
+pending or next collective fails within moments, naming it. A killed process (SIGKILL,
+``os._exit``) closes its connections too; only one that stops participating without
+ending is detected by the collective timeout. Hooks (:attr:`ProcessGroup.exit_hooks`)
+run when a process's script ends and before it leaves the run.
 
 A process whose script ends normally records its exit in the store and waits (at most
 ``_EXIT_BARRIER_S``, polling the store) until every process recorded its own; when one

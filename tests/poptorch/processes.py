@@ -44,7 +44,8 @@ def free_port():
 
 def env(**extra):
     """This environment without any launcher's variables, with the repository on the
-    path, a 120 s collective timeout (unless given) and ``extra``."""
+    path, a collective timeout of 120 s times :func:`load_factor` (unless given) and
+    ``extra``."""
     out = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "POPDIST_")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
