@@ -7,10 +7,13 @@ import os
 import torch
 
 import processes
+from popart_compiler.runtime import collectives
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "pipeline_state_worker.py")
 EXACT = dict(rtol=0, atol=0)
+#: The collective timeout of the fail-fast test: a read left waiting would take it.
+TIMEOUT_S = 900
 
 
 def _worker():
@@ -65,13 +68,15 @@ def test_host_reads_fetch_state_on_demand(tmp_path):
 
 def test_host_write_in_one_process_then_read_fails_fast(tmp_path):
     """Process 0 alone writes the weights, then reads them after the next call while
-    process 1 goes on: the read fails within seconds saying every process must make
+    process 1 goes on: the read is refused (far sooner than the collective timeout it
+    would otherwise wait for) saying every process must make
     the same host writes, and process 1's call fails naming process 0."""
-    codes, logs = processes.launch(WORKER, "write_in_one_process", tmp_path, world=2)
+    codes, logs = processes.launch(WORKER, "write_in_one_process", tmp_path, world=2,
+                                   **{collectives.TIMEOUT_ENV: str(TIMEOUT_S)})
     assert codes == [0, 0], logs
     message = processes.read(tmp_path, 0)
     seconds = float(message.split("s ", 1)[0])
-    assert seconds < 100, message
+    assert seconds < TIMEOUT_S / 2, message  # refused, not left waiting for the timeout
     assert "Reading the state of a pipeline across processes failed: process 0 of 2 " \
         "(pipeline stage 0 of 2 (IPU 0)) reads the buffers of pipeline stage 1 of 2 " \
         "(IPU 1) after call 2 and 3 host writes of them, but the process of that stage is " \
