@@ -18,8 +18,10 @@ the failure is re-raised as a ``poptorch.Error`` that says so.
 A process that leaves with an uncaught exception (``sys.excepthook``, KeyboardInterrupt
 included) records "process <i> of <n> ended with <exception>" in the rendezvous store
 and closes its connections at once instead of waiting in the exit barrier: the others'
-pending or next collective fails within moments, naming it. A killed process (SIGKILL, ``os._exit``) closes its connections too; only one
-that stops participating without ending is detected by the collective timeout.
+pending or next collective fails within moments, naming it. A killed process (SIGKILL,
+``os._exit``) closes its connections too; only one that stops participating without
+ending is detected by the collective timeout. Hooks (:attr:`ProcessGroup.exit_hooks`)
+run when a process's script ends and before it leaves the run.
 
 A process whose script ends normally records its exit in the store and waits (at most
 ``_EXIT_BARRIER_S``, polling the store) until every process recorded its own; when one
@@ -34,26 +36,21 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import hashlib
 import os
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from popart_compiler import config
 from popart_compiler.config import TIMEOUT_ENV
-from popart_compiler.enums import ReductionType
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.runtime import rendezvous
-
-if TYPE_CHECKING:
-    from popart_compiler.optim.description import OptimizerDescription
-    from popart_compiler.stages import Executable
+from popart_compiler.runtime.signature import program_signature
 
 __all__ = ["ProcessGroup", "process_group", "program_signature", "collective_timeout",
            "backend_for", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
@@ -136,6 +133,10 @@ class ProcessGroup:
         self.failed: Optional[str] = None
         #: pipeline calls this process started (:meth:`begin_call`)
         self.calls = 0
+        #: called with ``"ending"`` when this process's script ends, before it waits
+        #: for the others (:meth:`shutdown`), and with ``"leaving"`` before the group
+        #: is destroyed (the pipeline state service stops its threads then)
+        self.exit_hooks: List[Callable[[str], None]] = []
         #: what this process does in the run (" (pipeline stage 1 of 2 (IPU 1))"),
         #: part of every error message that names it
         self.role = ""
@@ -194,15 +195,25 @@ class ProcessGroup:
         fails naming this one (see :meth:`_leave`)."""
         if not self.owned or self.failed is not None or not dist.is_initialized():
             return
+        self._run_hooks("ending")
         mismatch = self._wait_for_exits()
         if mismatch is not None:
             self._leave(mismatch)
             return
         self.owned = False
+        self._run_hooks("leaving")
         try:
             dist.destroy_process_group()
         except (RuntimeError, ValueError, AssertionError) as e:
             logger.debug("Leaving the distributed run: %s", e)
+
+    def _run_hooks(self, phase: str) -> None:
+        """Call :attr:`exit_hooks` with ``phase`` (``"leaving"``: only once)."""
+        hooks = self.exit_hooks
+        if phase == "leaving":
+            self.exit_hooks = []
+        for hook in hooks:
+            hook(phase)
 
     def begin_call(self) -> None:
         """A pipeline call starts: count it, in the store too, so that a process that
@@ -316,6 +327,7 @@ class ProcessGroup:
         if not self.owned:
             return
         self.owned = False
+        self._run_hooks("leaving")
         try:
             store = dist.distributed_c10d._get_default_store()
             dist.destroy_process_group()
@@ -372,6 +384,7 @@ class ProcessGroup:
         except (RuntimeError, ValueError) as e:  # DistBackendError is a RuntimeError
             self.failed = what
             report = self._failure_report()
+            self._run_hooks("leaving")
             if self.owned:
                 try:
                     dist.destroy_process_group()
@@ -559,40 +572,3 @@ def process_group(process_id: int, num_processes: int, device: str = "cpu"
         return group
     _GROUP = ProcessGroup(process_id, num_processes, device)
     return _GROUP
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor) or hasattr(value, "shape"):
-        return f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
-    return str(value)
-
-
-def program_signature(executable: "Executable",
-                      optimizer: Optional["OptimizerDescription"] = None) -> Dict[str, str]:
-    """What every process of a distributed training run must agree on, as short
-    strings: batching and reduction options, the micro-batch inputs, the parameters,
-    the optimizer and a hash of the captured program."""
-    o, g = executable.options, executable.graph
-    sig = {
-        "replicationFactor (local replicas)": str(o.replication_factor),
-        "deviceIterations": str(o.device_iterations),
-        "Training.gradientAccumulation": str(o.gradient_accumulation),
-        "inputReplicaGrouping": f"{o.input_group_size} (type {o.input_group_type})",
-        "accumulationAndReplicationReductionType": "Mean" if o.reduction_type is ReductionType.Mean
-        else "Sum",
-        "meanAccumulationAndReplicationReductionStrategy": str(o.mean_reduction_strategy),
-        "broadcastBuffers": str(o.broadcast_buffers),
-        "automatic loss scaling": str(o.auto_loss_scaling),
-        "replica-grouped weights": str(sorted(
-            (k, v.comm_group_type, v.shards) for k, v in o.replica_groupings.items())),
-        "the model's program (sha256 of the captured graph)":
-            hashlib.sha256(g.module.code.encode()).hexdigest()[:16],
-    }
-    for i, info in enumerate(g.user_inputs):
-        sig[f"micro-batch input {i}"] = _describe(info) if info else "non-tensor"
-    for i, (name, trainable) in enumerate(zip(g.parameters, g.trainable)):
-        value = g.placeholders[i].meta.get("val")
-        sig[f"parameter {name}"] = _describe(value) + ("" if trainable else " frozen")
-    if optimizer is not None:
-        sig["optimizer"] = " / ".join(optimizer.describe())
-    return sig

@@ -2,13 +2,13 @@
 (``Options.Distributed.pipelineAcrossProcesses``; docs/multi-ipu.md).
 
 The program's merged stages (:class:`~.pipeline_program.PipelineProgram`: PopART runs
-consecutive stages on one IPU as one) become ``torch.distributed.pipelining``
-``PipelineStage`` s, one per process, and micro-batches flow between the processes with
-PyTorch's own schedules: ``Schedule1F1B`` in training (one weight update per device
-iteration, its ``A × R`` micro-batches in flight: fill, one forward and one backward
-per step, drain) and ``ScheduleGPipe`` without backward in inference (the ``D × R``
-micro-batches of a call). ``W / P`` replicas of the pipeline run side by side
-(:class:`~.pipeline_mesh.PipelineMesh`, a 2-D ``DeviceMesh``).
+consecutive stages on one IPU as one) run one per process, and micro-batches flow
+between the processes (:class:`~.pipeline_schedule.PipelineRunner`: 1F1B in training,
+one weight update per device iteration with its ``A × R`` micro-batches in flight;
+forwards only in inference, the ``D × R`` micro-batches of a call; activations and
+gradients on ``torch.distributed`` ``isend`` / ``irecv``). ``W / P`` replicas of the
+pipeline run side by side (:class:`~.pipeline_mesh.PipelineMesh`, a 2-D
+``DeviceMesh``).
 
 What each process does, so that the results equal the single-process run:
 
@@ -24,9 +24,10 @@ What each process does, so that the results equal the single-process run:
   gradient sum over them (and over the replicas) and the same update in each
   (:class:`~.pipeline_mesh.GradientSharing`), gradient clipping sees every stage's
   norms and automatic loss scaling every process's statistics;
-* the outputs of the last stage are broadcast to the pipeline's other processes, and
-  after each run every stage publishes its state (:class:`~.pipeline_sync.
-  StatePublisher`), so that every process holds the whole trained model.
+* the outputs of the last stage are broadcast to the pipeline's other processes; the
+  state each stage owns stays in its process, and a host read fetches what the other
+  stages own when it needs it (:mod:`.pipeline_state`, :mod:`.pipeline_service`): a
+  call that reads nothing moves no weights.
 
 A failure in one stage (an exception in a micro-batch, Ctrl-C) makes that process
 leave the run at once, recording which stage failed; the others' pending send or
@@ -38,28 +39,31 @@ is counted in the rendezvous store, and the ending process compares the counts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from popart_compiler.errors import backend_error
-from popart_compiler.runtime import collectives
+from popart_compiler.runtime import collectives, pipeline_service
 from popart_compiler.runtime.device import IpuModel
-from popart_compiler.runtime.device_state import DEVICE_DTYPES, DeviceRng
+from popart_compiler.runtime.device_state import DeviceRng
 from popart_compiler.runtime.pipeline_mesh import GradientSharing, PipelineMesh
 from popart_compiler.runtime.pipeline_program import PipelineProgram
-from popart_compiler.runtime.pipeline_sync import StatePublisher
-from popart_compiler.runtime.session import InferenceSession, reduce_output
-from popart_compiler.runtime.training import _AUTOGRAD_LOCK, TrainingSession
+from popart_compiler.runtime.pipeline_schedule import PipelineRunner, ScheduleStats
+from popart_compiler.runtime.pipeline_state import KINDS, StateProvider, owned_state
+from popart_compiler.runtime.session import InferenceSession
+from popart_compiler.runtime.training import TrainingSession
 from popart_compiler.stages import Executable
 
 __all__ = ["PipelineTrainingSession", "PipelineInferenceSession", "PipelineLayout",
            "join_pipeline"]
 
 _OPTION = "Options.Distributed.pipelineAcrossProcesses"
+#: Numbers of the pipelined models this process created (the same order everywhere).
+_MODELS = itertools.count()
 
 
 @dataclasses.dataclass
@@ -72,11 +76,14 @@ class PipelineLayout:
         mesh: this process's stage and replica.
         executable: the executable with the replica options of the run: ``W / P``
             processes of replicas (``process_id`` = this pipeline replica).
+        key: the model's number among the pipelined models of the run (the same in
+            every process).
     """
     program: PipelineProgram
     group: collectives.ProcessGroup
     mesh: PipelineMesh
     executable: Executable
+    key: int
 
 
 def _check(exe: Executable) -> None:
@@ -136,319 +143,139 @@ def join_pipeline(executable: Executable, optimizer: Any, torch_device: str
             f"Start {stages} processes per pipeline replica (torchrun --nproc-per-node "
             f"{stages}) or declare pipelineAcrossProcesses(stages={stages}).")
     group = collectives.process_group(o.process_id, o.num_processes, torch_device)
-    group.check_consistent(collectives.program_signature(executable, optimizer))
+    key = next(_MODELS)
+    signature = collectives.program_signature(executable, optimizer)
+    signature["pipelined models created before this one"] = str(key)
+    group.check_consistent(signature)
     mesh = PipelineMesh(group, stages, torch_device)
     replica = f", pipeline replica {mesh.replica} of {mesh.replicas}" \
         if mesh.replicas > 1 else ""
     group.set_role(program.describe(mesh.stage) + replica)
     local = dataclasses.replace(o, num_processes=mesh.replicas, process_id=mesh.replica)
     return PipelineLayout(program, group, mesh, dataclasses.replace(executable,
-                                                                    options=local))
-
-
-class _StageModule(nn.Module):
-    """What ``PipelineStage`` calls for a micro-batch: the runner's stage, given the
-    values received from the previous stage and the micro-batch index ``mb`` (a
-    one-element tensor, chunked by the schedule from ``arange(M)``)."""
-
-    def __init__(self, runner: "PipelineRunner"):
-        super().__init__()
-        self._forward = runner.forward
-
-    def forward(self, *received: torch.Tensor, mb: torch.Tensor):
-        return self._forward(received, int(mb))
-
-
-class _Stage(PipelineStage):
-    """A ``PipelineStage`` that hands each micro-batch's parameter gradients to the
-    optimizer as soon as that micro-batch's backward has run."""
-
-    def __init__(self, after_backward: Callable[[int], None], *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._after_backward = after_backward
-
-    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
-                           last_backward: bool = False):
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                   last_backward=last_backward)
-        if self.has_backward:
-            self._after_backward(bwd_chunk_id)
-
-
-class PipelineRunner:
-    """Runs this process's stage of a pipelined program with PyTorch's schedules.
-
-    Args:
-        session: the pipeline session (its weights, options, optimizer).
-        layout: the program's layout over the processes.
-        training: forward and backward (``Schedule1F1B``), else forward only
-            (``ScheduleGPipe``).
-    """
-
-    def __init__(self, session, layout: PipelineLayout, training: bool):
-        self.session = session
-        self.layout = layout
-        self.program = layout.program
-        self.training = training
-        self.unit = layout.mesh.stage
-        self.last = self.unit == self.program.num_units - 1
-        o = session.options
-        self.replicas = o.replication_factor
-        self.micro_batches = (o.gradient_accumulation if training else
-                              o.device_iterations) * self.replicas
-        device = torch.device(session.torch_device)
-        received = tuple(v.example(device) if training else v.example(device).detach()
-                         for v in self.program.receives[self.unit])
-        sent = tuple(v.example(device) if training else v.example(device).detach()
-                     for v in self.program.sends[self.unit])
-        self.stage = _Stage(self._collect_gradients, _StageModule(self), self.unit,
-                            self.program.num_units, device, input_args=received,
-                            output_args=sent, group=layout.mesh.pp_group)
-        if training:
-            self.schedule = Schedule1F1B(self.stage, self.micro_batches,
-                                         loss_fn=self._loss, scale_grads=False)
-        else:
-            self.schedule = ScheduleGPipe(self.stage, self.micro_batches, scale_grads=False)
-        num_params = len(session.weights.params)
-        self._grad_params = sorted(i for i in self.program.reads[self.unit]
-                                   if i < num_params and session.weights.params[i].requires_grad)
-        self._split: List[torch.Tensor] = []
-        self._iteration = 0
-        self._scale = 1.0
-        self._results: List[Optional[List[torch.Tensor]]] = []
-        self._error: Optional[BaseException] = None
-
-    # -- one micro-batch --------------------------------------------------------------
-
-    def _slot(self, m: int) -> Tuple[int, int, int]:
-        """``(device iteration, accumulation step, replica)`` of micro-batch ``m``."""
-        step, rep = divmod(m, self.replicas)
-        return (self._iteration, step, rep) if self.training else (step, 0, rep)
-
-    def forward(self, received: Sequence[torch.Tensor], m: int) -> Tuple[torch.Tensor, ...]:
-        try:
-            i, step, rep = self._slot(m)
-            local = [*self.session.weights.state(rep), *[t[i, step, rep] for t in self._split]]
-            outs = self.program.run(self.unit, received, local)
-            if self.last:
-                shared = {t.untyped_storage().data_ptr() for t in received}
-                self._results[(self._iteration if self.training else 0) *
-                              self.micro_batches + m] = [
-                    t.detach().clone() if t.untyped_storage().data_ptr() in shared
-                    else t.detach() for t in outs]
-            return outs
-        except BaseException as e:
-            self._error = e
-            raise
-
-    def _loss(self, outputs: Sequence[torch.Tensor], _target) -> torch.Tensor:
-        """The last stage's backward starts from the loss times the loss scale (the
-        gradient seed of the single-process run)."""
-        loss = outputs[self.session.executable.loss_index]
-        return (loss * self._scale).sum()
-
-    def _collect_gradients(self, m: int) -> None:
-        """Hand micro-batch ``m``'s gradients of this stage's parameters to the
-        optimizer (and clear them), as the single process does after each backward."""
-        try:
-            session = self.session
-            params = session.weights.params
-            grads: List[Optional[torch.Tensor]] = [None] * len(params)
-            for j in self._grad_params:
-                grads[j], params[j].grad = params[j].grad, None
-            if session.options.fp_exceptions:
-                for g in grads:
-                    if g is not None and g.is_floating_point() and \
-                            not bool(torch.isfinite(g).all()):
-                        raise backend_error(
-                            "Floating point exception: overflow in the backward pass (a "
-                            f"gradient of {self.program.describe(self.unit)} is not "
-                            "finite). Lower the loss scaling or disable poptorch.Options()."
-                            "Precision.enableFloatingPointExceptions.",
-                            type="poplar_application_runtime_error")
-            _, step, rep = self._slot(m)
-            session.optimizer.accumulate(rep, step, grads)
-        except BaseException as e:
-            self._error = e
-            raise
-
-    # -- a schedule step --------------------------------------------------------------
-
-    def begin(self, split: List[torch.Tensor], results: int) -> None:
-        """Start a run: its inputs (``[D, A, R, ...]`` views) and the number of
-        micro-batch results the last stage keeps."""
-        self._split = split
-        self._results = [None] * results if self.last else []
-
-    def step(self, iteration: int, scale: float = 1.0) -> None:
-        """Run the micro-batches of one weight update (training) or of the whole call
-        (inference) through the pipeline.
-
-        Raises:
-            Error: another stage failed (naming it), or this stage's error.
-        """
-        self._iteration, self._scale, self._error = iteration, scale, None
-        kwargs = {"mb": torch.arange(self.micro_batches)}
-        if self.last and self.training:
-            kwargs["target"] = torch.zeros(self.micro_batches)
-        group = self.layout.group
-        try:
-            if self.training:
-                with _AUTOGRAD_LOCK:
-                    self.schedule.step(return_outputs=False, **kwargs)
-            else:
-                with torch.no_grad():
-                    self.schedule.step(return_outputs=False, **kwargs)
-        except BaseException as e:
-            local, caught = self._error, e
-            self._error = None
-            if local is None and isinstance(e, (RuntimeError, ValueError)):
-                group.guard("pipeline step", lambda: _reraise(caught))  # a peer failed
-            # this stage failed: the others cannot go on without it; leave at once
-            # so that they fail now, naming this stage
-            failure = local if local is not None else e
-            text = f"{type(failure).__name__}: {failure}".strip()
-            group.leave_after_error(text if len(text) <= 300 else text[:297] + "...")
-            if local is not None:
-                raise local from None
-            raise
-
-    def finish(self, finish_outputs: Callable[[List[torch.Tensor]], List[torch.Tensor]],
-               shape: Tuple[int, int, int]) -> List[torch.Tensor]:
-        """The run's outputs in every process of the pipeline: the last stage applies
-        the output modes (``finish_outputs`` of the ``[D, A, R, ...]`` results) and
-        broadcasts the results and the activation anchors to the others.
-
-        Raises:
-            Error: a peer failed or timed out.
-        """
-        session = self.session
-        exe = session.executable
-        n_user = exe.num_user_outputs
-        anchors = exe.activation_anchors
-        if self.last:
-            results = self._results
-            self._results = []
-            stacked = [torch.stack([res[j] for res in results]).reshape(
-                *shape, *results[0][j].shape) for j in range(len(results[0]))] \
-                if results else []
-            outs = finish_outputs(stacked)
-            payload = list(outs) + [session.anchors[a.key] for a in anchors]
-        else:
-            payload = [torch.empty(s, dtype=dt) for s, dt in
-                       finished_shapes(exe, session.options, shape)]
-        if self.program.num_units > 1 and payload:
-            self.layout.group.broadcast_(
-                [t.view(torch.uint8) if t.dtype == torch.bool else t for t in payload],
-                src=self.layout.mesh.rank_of(self.program.num_units - 1),
-                group=self.layout.mesh.pp_group, what="broadcast of the last stage's outputs")
-        if not self.last:
-            for anchor, t in zip(anchors, payload[n_user:]):
-                session.anchors[anchor.key] = t
-        return payload[:n_user]
-
-
-def _reraise(e: BaseException):
-    raise e
-
-
-def finished_shapes(exe: Executable, options, shape: Tuple[int, int, int]
-                    ) -> List[Tuple[torch.Size, torch.dtype]]:
-    """Shape and dtype of each user output after its output mode (and the 32-bit
-    output rule), then of each activation anchor, for ``[D, A, R]`` micro-batch
-    results (computed on meta tensors, as :meth:`Session._finish` computes values).
-
-    Raises:
-        Error: a graph output without shape information.
-    """
-    out = []
-    nodes = list(exe.graph.output_node.args[0])
-    n_user = exe.num_user_outputs
-    modes = [(options.output_mode, options.output_return_period)] * n_user + \
-        [(a.output_mode, a.return_period) for a in exe.activation_anchors]
-    for k, (node, (mode, period)) in enumerate(zip(nodes, modes)):
-        val = node.meta.get("val") if hasattr(node, "meta") else None
-        if not isinstance(val, torch.Tensor):
-            raise backend_error(f"{_OPTION}: output {k} of the model is not a tensor.")
-        t = reduce_output(torch.empty(*shape, *val.shape, dtype=val.dtype, device="meta"),
-                          mode, period)
-        dtype = DEVICE_DTYPES.get(t.dtype, t.dtype) if k < n_user else t.dtype
-        out.append((t.shape, dtype))
-    return out
-
-
-def _owned_state(layout: PipelineLayout, weights, optimizer=None) -> List[List[torch.Tensor]]:
-    """For each stage, the state it owns and publishes after a run: its trainable
-    parameters (those whose first reader it is), the buffers it writes (every
-    replica's copy) and the optimizer state of its parameters, less the gradient
-    accumulators (``Accum___``: zero after every weight update, so after every run, in
-    every process)."""
-    program, g = layout.program, layout.executable.graph
-    owned: List[List[torch.Tensor]] = [[] for _ in range(program.num_units)]
-    owner: Dict[str, int] = {}
-    for i, name in enumerate(g.parameters):
-        readers = program.units_reading(i)
-        if readers:
-            owner[name] = readers[0]
-            if weights.params[i].requires_grad:
-                owned[readers[0]].append(weights.params[i])
-    for j, name in enumerate(g.buffers):
-        readers = program.units_reading(len(g.parameters) + j)
-        if readers and name in g.mutated_buffers:
-            owned[readers[0]].extend(bufs[j] for bufs in weights.buffers)
-    if optimizer is not None:
-        for key in sorted(optimizer.state):
-            kind, _, name = key.partition("___")
-            if name in owner and kind != "Accum":
-                owned[owner[name]].append(optimizer.state[key])
-    return owned
+                                                                    options=local), key)
 
 
 class _PipelineSession:
     """What both pipeline sessions add to a session: the layout, the runner, the
-    publisher, and waiting for the last publication before the host touches the
-    state."""
+    state this stage owns (:class:`~.pipeline_state.StateProvider`), the reads of
+    the other stages' state and the host writes that change versions."""
 
     layout: PipelineLayout
     runner: PipelineRunner
-    publisher: StatePublisher
+    provider: StateProvider
 
     def _start_pipeline(self, training: bool, optimizer=None) -> None:
         # process p draws from its own RNG stream (p = 0: the single process's)
         self.rng = DeviceRng(self.options.random_seed, self.torch_device,
                              stream=self.layout.group.rank)
         self.runner = PipelineRunner(self, self.layout, training)
-        device = "cpu" if self.layout.group.backend == "gloo" else self.torch_device
-        self.publisher = StatePublisher(
-            self.layout.mesh, _owned_state(self.layout, self.weights, optimizer), device)
+        layout = self.layout
+        g = layout.executable.graph
+        self.provider = StateProvider(layout.key, owned_state(layout.program, g,
+                                                              self.weights, optimizer),
+                                      layout.mesh.stage, layout.program.describe)
+        # which stage owns each named parameter / written buffer (the others: local)
+        self._owners: Dict[str, Tuple[int, str]] = {}
+        for i, name in enumerate(g.parameters):
+            readers = layout.program.units_reading(i)
+            if readers and self.weights.params[i].requires_grad:
+                self._owners[name] = (readers[0], "weights")
+        for j, name in enumerate(g.buffers):
+            readers = layout.program.units_reading(len(g.parameters) + j)
+            if readers and name in g.mutated_buffers:
+                self._owners[name] = (readers[0], "buffers")
+        self._fetched: Dict[tuple, Any] = {}
+        self._service = pipeline_service.service(layout.group)
+        self._service.register(self.provider, layout.mesh.state_group)
+        self._closer = weakref.finalize(self, self._service.close, self.provider)
+        self._closer.atexit = False  # at exit the run ends anyway
 
     @property
     def stage(self) -> int:
         """This process's pipeline stage."""
         return self.layout.mesh.stage
 
+    @property
+    def schedule_stats(self) -> ScheduleStats:
+        """Where this stage's time went in its calls (see :class:`ScheduleStats`)."""
+        return self.runner.stats
+
+    @property
+    def state_stats(self) -> "pipeline_service.StateStats":
+        """State moved by host reads in this process (all pipelined models)."""
+        return self._service.stats
+
+    def close(self) -> None:
+        """The model is destroyed: its state stays readable by the other processes
+        until each of them destroyed it too."""
+        self._closer()
+
+    def _fetch(self, wanted: Set[Tuple[int, str]]) -> None:
+        """Bring the ``(stage, kind)`` state other stages own into this process."""
+        begin = time.perf_counter()
+        pipeline_service.fetch(self.provider, self.layout.mesh, self.layout.mesh.state_group,
+                               wanted, self._fetched)
+        self._service.stats.seconds += time.perf_counter() - begin
+
     def readWeights(self, names=None):
-        self.publisher.settle()
+        """Device → host: parameters and buffers by name, those other stages own
+        fetched from them first (see :mod:`.pipeline_state`).
+
+        Raises:
+            Error: an owner failed, or cannot serve this read (the processes made
+                different calls or host writes, or it ended).
+        """
+        chosen = self.weights.names if names is None else names
+        self._fetch({self._owners[n] for n in chosen if n in self._owners})
         return super().readWeights(names)
 
     def writeWeights(self, values):
-        self.publisher.settle()
-        super().writeWeights(values)
+        with self.provider.writing(("weights", "buffers")):
+            super().writeWeights(values)
+
+    def _run_all_or_nothing(self, inputs):
+        self.provider.begin_run()
+        completed = False
+        try:
+            outs = super()._run_all_or_nothing(inputs)
+            completed = True
+            return outs
+        finally:
+            self.provider.end_run(completed)
+
+    def _mutable_tensors(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """What this stage's call may write (restored if it fails): the parameters
+        its stage reads, the written buffers it reads, their optimizer state and the
+        mutated inputs; the copies of other stages' state are not touched by a call."""
+        g, w = self.executable.graph, self.weights
+        reads = self.layout.program.reads[self.stage]
+        n = len(g.parameters)
+        out = [w.params[i] for i in sorted(reads) if i < n and w.params[i].requires_grad]
+        out += [bufs[j] for bufs in w.buffers for j, name in enumerate(g.buffers)
+                if name in g.mutated_buffers and n + j in reads]
+        out += [inputs[i] for i in sorted(g.mutated_inputs) if i < len(inputs)]
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            mine = {g.parameters[i] for i in reads if i < n}
+            out += [t for k, t in optimizer.state.items()
+                    if "___" not in k or k.partition("___")[2] in mine]
+        return out
 
     def broadcast_state(self) -> None:
         """Every process starts from process 0's weights, buffers (and optimizer
         state), whatever its host model held."""
-        self.publisher.settle()
-        w = self.weights
-        tensors = list(w.params) + [b for bufs in w.buffers for b in bufs
-                                    if isinstance(b, torch.Tensor)]
-        optimizer = getattr(self, "optimizer", None)
-        names = sorted(optimizer.state) if optimizer is not None else []
-        tensors += [optimizer.state[k] for k in names]
-        if tensors:
-            self.layout.group.broadcast_(tensors, src=0)
-        if optimizer is not None:
-            optimizer.note_state_written(names)
+        with self.provider.writing(KINDS):
+            w = self.weights
+            tensors = list(w.params) + [b for bufs in w.buffers for b in bufs
+                                        if isinstance(b, torch.Tensor)]
+            optimizer = getattr(self, "optimizer", None)
+            names = sorted(optimizer.state) if optimizer is not None else []
+            tensors += [optimizer.state[k] for k in names]
+            if tensors:
+                self.layout.group.broadcast_(tensors, src=0)
+            if optimizer is not None:
+                optimizer.note_state_written(names)
 
 
 class PipelineTrainingSession(_PipelineSession, TrainingSession):
@@ -481,30 +308,32 @@ class PipelineTrainingSession(_PipelineSession, TrainingSession):
         return None, GradientSharing(self.layout.mesh, g.parameters, readers, shapes)
 
     def readOptimizerState(self):
-        self.publisher.settle()
+        """Optimizer-state tensors by PopART name, those of other stages' parameters
+        fetched from them first (see :meth:`readWeights`)."""
+        self._fetch({(s, "optimizer") for s in range(self.layout.program.num_units)})
         return super().readOptimizerState()
 
     def writeOptimizerState(self, state):
-        self.publisher.settle()
-        super().writeOptimizerState(state)
+        with self.provider.writing(("optimizer",)):
+            super().writeOptimizerState(state)
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         self.layout.group.begin_call()
-        self.publisher.settle()
         o = self.options
         d, a, r = o.device_iterations, o.gradient_accumulation, o.replication_factor
         params = self.weights.params
         opt = self.optimizer
+        stats = self.runner.stats
         self.runner.begin(self._split(inputs), d * a * r)
         for i in range(d):
             since = time.perf_counter()
             opt.begin_step()
             self.runner.step(i, opt.loss_scale)
+            update = time.perf_counter()
             opt.finish_step(params)
+            stats.update_s += time.perf_counter() - update
             self.clock.mark(i, 1, since)
-        outs = self.runner.finish(self._finish, (d, a, r))
-        self.publisher.publish()
-        return outs
+        return self.runner.finish(self._finish, (d, a, r))
 
 
 class PipelineInferenceSession(_PipelineSession, InferenceSession):
@@ -524,13 +353,10 @@ class PipelineInferenceSession(_PipelineSession, InferenceSession):
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         self.layout.group.begin_call()
-        self.publisher.settle()
         o = self.options
         d, r = o.device_iterations, o.replication_factor
         since = time.perf_counter()
         self.runner.begin(self._split(inputs), d * r)
         self.runner.step(0)
         self.clock.mark(0, d, since)
-        outs = self.runner.finish(self._finish, (d, 1, r))
-        self.publisher.publish()
-        return outs
+        return self.runner.finish(self._finish, (d, 1, r))

@@ -31,16 +31,17 @@ __all__ = ["PipelineMesh", "GradientSharing"]
 
 #: Groups already created, by their global ranks: every process creates the same
 #: groups in the same order (``new_group`` is collective), once per run.
-_GROUPS: Dict[Tuple[int, ...], Any] = {}
+_GROUPS: Dict[Tuple[Tuple[int, ...], Optional[str]], Any] = {}
 _MESHES: Dict[Tuple[int, int], Any] = {}
 
 
-def _group(ranks: Sequence[int]):
+def _group(ranks: Sequence[int], backend: Optional[str] = None):
     """The ``torch.distributed`` group of ``ranks`` (created at first use; every
-    process of the run must ask for the same groups in the same order)."""
-    key = tuple(sorted(ranks))
+    process of the run must ask for the same groups in the same order); ``backend``:
+    a group of its own on that backend (the run's by default)."""
+    key = (tuple(sorted(ranks)), backend)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key))
+        _GROUPS[key] = dist.new_group(list(key[0]), backend=backend)
     return _GROUPS[key]
 
 
@@ -58,8 +59,10 @@ class PipelineMesh:
         replicas: ``W / P``.
         pp_group: the processes of this process's pipeline (the stages' P2P group).
         dp_group: the processes running this stage in every replica.
-        sync_group: a second group of this pipeline's processes, for the state the
-            stages publish after each run (never mixed with the P2P traffic).
+        state_group: a gloo group of this pipeline's processes of its own, on which
+            host reads receive the other stages' state
+            (:mod:`~popart_compiler.runtime.pipeline_service`; never mixed with the
+            activations, and answered from another thread than the stage loop's).
 
     Raises:
         Error: ``W`` is not a multiple of ``P``.
@@ -82,15 +85,16 @@ class PipelineMesh:
             mesh = group.guard("creation of the pipeline's device mesh",
                                lambda: init_device_mesh(device_type, (self.replicas, stages),
                                                         mesh_dim_names=("dp", "pp")))
-            # a second pipeline group per replica, created in the same order everywhere
-            sync = [group.guard("creation of the pipeline's groups",
-                                lambda d=d: _group(range(d * stages, (d + 1) * stages)))
-                    for d in range(self.replicas)]
-            _MESHES[key] = (mesh, sync)
-        self.mesh, sync = _MESHES[key]
+            # a state group per replica, created in the same order everywhere
+            state = [group.guard("creation of the pipeline's groups",
+                                 lambda d=d: _group(range(d * stages, (d + 1) * stages),
+                                                    backend="gloo"))
+                     for d in range(self.replicas)]
+            _MESHES[key] = (mesh, state)
+        self.mesh, state = _MESHES[key]
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
-        self.sync_group = sync[self.replica]
+        self.state_group = state[self.replica]
 
     def rank_of(self, stage: int, replica: Optional[int] = None) -> int:
         """The global rank running ``stage`` of ``replica`` (default: this one)."""

@@ -135,6 +135,11 @@ class Session(abc.ABC):
         of several processes starts from process 0's state. Nothing to do for one
         process (see :meth:`TrainingSession.broadcast_state`)."""
 
+    def close(self) -> None:
+        """The executor discards this session (``destroy()``): nothing to release for
+        one process (a pipeline across processes keeps its stage's state readable by
+        the others until they destroy theirs)."""
+
     # -- RNG --------------------------------------------------------------------------
 
     @property

@@ -125,6 +125,8 @@ def destroy(state: ExecutorState, owner) -> None:
         return
     if state.training:
         _sync_to_host(state)
+    if state.session is not None:
+        state.session.close()
     state.compiled = None
     state.attached = False
     if state.training:
