@@ -138,10 +138,19 @@ class AutoChooser:
             background thread unless the policy is synchronous); raises on failure.
         device: the execution device (``"cpu"`` / ``"cuda"``), for the default clock.
         settings: the policy (default: :data:`POLICY` at construction).
+        start: the backend to run from the first call, without timing (a decision
+            recorded by an earlier run or pinned: :mod:`.decisions`); ``"inductor"``
+            compiles before the first call, in the calling thread. ``None`` (default):
+            decide by the policy.
+        on_decide: ``on_decide(backend, why)``, called once when this session decides
+            (by timing, or an Inductor failure): records the decision.
+        source: where ``start`` came from, for the log.
     """
 
     def __init__(self, eager: Lowering, compile_inductor: Callable[[], Lowering],
-                 device: str = "cpu", settings: Optional[AutoPolicy] = None):
+                 device: str = "cpu", settings: Optional[AutoPolicy] = None,
+                 start: Optional[str] = None,
+                 on_decide: Optional[Callable[[str, str], None]] = None, source: str = ""):
         self.policy = settings if settings is not None else POLICY
         self._clock = self.policy.clock or (
             time.thread_time if device == "cpu" and torch.get_num_threads() == 1
@@ -156,6 +165,12 @@ class AutoChooser:
         self._times = {"eager": [], "inductor": []}  # type: dict
         #: the backend kept for good (``None`` while undecided)
         self.chosen: Optional[str] = None
+        self._on_decide = on_decide
+        self._start = start
+        self._source = source
+        if start == "eager":
+            self.chosen = "eager"
+            logger.info("Backend auto: running eager (%s)", source)
 
     @property
     def compiling(self) -> bool:
@@ -192,6 +207,8 @@ class AutoChooser:
     def _pick(self) -> Lowering:
         if self.chosen is not None:
             return self._inductor if self.chosen == "inductor" else self.eager
+        if self._start == "inductor":
+            return self._start_on_inductor()
         if self._thread is None and self._inductor is None:
             if self._calls >= max(1, self.policy.hot_calls) and \
                     self._spent >= self.policy.hot_seconds:  # the first call: eager
@@ -229,11 +246,25 @@ class AutoChooser:
                          f"fastest call {compiled:.4g} s on inductor against "
                          f"{eager:.4g} s on eager")
 
+    def _start_on_inductor(self) -> Lowering:
+        """The first call of a session whose backend is known to be Inductor: compile
+        now, in the calling thread, and run every call on it (eager if it fails)."""
+        logger.info("Backend auto: compiling with TorchInductor before the first call "
+                    "(%s)", self._source)
+        self._start = None
+        self._build()
+        if self._inductor is None:  # failed: _fail kept eager
+            return self.eager
+        self.chosen = "inductor"
+        return self._inductor
+
     def _decide(self, name: str, why: str) -> None:
         self.chosen = name
         if name == "eager":
             self._inductor = None  # free the compiled kernels
         logger.info("Backend auto: keeping %s (%s)", name, why)
+        if self._on_decide is not None:
+            self._on_decide(name, why)
 
     def _fail(self, why: str) -> None:
         logger.warning("Backend auto: TorchInductor failed (%s); this program keeps "
