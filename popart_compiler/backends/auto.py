@@ -27,6 +27,11 @@ Policy, per compiled program (one session):
    eager backend for good; a call that failed on Inductor is run again on the eager
    backend (the session has rolled the device state back first).
 
+5. The decision is recorded per machine (:mod:`.decisions`, issue 30): a later session
+   of the same program (another run of the script) is given it as ``start`` and runs
+   that backend from its first call, without timing; ``POPTORCH_AUTO_BACKEND`` pins it
+   or makes the session decide again.
+
 Backends switch only between calls (a call is one ``session.run``: every device
 iteration, its optimizer steps and weight updates), and both read and write the same
 device weights and optimizer state, so training continues seamlessly. Results of the two
