@@ -84,7 +84,8 @@ def store_dir() -> str:
 def program_key(executable: "Executable", device: str) -> Tuple[str, Dict[str, str]]:
     """``(key, described)``: the store key of ``executable`` run on ``device``
     (``"cpu"`` / ``"cuda"``; 32 hex digits) and the strings it hashes."""
-    from popart_compiler.runtime.signature import program_signature  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from popart_compiler.runtime.signature import program_signature
     described = dict(program_signature(executable))
     described["training"] = str(bool(executable.training))
     described["execution device"] = device
