@@ -183,6 +183,19 @@ def _interleaved(runners: Dict[str, Callable[[], object]], repeats: int) -> Dict
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _try_first(runners: Dict[str, Callable], first: Dict[str, float], name: str,
+               fn: Callable, *args) -> None:
+    """Time the first call of peer ``name`` and add it to ``runners``; a peer that
+    raises (a torch.compile mode this model does not support) is left out, saying
+    why."""
+    try:
+        first[name] = _first(lambda: fn, *args)
+    except Exception as e:  # pylint: disable=broad-except
+        print(f"{name} left out: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return
+    runners[name] = fn
+
+
 def inference(key: str, repeats: int, threads: int, quick: bool = False,
               micro_batch: Optional[int] = None,
               iterations: Optional[int] = None) -> Dict[str, Dict[str, float]]:
@@ -215,8 +228,7 @@ def inference(key: str, repeats: int, threads: int, quick: bool = False,
                **{f"ours-{c}": ours[c] for c in OURS}}
     with torch.no_grad():
         for name, fn in compiled.items():
-            runners[name] = _on_device(fn)
-            first[name] = _first(lambda f=runners[name]: f, x)
+            _try_first(runners, first, name, _on_device(fn), x)
         if not quick:
             again["torch.compile"] = _first(
                 lambda: _on_device(torch.compile(row.make().eval().to(DEVICE))), x)
@@ -271,8 +283,7 @@ def training(key: str, repeats: int, micro_batch: Optional[int] = None,
     for name in _compiled_peers(lambda: nn.Identity()):  # the modes this device has
         comp = WithLoss(row.make()).to(DEVICE)
         fwd = torch.compile(comp, mode=mode[name])
-        runners[name] = loop(comp, fwd)
-        first[name] = _first(lambda r=runners[name]: r)
+        _try_first(runners, first, name, loop(comp, fwd))
     times = _interleaved(runners, repeats)
     return {"time": {k: v / d for k, v in times.items()}, "first": first}
 
