@@ -132,3 +132,18 @@ def test_real_inductor_compilation_uses_uploaded_weights():
     model.copyWeightsToDevice()
     torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
     assert inductor_backend.compile_count() == count
+
+
+def test_a_convolution_as_the_output_keeps_its_values(stand_in):
+    """The prepacked convolution returns channels-last results; as a user output they
+    are the same values as eager PyTorch's."""
+    torch.manual_seed(0)
+    m = nn.Conv2d(3, 4, 3, padding=1).eval()
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Backend.compiler("inductor")
+    model = poptorch.inferenceModel(m, opts)
+    x = torch.randn(4, 3, 5, 5)
+    out = model(x)
+    assert out.shape == (4, 4, 5, 5)
+    torch.testing.assert_close(out, m(x).detach(), rtol=1e-5, atol=1e-5)
+    assert any("onednn_conv2d" in t for gm in stand_in for t in _targets(gm))
