@@ -26,7 +26,8 @@ its default mode and with ``mode="reduce-overhead"`` (CUDA graphs,
 ``torch.compile-ro``); no ONNX Runtime.
 
 Training, SGD (lr 0.01), one weight update per micro-batch, deviceIterations per call:
-time per micro-batch (loss: cross-entropy; GPT-2: next-token, over every position). Runners: a plain eager loop (forward, cross-entropy, backward,
+time per micro-batch (loss: cross-entropy; GPT-2: next-token, over every position).
+Runners: a plain eager loop (forward, cross-entropy, backward,
 ``torch.optim.SGD`` step per micro-batch; the reference), ours-eager, ours-inductor,
 ours-auto, and the same loop with the forward + loss compiled by ``torch.compile`` (on
 CUDA in both modes).
@@ -137,13 +138,18 @@ def _on_device(fn: Callable) -> Callable:
     return run
 
 
-def _compiled_peers(make: Callable[[], nn.Module]) -> Dict[str, Callable]:
-    """``torch.compile`` of a fresh device copy (default mode; on CUDA also
+def _compile_modes() -> Dict[str, str]:
+    """The ``torch.compile`` peers of this device: name → mode (on CUDA also
     ``mode="reduce-overhead"``, CUDA graphs, as ``torch.compile-ro``)."""
-    out = {"torch.compile": torch.compile(make())}
+    modes = {"torch.compile": "default"}
     if DEVICE == "cuda":
-        out["torch.compile-ro"] = torch.compile(make(), mode="reduce-overhead")
-    return out
+        modes["torch.compile-ro"] = "reduce-overhead"
+    return modes
+
+
+def _compiled_peers(make: Callable[[], nn.Module]) -> Dict[str, Callable]:
+    """``torch.compile`` of a fresh device copy per mode of :func:`_compile_modes`."""
+    return {name: torch.compile(make(), mode=mode) for name, mode in _compile_modes().items()}
 
 
 def _onnx(model: nn.Module, x: torch.Tensor, threads: int) -> Optional[Callable]:
@@ -279,10 +285,9 @@ def training(key: str, repeats: int, micro_batch: Optional[int] = None,
     plain = WithLoss(row.make()).to(DEVICE)
     runners = {"eager": loop(plain, plain),
                **{f"ours-{c}": (lambda c=c: ours[c](x, t)) for c in OURS}}
-    mode = {"torch.compile": "default", "torch.compile-ro": "reduce-overhead"}
-    for name in _compiled_peers(lambda: nn.Identity()):  # the modes this device has
+    for name, mode in _compile_modes().items():
         comp = WithLoss(row.make()).to(DEVICE)
-        fwd = torch.compile(comp, mode=mode[name])
+        fwd = torch.compile(comp, mode=mode)
         _try_first(runners, first, name, loop(comp, fwd))
     times = _interleaved(runners, repeats)
     return {"time": {k: v / d for k, v in times.items()}, "first": first}

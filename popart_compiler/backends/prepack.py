@@ -147,7 +147,8 @@ def _conv2d_args(node: fx.Node) -> Optional[tuple]:
 
 def prepack_inference(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite, for an inference graph on the CPU, float32 2-D convolutions
-    (``aten.convolution``, not transposed, and ``aten.conv2d``) into ``popart_compiler::onednn_conv2d`` and
+    (``aten.convolution``, not transposed, and ``aten.conv2d``) into
+    ``popart_compiler::onednn_conv2d`` and
     oneDNN linears (``popart_compiler::onednn_linear``, from
     :func:`~popart_compiler.backends.inductor.onednn_linear`) into
     ``popart_compiler::onednn_linear_packed``, where the weight is a graph input
