@@ -15,7 +15,8 @@ Inductor's ``freezing`` would): a packed copy is used only while its weight is t
 tensor, at the same address, with the same version counter (every in-place write bumps
 it: ``copyWeightsToDevice``, ``writeWeights``, a mutated buffer), and it is packed again
 at the next call otherwise, without recompiling. A packed copy lives as long as its
-weight tensor (the cache holds weak references only).
+weight tensor (the cache holds weak references only). Weights created under
+``torch.inference_mode`` have no version counter: they run unpacked.
 
 Results agree with the eager kernels to float rounding (oneDNN sums in another order:
 about 1e-6 relative).
@@ -44,7 +45,11 @@ def packed_weights() -> int:
 
 def _packed(weight: torch.Tensor, key: tuple, pack: Callable[[], torch.Tensor]):
     """The packed copy of ``weight`` for ``key`` (packed now if there is none, or if the
-    weight changed since: another address or version)."""
+    weight changed since: another address or version); ``None`` for an inference
+    tensor (``torch.inference_mode``), which has no version counter: the caller then
+    runs on the plain weight."""
+    if weight.is_inference():
+        return None
     wid = id(weight)
     with _lock:
         entry = _cache.get(wid)
@@ -82,8 +87,11 @@ def _onednn_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     packed = _packed(weight, ("conv2d", tuple(stride), tuple(padding), tuple(dilation),
                               groups, shape), pack)
     bias = bias.contiguous() if bias is not None else None
-    out = torch.ops.mkldnn._convolution_pointwise(x, packed, bias, padding, stride,
-                                                  dilation, groups, "none", [], "")
+    if packed is None:
+        out = torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    else:
+        out = torch.ops.mkldnn._convolution_pointwise(x, packed, bias, padding, stride,
+                                                      dilation, groups, "none", [], "")
     return out.contiguous(memory_format=torch.channels_last)
 
 
@@ -108,7 +116,8 @@ def _onednn_linear_packed(x: torch.Tensor, weight: torch.Tensor,
                      lambda: torch.ops.mkldnn._reorder_linear_weight(
                          weight.detach().contiguous(), m))
     bias = bias.contiguous() if bias is not None else None
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(rows, weight if packed is None else packed,
+                                              bias, "none", [], "")
 
 
 @_onednn_linear_packed.register_fake

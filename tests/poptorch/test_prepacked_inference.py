@@ -147,3 +147,25 @@ def test_a_convolution_as_the_output_keeps_its_values(stand_in):
     assert out.shape == (4, 4, 5, 5)
     torch.testing.assert_close(out, m(x).detach(), rtol=1e-5, atol=1e-5)
     assert any("onednn_conv2d" in t for gm in stand_in for t in _targets(gm))
+
+
+def test_calls_under_inference_mode_run(stand_in):
+    """Under ``torch.inference_mode`` (tensors without a version counter) the kernels
+    run on the plain weights: same values."""
+    m, model = _model()
+    x = torch.randn(6, 3, 8, 8)
+    with torch.inference_mode():
+        out = model(x)
+        again = model(x)
+    torch.testing.assert_close(out, m(x).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    x_inf = torch.randn(2, 3, 8, 8)
+    with torch.inference_mode():
+        w = torch.randn(4, 3, 3, 3)
+        out = torch.ops.popart_compiler.onednn_conv2d(x_inf, w, None, [1, 1], [1, 1],
+                                                      [1, 1], 1)
+        lin = torch.ops.popart_compiler.onednn_linear_packed(x_inf.flatten(1),
+                                                             torch.randn(5, 192), None)
+    torch.testing.assert_close(out, nn.functional.conv2d(x_inf, w, None, 1, 1),
+                               rtol=1e-5, atol=1e-5)
+    assert lin.shape == (2, 5)
