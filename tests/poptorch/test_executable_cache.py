@@ -239,7 +239,8 @@ def test_a_wrong_entry_with_valid_checksums_is_discarded_and_rebuilt(tmp_path, c
 
 def test_an_entry_of_another_model_is_discarded(tmp_path, captures, poptorch_logs):
     """A well-formed entry holding another model's program (other weight shapes),
-    placed under this model's key, is not used."""
+    placed under this model's key, is not used (issue 29, item 2: the entry records the
+    key it was written for)."""
     class Wide(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -258,7 +259,7 @@ def test_an_entry_of_another_model_is_discarded(tmp_path, captures, poptorch_log
     os.replace(wide, mine)
     out = poptorch.inferenceModel(model, cached(tmp_path / "mlp"))(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
-    assert "weight fc1.weight does not match the model" in poptorch_logs.text
+    assert f"Invalid file {mine}: it was written for the key" in poptorch_logs.text
     assert len(captures) == 3
 
 
