@@ -4,24 +4,33 @@
 A cache entry is the captured program in the executable file format
 (:mod:`poptorch._serialization`), without weights: the executor always uploads the
 host model's current weights, so an entry serves any weight values. Its file name is a
-SHA-256 key computed **before** capturing (capture is the work the cache saves) from:
+SHA-256 key computed **before** capturing (capture is the work the cache saves;
+:mod:`poptorch._files.cache_key`) from:
 
 * the format version, the ``poptorch``, ``torch`` and Python versions and a
   ``backend`` entry (execution backend and device, from the options);
-* the model: for every sub-module its path, class, attribute values (numbers,
-  strings, ... and the type of other objects; ``training``, ``Block`` ids included) and
-  forward hooks (``BeginBlock``); a digest of the code of every class involved and of
-  the user code it reaches (:mod:`poptorch._code_digest`: byte code, never source
-  files, so classes defined in a notebook, ``exec`` or ``python -c`` are cached
-  too); the name, kind, shape, dtype and ``requires_grad`` of every parameter and
-  buffer, and the values of plain tensor attributes (they become constants of the
-  program);
+* the model: for every sub-module its path, class, ``training`` flag, attribute values
+  and hooks (``BeginBlock``'s included), torch's global module hooks, a digest of the
+  code of every class involved and of the user code it reaches with the values that
+  code reads (:mod:`poptorch._files.code_digest`: byte code, never source files, so
+  classes defined in a notebook, ``exec`` or ``python -c`` are cached too); the name,
+  kind, shape, dtype and ``requires_grad`` of every parameter and buffer;
 * the training flag, every option (except the cache path) and the replica grouping of
   weights;
 * the input signature: argument names, structure, shapes, dtypes and non-tensor values.
 
-Code of installed packages other than ``torch`` / ``poptorch`` is not part of the key:
-clear the cache directory after upgrading one.
+Every value is recorded by value or by a name that resolves to the same library object
+(:mod:`poptorch._files.cache_values`); one that cannot be recorded (an arbitrary object,
+a ``types.SimpleNamespace``, a sub-module in a plain ``dict``, a ``poptorch.CPU`` op)
+turns the cache off for that compile with one INFO line naming it: the cache never
+serves a program captured for other state (issue 29). Code of installed packages other
+than ``torch`` / ``poptorch`` is not part of the key: clear the cache directory after
+upgrading one.
+
+An entry's ``metadata.json`` records its key: an entry whose key is not the compile's
+(renamed, copied) is discarded with a warning and rebuilt. A program with
+``poptorch.CPU`` host ops is never written (a file holds no Python code): one INFO line
+per entry and process.
 
 Writes are atomic (temporary file + ``os.replace``); a lock file per entry
 (``<entry>.lock``, an OS file lock that the system releases when its process dies, so
