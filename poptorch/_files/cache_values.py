@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 __all__ = ["Unkeyable", "Describer", "MAX_DEPTH", "MAX_ITEMS", "library_name",
-           "plain_object_class"]
+           "plain_object_class", "is_plain_data"]
 
 #: Deepest container nesting described (deeper: unkeyable).
 MAX_DEPTH = 8
@@ -57,6 +57,7 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
 _CONTAINERS = (list, tuple, dict, collections.OrderedDict, set, frozenset)
 _TORCH_NAMED = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 _MISSING = object()
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
 class Unkeyable(Exception):
@@ -111,7 +112,16 @@ def plain_object_class(value: Any) -> bool:
         return False
     if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)):
         return False
-    return all("__slots__" not in vars(c) for c in cls.__mro__ if c is not object)
+    # every class a Python class (no C-level state) without __slots__
+    return all("__slots__" not in vars(c) and c.__flags__ & _HEAP_TYPE
+               for c in cls.__mro__ if c is not object)
+
+
+def is_plain_data(value: Any) -> bool:
+    """``value`` is a scalar, a tensor or a container (not a function, class, module or
+    other object)."""
+    return type(value) in _SCALARS or type(value) in _CONTAINERS or \
+        isinstance(value, (torch.Tensor, torch.Size, *_TORCH_NAMED, enum.Enum))
 
 
 def _what(value: Any) -> str:

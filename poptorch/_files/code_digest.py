@@ -26,6 +26,7 @@ environment variables, attributes of other objects).
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import sys
@@ -33,7 +34,7 @@ import sysconfig
 import types
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from poptorch._files.cache_values import Describer, Unkeyable
+from poptorch._files.cache_values import Describer, Unkeyable, is_plain_data
 
 __all__ = ["code_digest", "CodeDigest"]
 
@@ -41,6 +42,8 @@ _OWN = ("torch", "poptorch", "popart_compiler", "popdist", "builtins")
 _LIBRARY_DIRS = tuple(os.path.realpath(p) for p in {
     sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     if p)
+_BUILTINS = vars(builtins)
+_MISSING = object()
 #: Upper bound on the functions and classes one digest follows (a guard against
 #: walking a whole library by accident; beyond it the model is not cached).
 _MAX_OBJECTS = 5000
@@ -138,18 +141,33 @@ class CodeDigest:
             else:
                 self.add(self.value(const, f"a constant of {owner}"))
         for name in code.co_names:  # globals it reads, and module attributes
+            where = f"the global {name} read by {owner}"
             if name not in scope:
+                if scope and name in _BUILTINS:  # a builtin (or a value put there)
+                    self.add(name, self.value(_BUILTINS[name], where))
                 continue
             target = scope[name]
-            where = f"the global {name} read by {owner}"
             if isinstance(target, types.ModuleType):
-                if _is_user_module(target):
-                    for attr in code.co_names:
-                        if hasattr(target, attr):
-                            self.add(name, attr, self.value(getattr(target, attr),
-                                                            f"{where} ({name}.{attr})"))
+                self.module_attributes(name, target, code.co_names, where)
                 continue
             self.add(name, self.value(target, where))
+
+    def module_attributes(self, name: str, module: types.ModuleType, attrs, where: str
+                          ) -> None:
+        """The attributes ``attrs`` (names the code reads) of a module global: all of a
+        user module's; the plain data a library module holds (a value a user stored on
+        it); a library's own functions, classes and modules are its code, which the
+        versions in the key cover."""
+        user = _is_user_module(module)
+        for attr in attrs:
+            value = vars(module).get(attr, _MISSING)  # no lazy imports
+            if value is _MISSING or not user and not is_plain_data(value):
+                continue
+            try:
+                self.add(name, attr, self.value(value, f"{where} ({name}.{attr})"))
+            except Unkeyable:
+                if user:
+                    raise
 
     def function(self, fn: Any, where: str) -> None:
         fn = getattr(fn, "__func__", fn)
