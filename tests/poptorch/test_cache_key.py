@@ -140,3 +140,58 @@ def test_a_no_grad_forward_and_a_registered_sub_module_reference_are_cached(
         opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
         torch.testing.assert_close(poptorch.inferenceModel(model, opts)(x), model(x))
     assert len(captures) == 1
+
+
+class _Colour(__import__("enum").Enum):
+    RED = 1
+    BLUE = 2
+
+
+class _Reads(torch.nn.Module):
+    """``forward`` reads a value stored on a library module and a builtin."""
+
+    def forward(self, x):
+        return x * torch.cache_key_test_scale * cache_key_test_builtin
+
+
+@pytest.mark.parametrize("a, b", [(_Colour.RED, _Colour.BLUE), (1, 1.0), (1, True),
+                                  ((1, 2), [1, 2]), (torch.ones(2), torch.ones(2) * 2),
+                                  (torch.ones(2), torch.ones(2, dtype=torch.float16))])
+def test_values_that_differ_give_different_keys(a, b):
+    from poptorch._files.cache_key import model_description
+    assert model_description(_Holder(a)) != model_description(_Holder(b))
+    assert model_description(_Holder(a)) == model_description(_Holder(a))
+
+
+def test_values_stored_on_library_modules_and_builtins_are_keyed(monkeypatch):
+    import builtins
+    from poptorch._files.cache_key import model_description
+    from poptorch._files.cache_values import Unkeyable
+    monkeypatch.setattr(torch, "cache_key_test_scale", 2.0, raising=False)
+    monkeypatch.setattr(builtins, "cache_key_test_builtin", 3.0, raising=False)
+    first = model_description(_Reads())
+    monkeypatch.setattr(torch, "cache_key_test_scale", 5.0)
+    assert model_description(_Reads()) != first
+    monkeypatch.setattr(builtins, "cache_key_test_builtin", object())
+    with pytest.raises(Unkeyable, match="the global cache_key_test_builtin read by "
+                                        "_Reads.forward holds a builtins.object object"):
+        model_description(_Reads())
+
+
+def test_a_bound_method_of_the_model_is_keyed_by_its_path_and_code():
+    from poptorch._files.cache_key import model_description
+
+    class Net(torch.nn.Module):
+        def __init__(self, factor):
+            super().__init__()
+            self.factor = factor
+            self.act = self.scaled
+
+        def scaled(self, x):
+            return x * self.factor
+
+        def forward(self, x):
+            return self.act(x)
+
+    assert model_description(Net(2.0)) == model_description(Net(2.0))
+    assert model_description(Net(2.0)) != model_description(Net(3.0))
