@@ -21,11 +21,17 @@ two values exactly when a program captured with one is valid for the other, or r
 * functions, classes and modules of ``torch``, ``poptorch``, the standard library and
   installed packages by their qualified name, when that name resolves to the very same
   object in this process (``torch.relu``, ``torch.nn.functional.gelu``, ``math.pi``);
-* objects of ``torch`` and ``poptorch`` classes that keep their state in a plain
-  ``__dict__`` (e.g. ``torch.no_grad()``, ``BeginBlock``'s hook) by class and state.
+  a library's Python function without such a name (one a decorator wraps) by its code,
+  closure and defaults;
+* objects of library classes (``torch``, ``poptorch``, the standard library,
+  installed packages) that keep their whole state in a plain ``__dict__`` (e.g.
+  ``torch.no_grad()``, ``BeginBlock``'s hook, a ``transformers`` configuration) by class
+  name and state (their class's code, like a library function's, is covered by the
+  versions in the key, or not at all for other installed packages: clear the cache
+  after upgrading one).
 
-Everything else is unkeyable: any other object (``types.SimpleNamespace``, instances of
-user classes, a ``torch.nn.Module`` that is not a registered sub-module, a
+Everything else is unkeyable: any other object (``types.SimpleNamespace`` and other
+objects of C classes, instances of user classes, a ``torch.nn.Module`` that is not a registered sub-module, a
 ``poptorch.CPU`` host op), a nested or unnamed library function, a user module held as
 a value, a tensor subclass, a sparse, quantized or ``meta`` tensor, a container nested
 deeper than :data:`MAX_DEPTH` or larger than :data:`MAX_ITEMS`.
@@ -51,7 +57,6 @@ MAX_DEPTH = 8
 #: Largest container described (larger: unkeyable).
 MAX_ITEMS = 10000
 
-_OWN_OBJECTS = ("torch", "poptorch", "popart_compiler")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
             type(NotImplemented))
 _CONTAINERS = (list, tuple, dict, collections.OrderedDict, set, frozenset)
@@ -102,18 +107,20 @@ def library_name(obj: Any) -> Optional[str]:
     return None
 
 
-def plain_object_class(value: Any) -> bool:
-    """``value`` is an object of a ``torch`` / ``poptorch`` Python class whose whole
-    state is its ``__dict__`` (no ``__slots__`` anywhere in its class hierarchy)."""
+def plain_object_class(value: Any, is_user_code: Callable[[Any], bool]) -> bool:
+    """``value`` is an object of a library's Python class (``torch``, ``poptorch``, the
+    standard library, an installed package: not the user's, named by a qualified name
+    that resolves to it) whose whole state is its ``__dict__`` (no non-empty ``__slots__`` and
+    no C-level class anywhere in its class hierarchy)."""
     cls = type(value)
-    if _root_module(getattr(cls, "__module__", "") or "") not in _OWN_OBJECTS:
+    if is_user_code(cls) or library_name(cls) is None:
         return False
     if not isinstance(getattr(value, "__dict__", None), dict):
         return False
     if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)):
         return False
     # every class a Python class (no C-level state) without __slots__
-    return all("__slots__" not in vars(c) and c.__flags__ & _HEAP_TYPE
+    return all(not vars(c).get("__slots__") and c.__flags__ & _HEAP_TYPE
                for c in cls.__mro__ if c is not object)
 
 
@@ -244,11 +251,14 @@ class Describer:
             name = None if self.is_user_code(value) else library_name(value)
             if name is not None:
                 return ["library", name]
+        if isinstance(value, types.FunctionType):  # a library's, without a name
+            self.queue_code(value, where)  # its code, closure and defaults
+            return ["code", value.__module__, value.__qualname__]
         if _root_module(type(value).__module__) == "poptorch" and \
                 type(value).__name__ == "CPU":
             raise Unkeyable(where, "a poptorch.CPU host op, which a cache entry cannot "
                                    "hold")
-        if plain_object_class(value):
+        if plain_object_class(value, self.is_user_code):
             cls = type(value)
             state = [[k, self.value(v, f"{where}.{k}", depth + 1)]
                      for k, v in sorted(vars(value).items())]

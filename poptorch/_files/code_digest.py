@@ -112,14 +112,16 @@ class CodeDigest:
                  submodules: Optional[Dict[int, str]] = None):
         self.hash = hashlib.sha256()
         self.seen: Set[int] = set()
-        self.pending: List[Tuple[Any, str]] = []
+        self.pending: List[Tuple[Any, str, bool]] = []
+        #: Inside the body of an installed package's class (see :meth:`cls`).
+        self.library_state = False
         self.describer = Describer(self.queue, _is_user_code, _is_user_module,
                                    weights, submodules)
 
     def queue(self, item: Any, where: str) -> None:
         """Digest the code of ``item`` (a user function or class) found at ``where``."""
         if id(item) not in self.seen:
-            self.pending.append((item, where))
+            self.pending.append((item, where, self.library_state))
 
     def add(self, *parts: Any) -> None:
         for part in parts:
@@ -193,27 +195,48 @@ class CodeDigest:
 
     def cls(self, cls: type) -> None:
         self.add(f"{cls.__module__}.{cls.__qualname__}")
+        user = _is_user_code(cls)
         for name, member in sorted(vars(cls).items()):
             if name in _SKIPPED_CLASS_ATTRIBUTES:
                 continue
             self.add(name)
-            where = f"{cls.__qualname__}.{name}"
-            if isinstance(member, (staticmethod, classmethod)):
-                member = member.__func__
-            if isinstance(member, property):
-                for accessor in (member.fget, member.fset, member.fdel):
-                    if accessor is not None:
-                        self.function(accessor, where)
-            elif isinstance(member, types.FunctionType):
-                self.function(member, where)
-            else:
-                self.add(self.value(member, where))
+            self.tolerating(not user, self.member, cls, name, member)
+
+    def tolerating(self, library_state: bool, fn, *args) -> None:
+        """``fn(*args)``; with ``library_state`` (the body of an installed package's
+        class, and the code it holds: what it made when it was defined is package state,
+        which the key does not cover, like its code) an ``Unkeyable`` value is left out
+        instead of raised."""
+        if not library_state:
+            fn(*args)
+            return
+        before, self.library_state = self.library_state, True
+        try:
+            fn(*args)
+        except Unkeyable:
+            self.add("<library state>")
+        finally:
+            self.library_state = before
+
+    def member(self, cls: type, name: str, member: Any) -> None:
+        """One attribute of a class body."""
+        where = f"{cls.__qualname__}.{name}"
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        if isinstance(member, property):
+            for accessor in (member.fget, member.fset, member.fdel):
+                if accessor is not None:
+                    self.function(accessor, where)
+        elif isinstance(member, types.FunctionType):
+            self.function(member, where)
+        else:
+            self.add(self.value(member, where))
 
     def run(self) -> str:
         """Digest the queued code. Raises ``Unkeyable`` (see :meth:`value`)."""
         count = 0
         while self.pending:
-            item, where = self.pending.pop()
+            item, where, library_state = self.pending.pop()
             if id(item) in self.seen:
                 continue
             self.seen.add(id(item))
@@ -222,9 +245,9 @@ class CodeDigest:
                 raise Unkeyable(where, f"more than {_MAX_OBJECTS} functions and classes "
                                        "of user code, more than the key follows")
             if isinstance(item, type):
-                self.cls(item)
+                self.tolerating(library_state, self.cls, item)
             else:
-                self.function(item, where)
+                self.tolerating(library_state, self.function, item, where)
         return self.hash.hexdigest()
 
 
@@ -238,13 +261,13 @@ def code_digest(classes: Iterable[type], functions: Iterable[Tuple[Any, str]] = 
         Unkeyable: a value the code reads cannot be described.
     """
     digest = digest if digest is not None else CodeDigest()
-    roots: List[Tuple[Any, str]] = []
+    roots: List[Tuple[Any, str, bool]] = []
     for cls in classes:
-        roots.extend((c, c.__qualname__) for c in cls.__mro__
+        roots.extend((c, c.__qualname__, False) for c in cls.__mro__
                      if not _is_own(c.__module__) and c is not object)
     for fn, where in functions:
         if not _is_own(getattr(fn, "__module__", "") or ""):
-            roots.append((fn, where))
+            roots.append((fn, where, False))
     queued = list(digest.pending)
     digest.pending = list(reversed(roots)) + queued
     return digest.run()

@@ -195,3 +195,20 @@ def test_a_bound_method_of_the_model_is_keyed_by_its_path_and_code():
 
     assert model_description(Net(2.0)) == model_description(Net(2.0))
     assert model_description(Net(2.0)) != model_description(Net(3.0))
+
+
+def test_a_transformers_model_is_keyed_by_its_configuration():
+    """An installed package's configuration object (a Python class, its whole state a
+    plain ``__dict__``) is keyed by value; its class body's own state is the package's."""
+    transformers = pytest.importorskip("transformers")
+    from poptorch._files.cache_key import model_description
+
+    def bert(eps):
+        config = transformers.BertConfig(hidden_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, intermediate_size=16,
+                                         vocab_size=32, layer_norm_eps=eps)
+        torch.manual_seed(0)
+        return transformers.BertModel(config)
+
+    assert model_description(bert(1e-12)) == model_description(bert(1e-12))
+    assert model_description(bert(1e-12)) != model_description(bert(1e-5))
