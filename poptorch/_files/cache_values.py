@@ -31,10 +31,11 @@ two values exactly when a program captured with one is valid for the other, or r
   after upgrading one).
 
 Everything else is unkeyable: any other object (``types.SimpleNamespace`` and other
-objects of C classes, instances of user classes, a ``torch.nn.Module`` that is not a registered sub-module, a
-``poptorch.CPU`` host op), a nested or unnamed library function, a user module held as
-a value, a tensor subclass, a sparse, quantized or ``meta`` tensor, a container nested
-deeper than :data:`MAX_DEPTH` or larger than :data:`MAX_ITEMS`.
+objects of C classes, instances of user classes, a ``torch.nn.Module`` that is not a
+registered sub-module, a ``poptorch.CPU`` host op), a library's builtin function
+without a name, a user module held as a value, a tensor subclass, a sparse, quantized
+or ``meta`` tensor, a container nested deeper than :data:`MAX_DEPTH` or larger than
+:data:`MAX_ITEMS`, more than :data:`MAX_VALUES` values in all.
 """
 from __future__ import annotations
 
@@ -45,17 +46,20 @@ import hashlib
 import sys
 import types
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
-__all__ = ["Unkeyable", "Describer", "MAX_DEPTH", "MAX_ITEMS", "library_name",
+__all__ = ["Unkeyable", "Describer", "MAX_DEPTH", "MAX_ITEMS", "MAX_VALUES", "library_name",
            "plain_object_class", "is_plain_data"]
 
 #: Deepest container nesting described (deeper: unkeyable).
 MAX_DEPTH = 8
 #: Largest container described (larger: unkeyable).
 MAX_ITEMS = 10000
+#: Most values one key describes (more: unkeyable; bounds objects that refer to each
+#: other many times over).
+MAX_VALUES = 200000
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
             type(NotImplemented))
@@ -171,6 +175,8 @@ class Describer:
         self.is_user_module = is_user_module
         self.weights = weights or {}
         self.submodules = submodules or {}
+        self.count = 0
+        self.path: set = set()  # ids of the containers and objects being described
 
     def value(self, value: Any, where: str, depth: int = 0) -> Any:
         """The description of ``value`` (see the module docstring).
@@ -178,6 +184,12 @@ class Describer:
         Raises:
             Unkeyable: ``value`` (or something inside it) cannot be described.
         """
+        self.count += 1
+        if depth > MAX_DEPTH:
+            raise Unkeyable(where, f"values nested deeper than {MAX_DEPTH}")
+        if self.count > MAX_VALUES:
+            raise Unkeyable(where, f"more than {MAX_VALUES} values, more than the key "
+                                   "describes")
         kind = type(value)
         if kind in _SCALARS:
             return [kind.__name__, repr(value)]
@@ -186,7 +198,7 @@ class Describer:
         if isinstance(value, torch.Size):
             return ["Size", list(value)]
         if kind in _CONTAINERS:
-            return self._container(value, where, depth)
+            return self._inside(value, where, self._container, value, where, depth)
         if isinstance(value, _TORCH_NAMED):
             return [kind.__name__, str(value)]
         if isinstance(value, enum.Enum):
@@ -209,6 +221,17 @@ class Describer:
                     self.value(value.args, where, depth + 1),
                     self.value(value.keywords, where, depth + 1)]
         return self._named(value, where, depth)
+
+    def _inside(self, value: Any, where: str, fn: Callable, *args) -> Any:
+        """``fn(*args)`` while ``value`` is being described: a value that contains
+        itself is unkeyable."""
+        if id(value) in self.path:
+            raise Unkeyable(where, f"a {type(value).__name__} that contains itself")
+        self.path.add(id(value))
+        try:
+            return fn(*args)
+        finally:
+            self.path.discard(id(value))
 
     def _container(self, value: Any, where: str, depth: int) -> Any:
         if depth >= MAX_DEPTH or len(value) > MAX_ITEMS:
@@ -260,17 +283,8 @@ class Describer:
                                    "hold")
         if plain_object_class(value, self.is_user_code):
             cls = type(value)
-            state = [[k, self.value(v, f"{where}.{k}", depth + 1)]
-                     for k, v in sorted(vars(value).items())]
+            state = self._inside(value, where, lambda: [
+                [k, self.value(v, f"{where}.{k}", depth + 1)]
+                for k, v in sorted(vars(value).items())])
             return ["object", f"{cls.__module__}.{cls.__qualname__}", state]
         raise Unkeyable(where, _what(value))
-
-
-def describe_all(describer: Describer, values: Dict[str, Any], where: str) -> List[Any]:
-    """``[[name, description], ...]`` of ``values`` sorted by name, each found at
-    ``<where>.<name>``.
-
-    Raises:
-        Unkeyable: one of them cannot be described.
-    """
-    return [[k, describer.value(v, f"{where}.{k}")] for k, v in sorted(values.items())]

@@ -212,3 +212,18 @@ def test_a_transformers_model_is_keyed_by_its_configuration():
 
     assert model_description(bert(1e-12)) == model_description(bert(1e-12))
     assert model_description(bert(1e-12)) != model_description(bert(1e-5))
+
+
+def test_objects_that_refer_to_each_other_are_bounded():
+    """A library object graph with cycles cannot make the key walk without end."""
+    import argparse  # a standard-library Python class with a plain __dict__
+    from poptorch._files.cache_key import model_description
+    from poptorch._files.cache_values import Unkeyable
+    nodes = [argparse.Namespace() for _ in range(6)]
+    for node in nodes:
+        for i, other in enumerate(nodes):
+            setattr(node, f"n{i}", other)
+    with pytest.raises(Unkeyable):
+        model_description(_Holder(nodes[0]))
+    assert model_description(_Holder(argparse.Namespace(scale=2.0))) != \
+        model_description(_Holder(argparse.Namespace(scale=3.0)))
