@@ -18,8 +18,8 @@ from torch.nn.modules import module as _torch_module
 from popart_compiler.errors import Error
 
 from poptorch._executor import instrument as _instrument
-from poptorch._files.cache_values import Unkeyable
-from poptorch._files.code_digest import CodeDigest, code_digest
+from poptorch._files.cache_values import Unkeyable, is_plain_data
+from poptorch._files.code_digest import CodeDigest, code_digest, is_user_code
 from poptorch._files.container import FORMAT_VERSION, encode
 from poptorch._files.structure import encode_spec
 from poptorch._logging import logger
@@ -135,7 +135,31 @@ def model_description(model: torch.nn.Module) -> Dict[str, Any]:
     state += [[n, "b", list(t.shape), str(t.dtype)] for n, t in buffers]
     global_hooks = _global_hooks(digest)
     return {"modules": modules, "state": state, "global_hooks": global_hooks,
+            "library_classes": _library_class_data(digest, classes.values()),
             "code": code_digest(classes.values(), (), digest)}
+
+
+def _library_class_data(digest: CodeDigest, classes) -> List[Any]:
+    """The plain data in the bodies of the library classes the model's classes derive
+    from (``torch.nn.Linear.factor = 3`` set by the user is read as ``self.factor``);
+    user classes are in the code digest."""
+    out = []
+    seen = set()
+    for cls in classes:
+        for base in cls.__mro__:
+            if base is object or id(base) in seen or is_user_code(base):
+                continue
+            seen.add(id(base))
+            data = []
+            for name, value in sorted(vars(base).items()):
+                if name.startswith("__") or not is_plain_data(value):
+                    continue
+                try:
+                    data.append([name, digest.value(value, f"{base.__qualname__}.{name}")])
+                except Unkeyable:
+                    data.append([name, "<library state>"])
+            out.append([f"{base.__module__}.{base.__qualname__}", data])
+    return out
 
 
 def _drop_keys(value: Any, keys) -> Any:

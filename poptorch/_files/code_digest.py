@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from poptorch._files.cache_values import Describer, Unkeyable, is_plain_data
 
-__all__ = ["code_digest", "CodeDigest"]
+__all__ = ["code_digest", "CodeDigest", "is_user_code"]
 
 _OWN = ("torch", "poptorch", "popart_compiler", "popdist", "builtins")
 _LIBRARY_DIRS = tuple(os.path.realpath(p) for p in {
@@ -81,6 +81,11 @@ def _is_user_code(obj: Any) -> bool:
         return False
     path = _file_of(obj)
     return not (os.path.isabs(path) and _is_library_path(path))
+
+
+def is_user_code(obj: Any) -> bool:
+    """Public name of :func:`_is_user_code`."""
+    return _is_user_code(obj)
 
 
 def _is_user_module(module: types.ModuleType) -> bool:

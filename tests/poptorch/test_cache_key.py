@@ -227,3 +227,16 @@ def test_objects_that_refer_to_each_other_are_bounded():
         model_description(_Holder(nodes[0]))
     assert model_description(_Holder(argparse.Namespace(scale=2.0))) != \
         model_description(_Holder(argparse.Namespace(scale=3.0)))
+
+
+def test_plain_data_put_on_a_library_base_class_is_keyed(monkeypatch):
+    from poptorch._files.cache_key import model_description
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * self.factor
+
+    monkeypatch.setattr(torch.nn.Linear, "factor", 2.0, raising=False)
+    first = model_description(Scaled(4, 4))
+    monkeypatch.setattr(torch.nn.Linear, "factor", 3.0)
+    assert model_description(Scaled(4, 4)) != first
