@@ -35,6 +35,16 @@ def _member(cls: Type[_E], value: Any, what: str) -> _E:
         raise backend_error(f"Invalid {what} {value!r}: pick one of "
                             f"{', '.join(m.name for m in cls)}.") from None
 
+
+def _output_mode(value: Any) -> OutputMode:
+    """``OutputMode(value)``, refusing ``Default`` (``poptorch`` resolves it when a model
+    is wrapped) with the backend's error."""
+    mode = _member(OutputMode, value, "output mode")
+    if mode is OutputMode.Default:
+        raise backend_error("Invalid output mode Default: it is resolved when a model is "
+                            "wrapped; pick one of Final, EveryN, All, Sum.")
+    return mode
+
 _BOOL_KEYS = frozenset("""
 enableExplicitIR enableInplaceAmbiguityChecking enableLoadAndOffloadRNGState
 batchSerializationSettings.concatOnVirtualGraphChange
@@ -143,7 +153,7 @@ class Anchor:
     key: str = ""
 
     def __post_init__(self):
-        self.output_mode = _member(OutputMode, self.output_mode, "output mode")
+        self.output_mode = _output_mode(self.output_mode)
         if not self.key:
             self.key = self.name
 
@@ -234,9 +244,8 @@ class StrategySettings:
                    bool(raw.get("separate_backward_phase", False)))
 
 
-#: The enum-valued fields of :class:`SessionOptions`.
-_ENUM_FIELDS = {"input_group_type": CommGroupType, "output_mode": OutputMode,
-                "reduction_type": ReductionType,
+#: The enum-valued fields of :class:`SessionOptions` (``output_mode``: :func:`_output_mode`).
+_ENUM_FIELDS = {"input_group_type": CommGroupType, "reduction_type": ReductionType,
                 "mean_reduction_strategy": MeanReductionStrategy,
                 "connection_type": ConnectionType}
 
@@ -331,6 +340,7 @@ class SessionOptions:
         compiler's enums."""
         for name, cls in _ENUM_FIELDS.items():
             setattr(self, name, _member(cls, getattr(self, name), name.replace("_", " ")))
+        self.output_mode = _output_mode(self.output_mode)
 
     @property
     def backend_key(self) -> str:
@@ -415,7 +425,7 @@ class SessionOptions:
             input_group_size=int(get("input_group_size", 1)),
             input_group_type=_member(CommGroupType, get("input_cgt", 1), "input group type"),
             gradient_accumulation=int(get("gradient_accumulation", 1)),
-            output_mode=_member(OutputMode, get("output_mode", 2), "output mode"),
+            output_mode=_output_mode(get("output_mode", 2)),
             output_return_period=int(get("output_return_period", 1)),
             reduction_type=_member(ReductionType, get(
                 "accumulation_and_replication_reduction_type", 1), "reduction type"),

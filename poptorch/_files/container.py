@@ -44,6 +44,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from popart_compiler.errors import Error, backend_error
+from poptorch import enums as _enums
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "write_container", "read_container", "encode",
            "decode", "tensors_to_bytes", "tensors_from_bytes", "dtype_name", "dtype_of",
@@ -289,14 +290,23 @@ def encode(value: Any, where: str = "value") -> Any:
     return _encode_object(value, where)
 
 
+def _public_module(cls: type) -> str:
+    """The module a file names ``cls`` by: ``poptorch.enums`` for the enums it
+    re-exports from ``popart_compiler.enums``, else the class's own module."""
+    if getattr(_enums, cls.__qualname__, None) is cls:
+        return "poptorch.enums"
+    return cls.__module__
+
+
 def _encode_object(value: Any, where: str) -> Any:
     cls = type(value)
-    if cls.__module__ not in _ALLOWED_MODULES:
+    module = _public_module(cls)
+    if module not in _ALLOWED_MODULES:
         raise backend_error(
             f"Cannot export {where}: values of type {cls.__module__}.{cls.__qualname__} "
             "cannot be stored in an executable file (only numbers, strings, lists, "
             "dicts, dtypes and poptorch option / enum values can).")
-    name = f"{cls.__module__}:{cls.__qualname__}"
+    name = f"{module}:{cls.__qualname__}"
     if isinstance(value, enum.Enum):
         return {"__enum__": name, "name": value.name}
     return {"__object__": name, "state": encode(dict(vars(value)), where)}
@@ -309,7 +319,7 @@ def _class_of(name: str) -> type:
     target: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         target = getattr(target, part, None)
-    if not isinstance(target, type) or target.__module__ != module_name:
+    if not isinstance(target, type) or _public_module(target) != module_name:
         raise backend_error(f"Invalid file: unknown class {name}")
     return target
 
