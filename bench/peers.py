@@ -10,9 +10,10 @@ batch (8 micro-batches). Runners: plain eager PyTorch on the combined batch unde
 ``torch.no_grad()`` (the reference), ours with the eager compiler, ours with the
 inductor compiler, ours with the ``auto`` compiler (timed once it has chosen: its
 first calls run eager, Inductor compiles in the background once the program is hot,
-both are timed on the real calls and the faster is kept), ``torch.compile`` of the model, ONNX Runtime (CPU execution
-provider, model exported with ``torch.onnx.export``; skipped if ``onnxruntime`` is
-not installed: ``pip install -e ".[bench]"``).
+both are timed on the real calls and the faster is kept), ``torch.compile`` of the
+model, ONNX Runtime (CPU execution provider, model exported with
+``torch.onnx.export``; skipped if ``onnxruntime`` is not installed:
+``pip install -e ".[bench]"``).
 
 Training, SGD (lr 0.01), one weight update per micro-batch, 8 per call: time per
 micro-batch. Runners: a plain eager loop (forward, cross-entropy, backward,

@@ -76,7 +76,8 @@ class RecoverableError(Error):
     works unchanged (spec api §3).
     """
 
-    def __init__(self, message: str = "", type: str = "poplar_recoverable_runtime_error",  # noqa: A002
+    def __init__(self, message: str = "",
+                 type: str = "poplar_recoverable_runtime_error",  # noqa: A002
                  location: str = "", recovery_action: str = "IPU_RESET", **kwargs):
         if recovery_action not in RECOVERY_ACTIONS:
             raise ValueError(f"recovery_action must be one of {RECOVERY_ACTIONS}, "
@@ -88,7 +89,8 @@ class RecoverableError(Error):
 class UnrecoverableError(Error):
     """A persistent device runtime failure (the machine needs servicing)."""
 
-    def __init__(self, message: str = "", type: str = "poplar_unrecoverable_runtime_error",  # noqa: A002
+    def __init__(self, message: str = "",
+                 type: str = "poplar_unrecoverable_runtime_error",  # noqa: A002
                  location: str = "", **kwargs):
         super().__init__(message, type, location, **kwargs)
 

@@ -20,13 +20,15 @@ _config.set_process_defaults()
 from poptorch import enums  # noqa: E402
 from poptorch.enums import *  # noqa: E402,F401,F403
 from poptorch._logging import logger, setLogLevel  # noqa: E402,F401
-from poptorch._capture.custom_parsers import ICustomArgParser, registerCustomArgParser  # noqa: E402,F401
+from poptorch._capture.custom_parsers import (  # noqa: E402,F401
+    ICustomArgParser, registerCustomArgParser)
 from poptorch._impl import isRunningOnIpu  # noqa: E402,F401
 from poptorch._options.execution_strategy import *  # noqa: E402,F401,F403
 from poptorch.options import *  # noqa: E402,F401,F403
 from poptorch.ops import *  # noqa: E402,F401,F403
 from poptorch._ops.printing import *  # noqa: E402,F401,F403
-from poptorch._capture.capture import registerPreCompileHook, registerPostCompileHook  # noqa: E402,F401
+from poptorch._capture.capture import (  # noqa: E402,F401
+    registerPostCompileHook, registerPreCompileHook)
 from poptorch._executor import wrapping as _wrapping  # noqa: E402
 from poptorch._executor.executor import PoplarExecutor  # noqa: E402
 from poptorch._files import export as _export  # noqa: E402

@@ -14,10 +14,10 @@ from typing import Dict
 from popart_compiler import config as compiler_config
 from popart_compiler.config import Variable
 
-__all__ = ["VARIABLES", "set_process_defaults", "text", "flag", "raw", "cache_dir", "default_options",
-           "execution_device", "compiler", "ipu_model_as_hardware", "ipu_model_version",
-           "pipeline_across_processes",
-           "proto_export", "engine_options_text", "log_level"]
+__all__ = ["VARIABLES", "set_process_defaults", "text", "flag", "raw", "cache_dir",
+           "default_options", "execution_device", "compiler", "ipu_model_as_hardware",
+           "ipu_model_version", "pipeline_across_processes", "proto_export",
+           "engine_options_text", "log_level"]
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_CACHE_DIR", "", "executable cache directory of every Options()"),

@@ -6,8 +6,9 @@ Policy, per compiled program (one session):
 1. Every call runs on the eager backend until the program has proven hot: at least
    :attr:`AutoPolicy.hot_calls` calls (3) *and* at least :attr:`AutoPolicy.hot_seconds`
    (1 s) spent in all of them, by the policy's clock; a program whose calls never add
-   up to 1 s never compiles. The first result is never later than the eager backend's, and a program that
-   runs briefly never pays for Inductor (a compilation takes seconds).
+   up to 1 s never compiles. The first result is never later than the eager
+   backend's, and a program that runs briefly never pays for Inductor (a compilation
+   takes seconds).
 2. Then TorchInductor compiles the program in a background thread (holding
    :data:`~popart_compiler.backends.tracing.TRACE_LOCK`, as every compilation does;
    running does not) while calls keep running on the eager backend. A compilation

@@ -5,8 +5,9 @@ placement), :mod:`.memory_model` (bytes per IPU by category, out-of-memory) and
 :mod:`.cycle_model` (per-op cycles, pipeline schedule, samples per second). It reads
 only shapes (``node.meta["val"]``), so it is cheap for large models captured on the
 ``meta`` device. The compiler calls it for every program and raises the
-out-of-memory report (:func:`check`: a warning, or an error in strict mode); ``PoplarExecutor.cycleCount()`` and
-``estimatedThroughput()`` read the result (api §5.17, S-85).
+out-of-memory report (:func:`check`: a warning, or an error in strict mode);
+``PoplarExecutor.cycleCount()`` and ``estimatedThroughput()`` read the result
+(api §5.17, S-85).
 """
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ class CycleSettings:
         synthetic: ``enableSyntheticData``: no stream copies from the host.
         ipus_per_replica: IPUs of one replica (the all-reduce's ring).
         output_mode / output_return_period: the user outputs' ``OutputMode`` (an
-            integer is converted) and ``EveryN`` period (the host time of a call, :mod:`.host_model`).
+            integer is converted) and ``EveryN`` period (the host time of a call,
+            :mod:`.host_model`).
         accumulation: micro-batches per device iteration and replica (training:
             ``gradientAccumulation``; 1 in inference).
     """

@@ -112,7 +112,8 @@ class UpdateRules:
                 float32_work([self.state[f"Accl2___{n}"] for n in names]) as v:
             fn(params, [g for _, _, g in items], m, v, [],
                [self.state[f"Step___{n}"] for n in names],
-               foreach=self.settings.foreach, amsgrad=False, beta1=beta1, beta2=beta2, lr=float(h["lr"]),
+               foreach=self.settings.foreach, amsgrad=False, beta1=beta1, beta2=beta2,
+               lr=float(h["lr"]),
                weight_decay=float(h.get("weight_decay", 0.0)),
                eps=float(h.get("eps", 1e-8)), maximize=False, **extra)
 

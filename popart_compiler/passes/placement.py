@@ -88,9 +88,9 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
     phase 0, S-60); ops without a block tag (created by the tracer outside
     ``forward``, or checks such as ``_assert_tensor_metadata`` that the tracer records
     without the capture's metadata) take the latest placement of their inputs, or,
-    reading only graph inputs, the placement of the op before them; placeholders and ``get_attr`` nodes take the
-    placement of their first user; the output node the latest placement of its
-    inputs.
+    reading only graph inputs, the placement of the op before them; placeholders and
+    ``get_attr`` nodes take the placement of their first user; the output node the
+    latest placement of its inputs.
 
     Args:
         gm: a captured graph module whose ops carry the capture's block tags.

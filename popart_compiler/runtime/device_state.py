@@ -184,10 +184,11 @@ class DeviceWeights:
                 first = [groups.index(k) for k in range(target.shape[0])]
                 return value[torch.tensor(first, device=value.device)]
         expected = [target.shape[0]] + list(slice_shape)
+        per_replica = grouping.retrieval_mode is VariableRetrievalMode.AllReplicas
         raise backend_error(
             f"Cannot write per-replica weight {name}: shape {list(value.shape)} differs "
             f"from the {expected} expected (one value per replica group stacked on "
-            f"dimension 0{', or one per replica' if grouping.retrieval_mode is VariableRetrievalMode.AllReplicas else ''})")
+            f"dimension 0{', or one per replica' if per_replica else ''})")
 
     def check(self, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Validate host values for :meth:`write` (device layout, known names only).

@@ -245,7 +245,8 @@ class DataLoader(torch.utils.data.DataLoader):
                  mode: DataLoaderMode = DataLoaderMode.Sync,
                  async_options: Optional[Dict[str, Any]] = None,
                  rebatched_worker_size: Optional[int] = None,
-                 batch_sampler: Optional[Union[torch.utils.data.Sampler, Iterator[Sequence]]] = None,
+                 batch_sampler: Optional[Union[torch.utils.data.Sampler,
+                                               Iterator[Sequence]]] = None,
                  *,
                  progress_bar: Union[bool, Dict[str, Any]] = False,
                  **kwargs):

@@ -63,9 +63,9 @@ def _target_path(filename: str) -> str:
 
     Raises:
         AssertionError: the parent of ``filename`` is not a directory (as PopTorch).
-        poptorch.Error: ``filename`` is empty; ``filename`` exists and is not a regular file (a device such as
-            ``/dev/null``, a FIFO, a socket) or is a link to one or to nothing: it is
-            never replaced.
+        poptorch.Error: ``filename`` is empty; ``filename`` exists and is not a
+            regular file (a device such as ``/dev/null``, a FIFO, a socket) or is a
+            link to one or to nothing: it is never replaced.
     """
     filename = os.fspath(filename)
     if not isinstance(filename, str) or not filename:

@@ -83,9 +83,9 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
 
     Raises:
         poptorch.Error: a non-tensor ``tensor`` or ``start``, ``dim``/``size``/``step``
-            not int, ``dim`` out of range, ``size == 0`` ("start and end of a slice must be different"),
-            ``size < 0``, ``step < 1`` ("Slicing step must be at least 1"), a ``start``
-            without an integer dtype.
+            not int, ``dim`` out of range, ``size == 0`` ("start and end of a slice
+            must be different"), ``size < 0``, ``step < 1`` ("Slicing step must be at
+            least 1"), a ``start`` without an integer dtype.
     """
     _check_common(tensor, dim, start, size)
     if not isinstance(step, int):

@@ -5,8 +5,9 @@
 Annotations are written with ``torch.fx.traceback.annotate`` and land in
 ``node.meta["custom"]`` of every node captured inside the scope: ``"name_scope"``
 (``"a/b"``) with ``"name_scopes"`` (each name and the sub-module depth it was entered
-at, so tensor names interleave module paths and name scopes in order), ``"attributes"`` (the merged dict) and ``"multi_conv"`` (the MultiConv's
-settings plus an ``"id"`` per ``with`` block). Outside a capture they change nothing.
+at, so tensor names interleave module paths and name scopes in order),
+``"attributes"`` (the merged dict) and ``"multi_conv"`` (the MultiConv's settings plus
+an ``"id"`` per ``with`` block). Outside a capture they change nothing.
 """
 from __future__ import annotations
 

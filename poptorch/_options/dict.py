@@ -8,8 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["OptionsDict", "UnfrozenCopies", "FROZEN_MESSAGE", "check_type", "check_int", "check_bool",
-           "check_proportion", "check_strings"]
+__all__ = ["OptionsDict", "UnfrozenCopies", "FROZEN_MESSAGE", "check_type", "check_int",
+           "check_bool", "check_proportion", "check_strings"]
 
 FROZEN_MESSAGE = "Can't modify frozen Options"
 _MACHINERY = ("_values", "_is_frozen", "_initialized")

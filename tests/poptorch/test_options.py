@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from poptorch import enums
-from poptorch._options.execution_strategy import (ParallelPhasedExecution, Phase, PipelinedExecution,
-                                          SerialPhasedExecution, ShardedExecution, Stage)
+from poptorch._options.execution_strategy import (ParallelPhasedExecution, Phase,
+                                                  PipelinedExecution, SerialPhasedExecution,
+                                                  ShardedExecution, Stage)
 from poptorch.options import Options, TensorLocationSettings
 
 pytestmark = pytest.mark.usefixtures("clean_options_env")

@@ -1,5 +1,6 @@
 """Half precision and precision options (spec S-45…S-47, options §4.2); what the IPU
-Model does instead of hardware-only numerics is documented in the README ("Numerics of the IPU Model")."""
+Model does instead of hardware-only numerics is documented in the README ("Numerics of
+the IPU Model")."""
 import copy
 import os
 

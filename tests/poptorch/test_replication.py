@@ -170,7 +170,8 @@ def test_all_replicas_retrieval_returns_one_value_per_replica():
     torch.testing.assert_close(model.W[0], model.W[2])  # replicas 0 and 2: group 0
     torch.testing.assert_close(model.W[1], model.W[3])
     assert not torch.equal(model.W[0], model.W[1])
-    assert training._state.binding.optimizer.state_dict()["ipu_state"]["Accl1___W"].shape == (2, 3, 4)
+    state = training._state.binding.optimizer.state_dict()["ipu_state"]
+    assert state["Accl1___W"].shape == (2, 3, 4)
     training.copyWeightsToDevice()  # [R, ...] host values are accepted back
     training(x, t)
 
