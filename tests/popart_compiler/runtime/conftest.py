@@ -1,5 +1,12 @@
 """A program pipelined over 3 stages (IPUs 0, 1, 0) compiled by the compiler alone,
 for the runtime's pipeline tests (nothing here imports ``poptorch``)."""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.fx.traceback as fx_traceback
@@ -48,3 +55,23 @@ def pipelined():
 def compile_blocks():
     """``compile_blocks(blocks, **options) -> (model, executable)``."""
     return compile_tagged
+
+
+@pytest.fixture(scope="session")
+def four_processes():
+    """What each of 4 processes of ``pipeline_worker.py`` (2 replicas × 2 stages)
+    printed, by rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = pathlib.Path(__file__).with_name("pipeline_worker.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for rank in range(4)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
