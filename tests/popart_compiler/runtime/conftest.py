@@ -20,7 +20,9 @@ BLOCKS = {"a": Placement(0, 0), "b": Placement(1, 1), "c": Placement(0, 2)}
 
 
 class Tagged(torch.nn.Module):
-    """Linear + ReLU layers, layer ``i`` in block ``blocks[i]``."""
+    """Linear + ReLU layers, layer ``i`` in block ``blocks[i]``. Its ``forward`` writes
+    ``torch.fx.traceback.current_meta``, which only the capture restores: outside it,
+    compute with :meth:`reference`."""
 
     def __init__(self, blocks):
         super().__init__()
@@ -30,6 +32,12 @@ class Tagged(torch.nn.Module):
     def forward(self, x):
         for layer, block in zip(self.layers, self.blocks):
             fx_traceback.current_meta.setdefault("custom", {})[BLOCK_KEY] = block
+            x = torch.relu(layer(x))
+        return x
+
+    def reference(self, x):
+        """What ``forward`` computes, without the block tags."""
+        for layer in self.layers:
             x = torch.relu(layer(x))
         return x
 
