@@ -330,7 +330,7 @@ def check(result: IpuEstimate, strict: bool = False, allow_out_of_memory: bool =
 
     Raises:
         Error: ``type == "poplar_out_of_memory"`` (see
-            :func:`~popart_compiler.memory_model.memory_problem`), in strict mode only.
+            :func:`~popart_compiler.cost.memory_report.memory_problem`), in strict mode only.
     """
     problem = memory_problem(result.memory, result.target, result.settings,
                              result.micro_batch)

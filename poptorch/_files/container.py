@@ -18,8 +18,8 @@ it and checks every declared size against the size of the file, so a file cannot
 it allocate more than its own size. Every blob is checked against the manifest's
 SHA-256 before use, so a truncated or edited file is refused with an
 :class:`poptorch.Error` naming the blob. A checksum is no signature (whoever edits a
-file recomputes it): the contents are checked by :mod:`poptorch._file_shapes` and
-:mod:`poptorch._program_checks` before anything is built from them. Files are written
+file recomputes it): the contents are checked by :mod:`poptorch._files.shapes` and
+:mod:`poptorch._files.program_checks` before anything is built from them. Files are written
 to a temporary name in the target directory and renamed into place (``os.replace``): a
 reader never sees a partial file, and nothing that is not a regular file is replaced.
 JSON values that are not plain JSON (enums, dtypes, tuples, option objects) use the

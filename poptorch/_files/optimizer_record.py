@@ -159,7 +159,7 @@ def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
                       params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer :func:`optimizer_record` described, over ``params`` (by name);
     its device state is written by :func:`restore_state` once compiled. ``settings`` has the shape
-    :data:`poptorch._file_shapes.OPTIMIZER`.
+    :data:`poptorch._files.shapes.OPTIMIZER`.
 
     Raises:
         Invalid: an unknown class or attribute, a parameter the model does not have,

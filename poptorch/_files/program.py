@@ -1,7 +1,7 @@
 """A captured program as named blobs, and back (spec S-61, S-62).
 
 :class:`Program` is what one capture produces for an executor: the
-:class:`~poptorch._capture.Captured` graph plus the structure of the inputs it was
+:class:`~poptorch._capture.capture.Captured` graph plus the structure of the inputs it was
 captured with. :func:`to_blobs` stores it with ``torch.export``'s serializer (the
 program as JSON, without its weights) and safetensors (constants, host outputs);
 :func:`from_blobs` rebuilds it. Weights are never part of a program: the executor
@@ -252,7 +252,7 @@ def _check_consistent(captured: Captured, program: "Program",
 def from_blobs(blobs: Dict[str, bytes], where: str,
                types_by_name: Optional[Dict[str, type]] = None) -> Program:
     """Rebuild a :class:`Program` from :func:`to_blobs`'s blobs, every part checked
-    before it is used (:mod:`poptorch._program_checks`, :mod:`poptorch._file_shapes`).
+    before it is used (:mod:`poptorch._files.program_checks`, :mod:`poptorch._files.shapes`).
 
     Args:
         blobs: the blobs (checked by the container reader).
@@ -262,7 +262,7 @@ def from_blobs(blobs: Dict[str, bytes], where: str,
     Raises:
         poptorch.Error: "Invalid file <where>: <blob>: <what>": a missing or malformed
             part, anything a stored program may not contain (see
-            :mod:`poptorch._program_checks`), or a program this torch cannot read.
+            :mod:`poptorch._files.program_checks`), or a program this torch cannot read.
     """
     try:
         return _from_blobs(blobs, types_by_name)
