@@ -25,7 +25,7 @@ __all__ = [
 
 class OutputMode(enum.IntEnum):
     """What an output or anchor returns for the ``D × A`` micro-batches of a call
-    (PopART's ``AnchorReturnTypeId``; S-12). ``Default`` is ``poptorch.Options``'
+    (PopART's ``AnchorReturnTypeId``; docs/semantics.md S-12). ``Default`` is ``poptorch.Options``'
     placeholder, resolved when a model is wrapped (``Final`` for training, ``All`` for
     inference) before the options reach the compiler, which refuses it."""
     Final = 0
@@ -36,21 +36,21 @@ class OutputMode(enum.IntEnum):
 
 
 class ConnectionType(enum.IntEnum):
-    """When the device is attached (S-80); PopART's ``DeviceConnectionType``."""
+    """When the device is attached (docs/semantics.md S-80); PopART's ``DeviceConnectionType``."""
     Always = 0
     OnDemand = 1
     Never = 2
 
 
 class ReductionType(enum.IntEnum):
-    """Reduction of gradients over accumulation steps and replicas (S-41)."""
+    """Reduction of gradients over accumulation steps and replicas (docs/semantics.md S-41)."""
     Sum = 0
     Mean = 1
     NoReduction = 2
 
 
 class MeanReductionStrategy(enum.IntEnum):
-    """When the ``Mean`` reduction divides (S-41)."""
+    """When the ``Mean`` reduction divides (docs/semantics.md S-41)."""
     Running = 0
     Post = 1
     PostAndLoss = 2
@@ -64,14 +64,14 @@ class SyncPattern(enum.IntEnum):
 
 
 class DataLoaderMode(enum.IntEnum):
-    """How :class:`poptorch.DataLoader` loads data (api §7)."""
+    """How :class:`poptorch.DataLoader` loads data (docs/api-sections.md api §7)."""
     Sync = 0
     Async = 1
     AsyncRebatched = 2
 
 
 class SharingStrategy(enum.IntEnum):
-    """How the dataset reaches the asynchronous worker (api §7.2)."""
+    """How the dataset reaches the asynchronous worker (docs/api-sections.md api §7.2)."""
     SharedMemory = 0
     FileSystem = 1
     Fork = 2
@@ -94,7 +94,7 @@ class MatMulSerializationMode(enum.Enum):
 
 
 class Liveness(enum.IntEnum):
-    """Where tensors live between the phases of phased execution (S-65)."""
+    """Where tensors live between the phases of phased execution (docs/semantics.md S-65)."""
     AlwaysLive = 0
     OffChipAfterFwd = 1
     OffChipAfterFwdNoOverlap = 2
@@ -102,14 +102,14 @@ class Liveness(enum.IntEnum):
 
 
 class OverlapMode(enum.Enum):
-    """Host I/O / compute overlap of an input or output (S-66)."""
+    """Host I/O / compute overlap of an input or output (docs/semantics.md S-66)."""
     NoOverlap = "no_overlap"
     OverlapAccumulationLoop = "overlap_accumulation_loop"
     OverlapDeviceIterationLoop = "overlap_device_iteration_loop"
 
 
 class AutoStage(enum.IntEnum):
-    """How pipeline stage ids are derived when none are given (api §9.7)."""
+    """How pipeline stage ids are derived when none are given (docs/api-sections.md api §9.7)."""
     SameAsIpu = 0
     AutoIncrement = 1
 
@@ -121,7 +121,8 @@ class MultiConvPlanType(enum.IntEnum):
 
 
 class CommGroupType(enum.IntEnum):
-    """How replicas are grouped (input groups S-26, replica-grouped weights S-27).
+    """How replicas are grouped (input groups docs/semantics.md S-26, replica-grouped weights
+    docs/semantics.md S-27).
 
     ``Ungrouped`` is PopART's name for ``NoGrouping`` (an alias: the same member)."""
     All = 0
@@ -132,7 +133,7 @@ class CommGroupType(enum.IntEnum):
 
 
 class VariableRetrievalMode(enum.IntEnum):
-    """How the host holds a replica-grouped weight (S-27). Value 1 is PopART's
+    """How the host holds a replica-grouped weight (docs/semantics.md S-27). Value 1 is PopART's
     ``AllReduceReplicas``, which PopTorch does not offer."""
     OnePerGroup = 0
     AllReplicas = 2
@@ -141,7 +142,7 @@ class VariableRetrievalMode(enum.IntEnum):
 class ExecutionMode(enum.IntEnum):
     """The execution strategy's mode (the ``execution_mode`` option that
     ``poptorch.PipelinedExecution``, ``ShardedExecution`` and ``PhasedExecution``
-    set, options §5)."""
+    set, docs/api-sections.md options §5)."""
     Pipelined = 0
     Sharded = 1
     Phased = 2

@@ -1,7 +1,7 @@
-"""Every environment variable the ``poptorch`` layer reads, in one place (spec options
-§8). The compiler's own (``POPTORCH_LOG_LEVEL``, ``POPTORCH_IPU_MODEL*``,
-``POPLAR_ENGINE_OPTIONS``, ``POPTORCH_VERIFY``, the distributed timeout, torchrun's
-variables) are declared in :mod:`popart_compiler.config` and read through it.
+"""Every environment variable the ``poptorch`` layer reads, in one place
+(docs/api-sections.md options §8). The compiler's own (``POPTORCH_LOG_LEVEL``,
+``POPTORCH_IPU_MODEL*``, ``POPLAR_ENGINE_OPTIONS``, ``POPTORCH_VERIFY``, the distributed timeout,
+torchrun's variables) are declared in :mod:`popart_compiler.config` and read through it.
 
 Variables are read when they are needed (an ``Options()`` reads the defaults when it is
 created), so a program may set them before wrapping a model.

@@ -1,4 +1,4 @@
-"""PopTorch's enumerations (api §4), under PopTorch's names and values.
+"""PopTorch's enumerations (docs/api-sections.md api §4), under PopTorch's names and values.
 
 Each is defined once, in :mod:`popart_compiler.enums`, and re-exported here: the
 member a program passes to ``poptorch.Options`` is the one the compiler compares

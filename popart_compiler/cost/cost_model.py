@@ -7,7 +7,7 @@ only shapes (``node.meta["val"]``), so it is cheap for large models captured on 
 ``meta`` device. The compiler calls it for every program and raises the
 out-of-memory report (:func:`check`: a warning, or an error in strict mode);
 ``PoplarExecutor.cycleCount()`` and ``estimatedThroughput()`` read the result
-(api §5.17, S-85).
+(docs/api-sections.md api §5.17, docs/semantics.md S-85).
 """
 from __future__ import annotations
 
@@ -119,9 +119,9 @@ class IpuEstimate:
 
 def _optimizer_state(optimizer, accumulating: bool) -> Tuple[float, int]:
     """``(state bytes per trainable element, state tensors in the parameter's dtype)``
-    (S-54 dtypes). The combined SGD variant keeps one tensor, PopART's velocity, in the
-    parameter's dtype whenever it has momentum or accumulates (it is also the
-    gradient accumulator)."""
+    (docs/semantics.md S-54 dtypes). The combined SGD variant keeps one tensor, PopART's velocity,
+    in the parameter's dtype whenever it has momentum or accumulates (it is also the gradient
+    accumulator)."""
     if optimizer is None:
         return 0.0, 0
     size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
@@ -149,13 +149,12 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
     Reads ``autoRecomputation`` (a ``RecomputationType``) and ``explicitRecomputation``,
     the execution strategy's mode (``options.strategy.mode``) and ``enablePipelining``
     (pipelined unless sharded or phased),
-    ``enableLoadAndOffloadRNGState``, the four ``location_*`` dictionaries (options.md
-    §4.3),
-    ``available_memory_proportion`` and the partials types
-    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``). The compiler
-    hands it the options with PopTorch's implicit defaults added
-    (:mod:`popart_compiler.implicit_defaults`: ``autoRecomputation = Pipeline`` for a
-    pipeline over several IPUs, off-chip locations for phased execution, ...).
+    ``enableLoadAndOffloadRNGState``, the four ``location_*`` dictionaries
+    (docs/api-sections.md options §4.3), ``available_memory_proportion`` and the partials types
+    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``). The compiler hands it the
+    options with PopTorch's implicit defaults added (:mod:`popart_compiler.implicit_defaults`:
+    ``autoRecomputation = Pipeline`` for a pipeline over several IPUs, off-chip locations for phased
+    execution, ...).
     """
     raw = options.raw
     accumulating = training and options.gradient_accumulation > 1

@@ -326,7 +326,8 @@ def weight_update_cycles(w, target: IpuTarget, settings: CycleSettings) -> float
 #: several machines runs at the pace of those). GCL runs two rings in opposite
 #: directions, each with half the data, so both directions of the links carry it.
 RING_LINKS = 2
-#: IPU-Links per IPU: the spec's bandwidth is that of all of them, both directions.
+#: IPU-Links per IPU: the published bandwidth (docs/ipu-hardware.md) is that of all of
+#: them, both directions.
 LINKS_PER_IPU = 10
 
 

@@ -9,7 +9,7 @@ sharding, ``A`` = gradient accumulation):
   is used.
 * **optimizer state**: per trainable element, the optimizer's state tensors
   (SGD velocity, Adam / LAMB first and second moments, RMSprop accumulators) at their
-  accumulation dtypes (S-54); the combined SGD variant keeps one tensor, the
+  accumulation dtypes (docs/semantics.md S-54); the combined SGD variant keeps one tensor, the
   velocity, in the parameter's dtype (it is also the gradient accumulator). Off chip:
   one tensor's worth streams in for its update; the update runs after the pipeline
   has drained, so that buffer reuses the memory of the backward pass's transients
@@ -73,7 +73,8 @@ CATEGORIES = ("weights", "optimizer state", "gradient accumulators", "gradients"
 
 @dataclasses.dataclass
 class Location:
-    """A ``TensorLocationSettings`` (options.md §4.3) as the memory model applies it."""
+    """A ``TensorLocationSettings`` (docs/api-sections.md options §4.3) as the memory model applies
+    it."""
     on_chip: bool = True
     sharded: bool = False
     min_off_chip: int = 0

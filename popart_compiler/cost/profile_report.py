@@ -1,4 +1,5 @@
-"""The profile report of the IPU Model (S-85): ``profile.json`` and ``profile.html``.
+"""The profile report of the IPU Model (docs/semantics.md S-85): ``profile.json`` and
+``profile.html``.
 
 Written at compile time into ``<autoReport.directory>/<model name>/`` when the Poplar
 engine option ``autoReport.all`` is ``"true"`` (``Options.enableProfiling(dir)`` or

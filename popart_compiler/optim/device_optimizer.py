@@ -1,14 +1,14 @@
-"""Optimizers of the simulated device (PopART semantics, spec S-41, S-50…S-58).
+"""Optimizers of the simulated device (PopART semantics, docs/semantics.md S-41, S-50…S-58).
 
 The runtime updates device weights itself; the host optimizer's ``step()`` never runs.
 One weight update of a training session goes through :class:`DeviceOptimizer`:
 
 1. :meth:`DeviceOptimizer.begin_step`;
 2. :meth:`DeviceOptimizer.accumulate` once per micro-batch and replica with the
-   *loss-scaled* gradients of that micro-batch (S-51);
+   *loss-scaled* gradients of that micro-batch (docs/semantics.md S-51);
 3. :meth:`DeviceOptimizer.finish_step`: reduction over accumulation steps and replicas
-   (S-41), removal of the loss scaling, gradient clipping, the update (S-54) and the
-   automatic-loss-scaling rule (S-57).
+   (docs/semantics.md S-41), removal of the loss scaling, gradient clipping, the update
+   (docs/semantics.md S-54) and the automatic-loss-scaling rule (docs/semantics.md S-57).
 
 Precision model (what the IPU Model does):
 
@@ -25,14 +25,15 @@ Precision model (what the IPU Model does):
   on float32 working copies); results are rounded to nearest into the parameters' and
   states' storage dtypes.
 
-The update rule of each optimizer type (S-54) is in :mod:`.updates`; what the device
-knows of an optimizer (:class:`OptimizerDescription`, S-52) in :mod:`.description`; the
+The update rule of each optimizer type (docs/semantics.md S-54) is in :mod:`.updates`; what the
+device knows of an optimizer (:class:`OptimizerDescription`, docs/semantics.md S-52) in
+:mod:`.description`; the
 shared machinery here: state allocation and transfer, accumulation and reduction,
 clipping, loss scaling and the combined SGD variant. State tensors carry PopART's names
-(S-56): ``Accl___<p>`` (SGD velocity), ``Accl1___<p>`` / ``Accl2___<p>`` (Adam / LAMB
-first / second moments; RMSprop mean square / centered mean), ``Accl3___<p>`` (RMSprop
-momentum), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and
-``lossScaleUpdateFactor`` (automatic loss scaling).
+(docs/semantics.md S-56): ``Accl___<p>`` (SGD velocity), ``Accl1___<p>`` / ``Accl2___<p>`` (Adam /
+LAMB first / second moments; RMSprop mean square / centered mean), ``Accl3___<p>`` (RMSprop
+momentum), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and ``lossScaleUpdateFactor``
+(automatic loss scaling).
 """
 from __future__ import annotations
 
@@ -131,13 +132,14 @@ class DeviceOptimizer(UpdateRules):
     @property
     def loss_scale(self) -> float:
         """The effective loss scale of the next weight update: ``loss_scaling`` times
-        ``lossScaleUpdateFactor`` with automatic loss scaling (S-57)."""
+        ``lossScaleUpdateFactor`` with automatic loss scaling (docs/semantics.md S-57)."""
         factor = self.state.get("lossScaleUpdateFactor")
         scale = float(self.description.loss_scaling)
         return scale * float(factor) if factor is not None else scale
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        """Copies of the optimizer-state tensors by PopART name (``ipu_state``, S-56)."""
+        """Copies of the optimizer-state tensors by PopART name (``ipu_state``,
+        docs/semantics.md S-56)."""
         return {k: v.detach().clone() for k, v in self.state.items()}
 
     def check_state(self, state: Any) -> None:
@@ -194,7 +196,7 @@ class DeviceOptimizer(UpdateRules):
                     self._started_names.discard(base)
 
     def hyper_parameters(self) -> Dict[str, torch.Tensor]:
-        """Hyper-parameter tensors by PopART name (``ipu_param``, S-56)."""
+        """Hyper-parameter tensors by PopART name (``ipu_param``, docs/semantics.md S-56)."""
         d = self.description
         out: Dict[str, torch.Tensor] = {}
         scale = d.loss_scaling
@@ -257,7 +259,7 @@ class DeviceOptimizer(UpdateRules):
         Raises:
             Error: invalid description, or a change that needs recompilation: optimizer
                 type, variant, accumulation types, clipping, constant values or
-                const/variable status (S-52). The message names what changed.
+                const/variable status (docs/semantics.md S-52). The message names what changed.
         """
         description.validate()
         new = description.compile_signature()
@@ -409,9 +411,9 @@ class DeviceOptimizer(UpdateRules):
                             ) -> List[Optional[torch.Tensor]]:
         """Sum this update's per-parameter totals (of ``names``, default all), and the
         automatic loss scaling statistics, over the processes of a multi-process run
-        (S-28): one ``all_reduce`` per dtype; in a pipeline across processes, over the
-        processes holding each parameter (:attr:`StepSettings.sharing`). ``None``
-        entries (no gradient) stay ``None``."""
+        (docs/semantics.md S-28): one ``all_reduce`` per dtype; in a pipeline across processes, over
+        the processes holding each parameter (:attr:`StepSettings.sharing`). ``None`` entries (no
+        gradient) stay ``None``."""
         s, start = self.settings, self._step["als_start"]
         if s.sharing is None and s.all_reduce is None:
             return tensors
@@ -528,7 +530,7 @@ class DeviceOptimizer(UpdateRules):
         return grads
 
     def _adjust_loss_scale(self) -> None:
-        """S-57 rule, every ``als_update_period`` updates: halve the factor if the
+        """docs/semantics.md S-57 rule, every ``als_update_period`` updates: halve the factor if the
         proportion of float16 gradient elements at or above ``als_bin_edge × 65504``
         (or non-finite) exceeds ``als_threshold``, else double it; the effective scale
         stays within ``[2^-14, 65504]``. float32 gradients are not looked at; without

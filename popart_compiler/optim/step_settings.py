@@ -14,7 +14,7 @@ __all__ = ["StepSettings"]
 
 @dataclasses.dataclass
 class StepSettings:
-    """How the gradients of one weight update are combined (S-41, S-27, S-57).
+    """How the gradients of one weight update are combined (docs/semantics.md S-41, S-27, S-57).
 
     Attributes:
         accumulation: ``A``, micro-batches per weight update.
@@ -24,14 +24,14 @@ class StepSettings:
         running: ``MeanReductionStrategy.Running`` (else ``Post``).
         replica_groups: parameter name → group index of each replica, for
             replica-grouped weights whose device tensor has a leading group dimension.
-        auto_loss_scaling: automatic loss scaling (S-57).
+        auto_loss_scaling: automatic loss scaling (docs/semantics.md S-57).
         als_update_period: weight updates between two adjustments of the factor.
         als_threshold: proportion of float16 gradient elements in the top histogram
             bin above which the factor is halved.
         als_bin_edge: lower edge of the top bin as a fraction of the float16 maximum.
         foreach: update all the weights of a group with ``torch._foreach_*`` kernels
             (the inductor backend) instead of one weight at a time; same arithmetic.
-        all_reduce: in a multi-process run (S-28), sums a list of tensors over the
+        all_reduce: in a multi-process run (docs/semantics.md S-28), sums a list of tensors over the
             processes (``collectives.ProcessGroup.all_reduce_sum``); called once per
             weight update with the gradients summed over the local replicas (and the
             automatic loss scaling statistics). ``None``: a single process.

@@ -1,4 +1,4 @@
-"""Executable caching (spec S-61, S-28): ``Options.enableExecutableCaching(path)`` or
+"""Executable caching (docs/semantics.md S-61, S-28): ``Options.enableExecutableCaching(path)`` or
 ``POPTORCH_CACHE_DIR``.
 
 A cache entry is the captured program in the executable file format
@@ -26,14 +26,14 @@ clear the cache directory after upgrading one.
 Writes are atomic (temporary file + ``os.replace``); a lock file per entry
 (``<entry>.lock``, an OS file lock that the system releases when its process dies, so
 a dead process's lock is taken over at once) makes concurrent processes of one run -
-e.g. the processes of a distributed run (S-28) - compile once: the first captures and
-fills the entry, the others wait and load it. A process waits for a lock at most
-``POPTORCH_CACHE_LOCK_TIMEOUT`` seconds (default :data:`DEFAULT_LOCK_TIMEOUT_S`),
-logging at INFO which entry it waits for; after that it compiles without the cache and
-says so in a warning. An entry that cannot be read, is malformed in any way or does
-not fit the model (its weights, inputs) gives one warning ("Invalid file <entry>:
-<what is wrong>"), is deleted and rebuilt: a bad entry never makes a compile fail. An
-entry path that is not a regular file (a directory, symbolic link, FIFO, device) is
+e.g. the processes of a distributed run (docs/semantics.md S-28) - compile once: the first captures
+and fills the entry, the others wait and load it. A process waits for a lock at most
+``POPTORCH_CACHE_LOCK_TIMEOUT`` seconds (default :data:`DEFAULT_LOCK_TIMEOUT_S`), logging at INFO
+which entry it waits for; after that it compiles without the cache and says so in a warning. An
+entry that cannot be read, is malformed in any way or does not fit the model (its weights, inputs)
+gives one warning ("Invalid file <entry>: <what is wrong>"), is deleted and rebuilt: a bad entry
+never makes a compile fail. An entry path that is not a regular file (a directory, symbolic link,
+FIFO, device) is
 never read, deleted or replaced: one warning, and the executable is compiled without
 the cache. The directory is never pruned. Unlike the Poplar
 IPU Model, caching works on our IPU Model.
@@ -80,7 +80,7 @@ class CacheRequest:
             entry's weights must match its parameters and buffers).
         options: the executor's ``Options``.
         training: a training compilation.
-        groupings: replica groupings of weights (S-27), by parameter name.
+        groupings: replica groupings of weights (docs/semantics.md S-27), by parameter name.
         spec: the structure of the bound call arguments.
         names: the bound argument names.
         num_positional: how many were passed positionally.
@@ -101,7 +101,7 @@ class CacheRequest:
 
 #: Options that do not change the compiled program.
 #: Options that do not change what is compiled: where the cache is, and which process of
-#: a distributed run compiles (all processes of one run share one entry, S-28).
+#: a distributed run compiles (all processes of one run share one entry, docs/semantics.md S-28).
 _NOT_IN_KEY = frozenset({"cachePath", "enableEngineCaching", "distributed_process_id"})
 
 

@@ -1,6 +1,7 @@
-"""The executable file format: a zip container of named blobs (spec S-62, api §2.13).
+"""The executable file format: a zip container of named blobs (docs/semantics.md S-62,
+docs/api-sections.md api §2.13).
 
-Layout of a ``.poptorch`` file (also used for executable-cache entries, S-61)::
+Layout of a ``.poptorch`` file (also used for executable-cache entries, docs/semantics.md S-61)::
 
     manifest.json          {"format": "poptorch-executable", "format_version": 2,
                             "blobs": {<name>: {"sha256": <hex>, "size": <bytes>}}}

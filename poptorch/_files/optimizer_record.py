@@ -1,5 +1,6 @@
 """An optimizer as JSON settings plus safetensors state, for exported training
-executables (spec api §2.3 step 6, S-62), rebuilt without unpickling anything.
+executables (docs/api-sections.md api §2.3 step 6, docs/semantics.md S-62), rebuilt without
+unpickling anything.
 
 Only the optimizers PopTorch supports are stored: ``poptorch.optim`` SGD, Adam, AdamW,
 RMSprop, LAMB and ``torch.optim`` SGD, Adam, AdamW, RMSprop. The record holds the class,

@@ -1,5 +1,5 @@
 """popart_compiler/runtime/perf_counters.py: which iterations a run returns and the
-per-iteration timestamps of getPerfCounters() (api §5.19)."""
+per-iteration timestamps of getPerfCounters() (docs/api-sections.md api §5.19)."""
 import time
 
 from popart_compiler.enums import OutputMode
