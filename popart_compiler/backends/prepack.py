@@ -30,6 +30,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
+# defines ``popart_compiler::onednn_linear``, which prepack_inference rewrites
+from popart_compiler.backends import inductor as _inductor  # noqa: F401
+
 __all__ = ["prepack_inference", "packed_weights"]
 
 _lock = threading.Lock()

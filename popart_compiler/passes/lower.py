@@ -3,7 +3,7 @@ and a vectorized call.
 
 * ``eager``: the captured ATen graph runs with PyTorch's eager kernels (the
   ``fx.GraphModule`` itself).
-* checked floating-point exceptions (S-46): an op-by-op interpreter
+* checked floating-point exceptions (docs/semantics.md S-46): an op-by-op interpreter
   (:class:`~popart_compiler.backends.eager.FloatingPointChecker`), whatever the backend.
 * ``inductor``: TorchInductor's compilation of the same graph
   (:mod:`popart_compiler.backends.inductor`), compiled at its first call; on the CPU the

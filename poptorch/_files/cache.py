@@ -1,8 +1,8 @@
-"""Executable caching (spec S-61, S-28): ``Options.enableExecutableCaching(path)`` or
+"""Executable caching (docs/semantics.md S-61, S-28): ``Options.enableExecutableCaching(path)`` or
 ``POPTORCH_CACHE_DIR``.
 
 A cache entry is the captured program in the executable file format
-(:mod:`poptorch._serialization`), without weights: the executor always uploads the
+(:mod:`poptorch._files.container`), without weights: the executor always uploads the
 host model's current weights, so an entry serves any weight values. Its file name is a
 SHA-256 key computed **before** capturing (capture is the work the cache saves;
 :mod:`poptorch._files.cache_key`) from:
@@ -35,14 +35,14 @@ per entry and process.
 Writes are atomic (temporary file + ``os.replace``); a lock file per entry
 (``<entry>.lock``, an OS file lock that the system releases when its process dies, so
 a dead process's lock is taken over at once) makes concurrent processes of one run -
-e.g. the processes of a distributed run (S-28) - compile once: the first captures and
-fills the entry, the others wait and load it. A process waits for a lock at most
-``POPTORCH_CACHE_LOCK_TIMEOUT`` seconds (default :data:`DEFAULT_LOCK_TIMEOUT_S`),
-logging at INFO which entry it waits for; after that it compiles without the cache and
-says so in a warning. An entry that cannot be read, is malformed in any way or does
-not fit the model (its weights, inputs) gives one warning ("Invalid file <entry>:
-<what is wrong>"), is deleted and rebuilt: a bad entry never makes a compile fail. An
-entry path that is not a regular file (a directory, symbolic link, FIFO, device) is
+e.g. the processes of a distributed run (docs/semantics.md S-28) - compile once: the first captures
+and fills the entry, the others wait and load it. A process waits for a lock at most
+``POPTORCH_CACHE_LOCK_TIMEOUT`` seconds (default :data:`DEFAULT_LOCK_TIMEOUT_S`), logging at INFO
+which entry it waits for; after that it compiles without the cache and says so in a warning. An
+entry that cannot be read, is malformed in any way or does not fit the model (its weights, inputs)
+gives one warning ("Invalid file <entry>: <what is wrong>"), is deleted and rebuilt: a bad entry
+never makes a compile fail. An entry path that is not a regular file (a directory, symbolic link,
+FIFO, device) is
 never read, deleted or replaced: one warning, and the executable is compiled without
 the cache. The directory is never pruned. Unlike the Poplar
 IPU Model, caching works on our IPU Model.

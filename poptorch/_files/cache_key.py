@@ -1,4 +1,4 @@
-"""The executable-cache key (spec S-61; issue 29, item 1): a SHA-256 computed before
+"""The executable-cache key (docs/semantics.md S-61; issue 29, item 1): a SHA-256 computed before
 capture from everything the captured program can depend on, or ``None`` (the program
 is then captured at every compile and never cached) when something the model's
 ``forward`` can read cannot be recorded. See :mod:`poptorch._files.cache` for what
@@ -36,7 +36,7 @@ class CacheRequest:
             entry's weights must match its parameters and buffers).
         options: the executor's ``Options``.
         training: a training compilation.
-        groupings: replica groupings of weights (S-27), by parameter name.
+        groupings: replica groupings of weights (docs/semantics.md S-27), by parameter name.
         spec: the structure of the bound call arguments.
         names: the bound argument names.
         num_positional: how many were passed positionally.
@@ -57,7 +57,7 @@ class CacheRequest:
 
 
 #: Options that do not change what is compiled: where the cache is, and which process of
-#: a distributed run compiles (all processes of one run share one entry, S-28).
+#: a distributed run compiles (all processes of one run share one entry, docs/semantics.md S-28).
 _NOT_IN_KEY = frozenset({"cachePath", "enableEngineCaching", "distributed_process_id"})
 
 #: ``nn.Module`` attributes described elsewhere (weights, sub-modules, hooks) or that

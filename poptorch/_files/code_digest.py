@@ -1,4 +1,4 @@
-"""A digest of the Python code a model runs, for the executable-cache key (spec S-61;
+"""A digest of the Python code a model runs, for the executable-cache key (docs/semantics.md S-61;
 issue 19, item 8), computed from code objects: no source file is read, so models
 defined in a notebook cell, with ``exec`` or with ``python -c`` are keyed like any other.
 

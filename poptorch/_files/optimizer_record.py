@@ -1,5 +1,6 @@
 """An optimizer as JSON settings plus safetensors state, for exported training
-executables (spec api §2.3 step 6, S-62), rebuilt without unpickling anything.
+executables (docs/api-sections.md api §2.3 step 6, docs/semantics.md S-62), rebuilt without
+unpickling anything.
 
 Only the optimizers PopTorch supports are stored: ``poptorch.optim`` SGD, Adam, AdamW,
 RMSprop, LAMB and ``torch.optim`` SGD, Adam, AdamW, RMSprop. The record holds the class,
@@ -171,7 +172,7 @@ def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
                       params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer :func:`optimizer_record` described, over ``params`` (by name);
     its device state is written by :func:`restore_state` once compiled. ``settings`` has the shape
-    :data:`poptorch._file_shapes.OPTIMIZER`.
+    :data:`poptorch._files.shapes.OPTIMIZER`.
 
     Raises:
         Invalid: an unknown class or attribute, a parameter the model does not have,

@@ -214,7 +214,8 @@ def test_attention_inference_is_batched_without_fallback_warnings(capfd):
     assert "performance drop" not in captured.err + captured.out
 
 
-# -- performance counters (api §5.19) -------------------------------------------------------
+# -- performance counters (docs/api-sections.md api §5.19)
+# -------------------------------------------------------
 
 @pytest.mark.parametrize("stateful", [False, True])
 def test_perf_counters_have_one_measured_timestamp_per_device_iteration(stateful):

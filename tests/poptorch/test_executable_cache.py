@@ -1,4 +1,4 @@
-"""Executable caching (spec S-61, S-28): ``enableExecutableCaching`` /
+"""Executable caching (docs/semantics.md S-61, S-28): ``enableExecutableCaching`` /
 ``POPTORCH_CACHE_DIR`` skip capture and compilation in later processes, key on
 everything that changes the program, use the current host weights, and survive
 concurrent fills, killed writers and corrupted entries."""
@@ -145,7 +145,7 @@ def run_children(tmp_path, names, patch=""):
 
 @pytest.mark.slow
 def test_processes_compile_once_and_later_processes_skip_capture(tmp_path):
-    """S-28: two processes filling the same entry at once capture once (the other
+    """docs/semantics.md S-28: two processes filling the same entry at once capture once (the other
     waits for the lock and loads the entry); a later process captures nothing."""
     codes, results = run_children(tmp_path, ["a", "b"])
     assert all(code == 0 for code, _ in codes), codes
@@ -195,7 +195,8 @@ def test_the_key_covers_the_backend(tmp_path, captures):
 
 
 def test_processes_of_one_distributed_run_share_one_entry(tmp_path, captures):
-    """S-28: the process id is not part of the key, so every process of a run (here
+    """docs/semantics.md S-28: the process id is not part of the key, so every process of a run
+    (here
     simulated in one process: inference needs no process group) uses one entry."""
     x = torch.randn(4, 6)
     for process in (0, 1):

@@ -126,7 +126,8 @@ def _compare(plan_summary, compiled):
 
 @pytest.mark.parametrize("candidate", [
     # head (norm + LM head) on IPU 0, every layer checkpointed, LM head serialised by 4
-    Candidate(((0, 2), (3, 4)), 5, (True, True, False), (0.6, 0.1), (("serialized_matmul", 4),), False),
+    Candidate(((0, 2), (3, 4)), 5, (True, True, False), (0.6, 0.1),
+              (("serialized_matmul", 4),), False),
     # no head stage; IPU 0 recomputes from its input, IPU 1 checkpoints each layer
     Candidate(((0, 3), (4, 6)), None, (False, True), (0.1, 0.6), (("serialized_matmul", 2),), True),
     # only the LM head on IPU 0 after the pipeline, no recomputation
