@@ -144,11 +144,16 @@ def _vit_finetune(accumulation: int, micro_batch: int = 17, classes: int = 1000)
             layers = net.vit.layers if hasattr(net.vit, "layers") else net.vit.encoder.layer
             vm.hf_pipelined(layers, [3, 3, 3, 3])
             model = vm.ImageClassifier(net).half()
+        # vision/vit/pytorch args.py / configs.yml: float16 partials, optimizer state on
+        # chip with RTS (enable_rts), separate gradient accumulator and velocity
+        # (use_combined_accum false), device_iterations 8 for ImageNet-1k, 1 for CIFAR-10
+        iterations = 8 if classes == 1000 else 1
         opts = _options(21, 4, accumulation, [0.3] * 4, optimizer_off_chip=False,
-                        sharded_state=False)
+                        sharded_state=True, device_iterations=iterations, stage="SameAsIpu")
         sgd = poptorch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9,
-                                 use_combined_accum=True)
-        return model, opts, sgd, model.example_inputs(micro_batch * accumulation * 4)
+                                 use_combined_accum=False)
+        return model, opts, sgd, model.example_inputs(
+            micro_batch * accumulation * 4 * iterations)
     return build
 
 
