@@ -171,8 +171,10 @@ def plan(model: nn.Module, *example_inputs, options: Optional[Options] = None,
 
     The model is captured once per micro-batch size tried (build it on the ``meta``
     device to plan without weights: only shapes are read). Its repeated layers (the
-    modules of its largest ``nn.ModuleList`` / ``nn.Sequential`` family) and the
-    modules with weights around them (embeddings, heads) are the *units*; a plan puts
+    modules of its largest ``nn.ModuleList`` / ``nn.Sequential`` family, or the finer
+    ones nested in them, such as a Swin's blocks inside its stages, up to
+    ``MAX_UNITS`` units: ``poptorch/_plan/structure.py``) and the modules with weights
+    around them (embeddings, heads, a stage's downsampling) are the *units*; a plan puts
     consecutive units on each IPU (a pipeline stage per IPU, optionally the units after
     the last layer as one more stage on IPU 0, where tied embeddings are), and chooses:
 
