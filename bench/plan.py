@@ -200,6 +200,9 @@ def run_resnet(verify: bool) -> None:
     options = calibration._options(21, 16, 57, [0.16], optimizer_off_chip=False,
                                    sharded_state=False)
     options.broadcastBuffers(False)
+    # Graphcore's recompute_mode "manual" turns recomputation on (RecomputeAll):
+    # PopTorch does not for one IPU, and without it checkpoints change nothing
+    options._Popart.set("autoRecomputation", 4)
     sgd = poptorch.optim.SGD(model.parameters(), lr=2.0, momentum=0.9, weight_decay=1e-4,
                              use_combined_accum=True)
     candidates = [16, 18, 20, 22, 24, 26, 28, 32]

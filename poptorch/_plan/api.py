@@ -151,7 +151,7 @@ def _plan_of(planner: _Planner, micro_batch: int, cand: Candidate, seconds: floa
     for path in planning.heads:
         serialization.setdefault(path, 1)  # captured as a serialised matmul: keep it one
     return Plan(units, planning.layers, cand.num_ipus, head_ipu, checkpointed,
-                cand.checkpoints is not None or problem.user_recomputes,
+                problem.recomputes(cand.num_ipus + (cand.head is not None)),
                 list(cand.checkpoints) if cand.checkpoints is not None else None,
                 list(cand.proportions), serialization, micro_batch, m, r.replicas,
                 cand.optimizer_on_chip, r.training, estimate, seconds, explored or [],

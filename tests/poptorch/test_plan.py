@@ -547,3 +547,31 @@ def test_plan_splits_inside_a_stage(small_ipu):
                               problem)
     assert plan.samples_per_second > 1.1 * stage_split.samples_per_second
     _train_both(model, reference, plan)
+
+
+def test_one_ipu_plan_recomputes_only_with_auto_recomputation(small_ipu):
+    """PopTorch turns recomputation on by itself only for a pipeline over several IPUs;
+    on one IPU checkpoints count only with autoRecomputation set (RecomputeAll here).
+    The planner assumes the same. The failing input: six layers, micro-batch 2, Adam
+    state off chip on one IPU fit only with recomputation; the planner assumed it
+    and then found its plan 2.98 MB on a 2.4 MB IPU ("internal error"). Now: no
+    placement fits without recomputation, and with RecomputeAll the applied plan
+    compiles to its estimate."""
+    model = plan_models.TinyLM(layers=6)
+    inputs = model.example_inputs(batch=2)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=1e-3)
+    kw = dict(ipus=1, global_batch=32, optimizer=optimizer, optimizer_state_on_chip=False,
+              available_memory_proportions=PROPORTIONS)
+    planner = _planner(model, inputs, optimizer, global_batch=32)
+    problem = planner.planning(2).problem
+    assert not problem.recomputes(1) and problem.recomputes(2)
+    with pytest.raises(poptorch.Error, match="no placement of TinyLM on 1 IPU"):
+        poptorch.plan(model, *inputs, **kw)
+    options = poptorch.Options()
+    options._Popart.set("autoRecomputation", 4)
+    plan = poptorch.plan(model, *inputs, options=options, **kw)
+    assert plan.fits and plan.stage_checkpoints is not None
+    wrapper = poptorch.trainingModel(model, plan.apply(model, options.clone()), optimizer)
+    wrapper.compile(*model.example_inputs(batch=plan.global_batch))
+    _compare(plan.estimate.summary(), wrapper.ipuModelEstimate())
+    wrapper.destroy()
