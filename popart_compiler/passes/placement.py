@@ -81,16 +81,27 @@ def _ops(graph: fx.Graph) -> Iterable[fx.Node]:
     return (n for n in graph.nodes if n.op in ("call_function", "call_module", "call_method"))
 
 
+def _is_check(node: fx.Node) -> bool:
+    """A check the tracer records (no output any op reads): ``_assert_*``."""
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.startswith("_assert") and not node.users
+
+
 def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphModule:
     """Write ``node.meta["placement"]`` on every node of ``gm`` (forward graph).
 
-    Ops take their block's placement (ops before the first block: IPU 0, stage 0,
-    phase 0, docs/semantics.md S-60); ops without a block tag (created by the tracer outside
-    ``forward``, or checks such as ``_assert_tensor_metadata`` that the tracer records
-    without the capture's metadata) take the latest placement of their inputs, or,
-    reading only graph inputs, the placement of the op before them; placeholders and
-    ``get_attr`` nodes take the placement of their first user; the output node the
-    latest placement of its inputs.
+    Ops take the placement of the block in force when they run, as PopTorch places
+    them: their block's (ops before the first block: IPU 0, stage 0, phase 0,
+        docs/semantics.md S-60).
+    An op tagged "before the first block" that runs after a block started, and the
+    tracer's checks (``_assert_tensor_metadata``, ``_assert_scalar``: the tracer may
+    record them with the metadata of the tensor they check, created earlier), take the
+    placement of the op before them: an op after the last ``BeginBlock`` that reads
+    only the user's inputs stays in that block. Ops without a block tag (created by the tracer
+    outside ``forward``, or checks such as ``_assert_tensor_metadata`` that the tracer records
+    without the capture's metadata) take the latest placement of their inputs, or, reading only
+    graph inputs, the placement of the op before them; placeholders and ``get_attr`` nodes take the
+    placement of their first user; the output node the latest placement of its inputs.
 
     Args:
         gm: a captured graph module whose ops carry the capture's block tags.
@@ -104,6 +115,7 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
     """
     graph = gm.graph
     previous = _ORIGIN
+    started = False  # a block has started
     for node in _ops(graph):
         custom = node.meta.get("custom") or {}
         if custom.get(NO_ACTIVE_BLOCK_KEY):
@@ -112,8 +124,12 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
                 f"{node.name} is created after a `with poptorch.Block(...)` scope ended. "
                 "Put it inside a block, or start one with poptorch.Block.start(...) or "
                 "poptorch.BeginBlock.")
+        if _is_check(node) or (started and custom.get(BLOCK_KEY, False) is None):
+            node.meta["placement"] = previous  # the block in force where it runs
+            continue
         if BLOCK_KEY in custom:
             block = custom[BLOCK_KEY]
+            started = started or block is not None
             if block is not None and str(block) not in blocks:
                 raise backend_error(
                     f"The op {node.name} belongs to block '{block}', which has no "

@@ -367,3 +367,40 @@ def test_phase_and_stage_indices_beyond_the_strategy():
     with pytest.raises(poptorch.Error, match=r"Stage 1 does not exist: this phase has 1 "
                        r"stage\(s\)"):
         strategy.phase(0).stage(1)
+
+
+class PoolByIds(nn.Module):
+    """CLIP's text pooling: after the last block, an argmax over the user's ids (the
+    ids converted with ``.to``, which the tracer checks with an assert carrying the
+    metadata of the ids' view, made before the first block) picks each row's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6)
+        self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+        poptorch.BeginBlock(self.layers[1], "last", ipu_id=1)
+
+    def forward(self, ids):
+        flat = ids.view(-1, ids.shape[-1])
+        x = self.layers[1](torch.relu(self.layers[0](self.emb(flat))))
+        pick = flat.to(dtype=torch.int32).argmax(dim=-1)
+        return x[torch.arange(x.shape[0]), pick]
+
+
+def test_op_after_the_last_block_reading_only_inputs_stays_in_that_block():
+    """PopTorch's rule: an op belongs to the block in force when it runs. The argmax
+    over the ids (and the tracer's check of their conversion) run after the last
+    BeginBlock: IPU 1, so the pipeline has 2 stages (not 4: IPU 0, 1, 0, 1)."""
+    torch.manual_seed(0)
+    model = PoolByIds()
+    reference = copy.deepcopy(model)
+    wrapper = poptorch.inferenceModel(model, options(
+        iterations=2, strategy=poptorch.PipelinedExecution()))
+    ids = torch.randint(0, 20, (4, 5))
+    torch.testing.assert_close(wrapper(ids), reference(ids))
+    exe = wrapper._state.executable
+    ops = [n for n in exe.module.graph.nodes if n.op == "call_function"]
+    last = max(i for i, n in enumerate(ops) if "linear" in str(n.target))
+    assert all(n.meta["placement"] == Placement(1, 1, 0) for n in ops[last:])
+    assert any("_assert" in str(n.target) for n in ops[last:])
+    assert wrapper._state.executable.placement.forward_stages == 2
