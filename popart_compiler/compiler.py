@@ -7,7 +7,9 @@ Compilation is the list of named passes :data:`PASSES`, run in order by
 :mod:`popart_compiler.passes.base`): the IPU's rules (supported dtypes, 32-bit types,
 static shapes), the execution strategy and the loss of training graphs are checked,
 anchors resolved, the graph placed on IPUs, split into pipeline stages, vectorized over
-micro-batches where it can be, lowered to its backend and estimated on the IPU Model.
+micro-batches where it can be and estimated on the IPU Model. The result is plain data:
+the runtime lowers it to its backend when a session is built
+(:mod:`popart_compiler.runtime.lowering`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ from popart_compiler.passes.dropout import remove_inference_dropout
 from popart_compiler.passes.dtypes import demote_float64, retarget_device
 from popart_compiler.passes.estimate import estimate
 from popart_compiler.passes.defaults import session_defaults
-from popart_compiler.passes.lower import lower
 from popart_compiler.passes.placement import place
 from popart_compiler.passes.split_stages import split_stages
 from popart_compiler.passes.vectorize import vectorize
@@ -43,7 +44,7 @@ PASSES: Tuple[Pass, ...] = tuple(Pass.of(run) for run in (
     check_options, check_inputs, demote_float64, retarget_device,
     remove_inference_dropout, check_loss, check_buffers, check_replica_groupings,
     check_overlapped_io, record_available_memory, resolve_anchors, name_tensors,
-    place, session_defaults, split_stages, vectorize, lower, estimate))
+    place, session_defaults, split_stages, vectorize, estimate))
 
 
 def prepare(options: SessionOptions) -> None:
@@ -120,5 +121,4 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
         vectorized=c.vectorized, tensor_names=c.tensor_names,
         compile_seconds=time.perf_counter() - start,
         vectorized_slots=c.vectorized_slots, placement=plan, stages=c.stages,
-        runner=c.runner, stage_runner=c.stage_runner, alternative=c.alternative,
         estimate=c.estimate, passes=ran, defaults=c.defaults)

@@ -15,10 +15,8 @@ import torch
 from popart_compiler import compiler
 from popart_compiler.enums import ConnectionType
 from popart_compiler.runtime.device import acquire_device
-from popart_compiler.runtime.pipeline import (PipelineInferenceSession,
-                                              PipelineTrainingSession)
-from popart_compiler.runtime.session import InferenceSession
-from popart_compiler.runtime.training import TrainingSession
+from popart_compiler.runtime.lowering import lower
+from popart_compiler.runtime.sessions import open_session
 from popart_compiler.runtime.warm_up import warm_up
 from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
                                              ipu_model_env)
@@ -137,7 +135,8 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
                                progress=lambda p, t: progress(4 + (5 * p) // t, 10),
                                optimizer=state.binding.description
                                if state.training else None)
-        warm_up(exe)  # the inductor backend compiles its kernels here
+        runners = lower(exe)  # what the session runs, lowered to the backend
+        warm_up(exe, runners)  # the inductor backend compiles its kernels here
         # The IPUs needed are known once the graph is placed (S-64); with
         # ConnectionType.OnDemand the device is acquired after compiling too.
         device = acquire_device(exe.num_ipus, sess_opts.ipu_model_version,
@@ -151,9 +150,6 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
         progress.close()
     session = None
     if not offline:
-        pipelined = sess_opts.pipeline_across_processes  # one process per stage
-        training_cls = PipelineTrainingSession if pipelined else TrainingSession
-        inference_cls = PipelineInferenceSession if pipelined else InferenceSession
-        session = training_cls(exe, device, state.binding.description) \
-            if state.training else inference_cls(exe, device)
+        session = open_session(exe, device, state.binding.description
+                               if state.training else None, runners)
     return Compiled(program, exe, device, session, recapture)

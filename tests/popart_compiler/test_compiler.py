@@ -18,7 +18,7 @@ NAMES = ["check_options", "check_inputs", "demote_float64", "retarget_device",
          "remove_inference_dropout", "check_loss", "check_buffers",
          "check_replica_groupings", "check_overlapped_io", "record_available_memory",
          "resolve_anchors", "name_tensors", "place", "session_defaults", "split_stages",
-         "vectorize", "lower", "estimate"]
+         "vectorize", "estimate"]
 
 
 def test_passes_are_the_compiler_in_order():
@@ -44,7 +44,7 @@ def test_compile_runs_every_pass_and_reports_progress(compiler_logs):
     assert [name for name, changed in exe.passes if changed] == ["place"]
     assert exe.num_ipus == 1 and exe.loss_index is None and not exe.training
     assert exe.compile_seconds > 0 and exe.estimate is not None
-    assert exe.runner is exe.module and exe.stages is None
+    assert exe.stages is None
     assert exe.placement.stages == (0,)
     for i, name in enumerate(NAMES, 1):
         assert f"Compiler pass {i}/{len(NAMES)}: {name}" in compiler_logs.text
@@ -69,7 +69,7 @@ def test_compile_runs_the_passes_it_is_given():
                            passes=passes)
     assert calls == [(0, 2), (1, 2), (2, 2)]
     assert exe.passes == [("check_options", False), ("place", True)]
-    assert exe.runner is None and exe.estimate is None  # lower / estimate did not run
+    assert exe.estimate is None  # estimate did not run
 
 
 def test_a_graph_without_device_work_is_reported(compiler_logs):
