@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional, Tuple
 
-from popart_compiler import config
+from popart_compiler import config, ensures
 from popart_compiler.backends import inductor
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
@@ -39,12 +39,26 @@ from popart_compiler.verify import verify
 
 __all__ = ["PASSES", "compile", "prepare"]
 
-#: The compiler, in order.
-PASSES: Tuple[Pass, ...] = tuple(Pass.of(run) for run in (
-    check_options, check_inputs, demote_float64, retarget_device,
-    remove_inference_dropout, check_loss, check_buffers, check_replica_groupings,
-    check_overlapped_io, record_available_memory, resolve_anchors, name_tensors,
-    place, session_defaults, split_stages, vectorize, estimate))
+#: The compiler, in order, each pass with what it ensures (:mod:`popart_compiler.ensures`).
+PASSES: Tuple[Pass, ...] = (
+    Pass.of(check_options),
+    Pass.of(check_inputs, ensures.ipu_types_and_ops),
+    Pass.of(demote_float64, ensures.no_float64),
+    Pass.of(retarget_device, ensures.on_session_device),
+    Pass.of(remove_inference_dropout, ensures.no_inference_dropout),
+    Pass.of(check_loss),
+    Pass.of(check_buffers),
+    Pass.of(check_replica_groupings),
+    Pass.of(check_overlapped_io),
+    Pass.of(record_available_memory),
+    Pass.of(resolve_anchors),
+    Pass.of(name_tensors),
+    Pass.of(place, ensures.placement_complete),
+    Pass.of(session_defaults),
+    Pass.of(split_stages, ensures.stages_well_formed),
+    Pass.of(vectorize, ensures.vectorized_well_formed),
+    Pass.of(estimate, ensures.estimated),
+)
 
 
 def prepare(options: SessionOptions) -> None:
@@ -82,10 +96,9 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
             :func:`~popart_compiler.passes.placement.plan_placement`);
             in-place buffer updates with replicas fed different data while
             ``broadcast_buffers`` is on; unknown anchor; a process id outside
-            ``[0, num_processes)``; overlapped IO against S-66's rules; out of
-            memory on an IPU in strict mode (``type == "poplar_out_of_memory"``,
-            ``SessionOptions.strict_memory`` without the engine option
-            ``debug.allowOutOfMemory``; otherwise a warning, as Poplar's IPU Model).
+            ``[0, num_processes)``; overlapped IO against S-66's rules. A program
+            that does not fit is estimated as such (``estimate.fits``); the runtime
+            reports it (:func:`popart_compiler.runtime.reports.report`).
     """
     start = time.perf_counter()
     passes = list(PASSES if passes is None else passes)
@@ -102,7 +115,7 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
             if result.changed:
                 graph.refresh()
             if check:
-                verify(graph, c, after=p.name)
+                verify(graph, c, after=p.name, ensures=p.ensures)
         except BaseException as exc:
             if hasattr(exc, "add_note"):
                 exc.add_note(f"(in compiler pass {p.name})")

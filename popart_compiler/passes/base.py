@@ -86,8 +86,9 @@ class Compilation:
     defaults: Tuple[ImplicitDefault, ...] = ()
 
 
-def _nothing(graph: Graph, compilation: Compilation) -> None:
-    """The postcondition of a pass that states none."""
+def _nothing(graph: Graph, compilation: Compilation) -> Optional[str]:
+    """The postcondition of a pass that states none: always holds."""
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +98,18 @@ class Pass:
     Attributes:
         name: the pass's name (its function's).
         run: the pass.
-        ensures: what holds after the pass (torch.fx's ``ensures``): raises
-            ``poptorch.Error`` (``type == "poptorch_verify_error"``) when it does not;
-            run by :func:`~popart_compiler.verify.verify` after the pass.
+        ensures: what holds after the pass (torch.fx's ``ensures``): returns ``None``
+            when it holds, else what does not (:mod:`popart_compiler.ensures`);
+            :func:`~popart_compiler.verify.verify` checks it after the pass.
     """
     name: str
     run: Callable[[Graph, Compilation], PassResult]
-    ensures: Callable[[Graph, Compilation], None] = _nothing
+    ensures: Callable[[Graph, Compilation], Optional[str]] = _nothing
 
     @classmethod
     def of(cls, run: Callable[[Graph, Compilation], PassResult],
-           ensures: Optional[Callable[[Graph, Compilation], None]] = None) -> "Pass":
+           ensures: Optional[Callable[[Graph, Compilation], Optional[str]]] = None
+           ) -> "Pass":
         """The pass named after its function (``ensures``: its postcondition)."""
         return cls(run.__name__, run, ensures or _nothing)
 

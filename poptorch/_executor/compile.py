@@ -14,6 +14,7 @@ import torch
 
 from popart_compiler import compiler
 from popart_compiler.enums import ConnectionType
+from popart_compiler.runtime import reports
 from popart_compiler.runtime.device import acquire_device
 from popart_compiler.runtime.lowering import lower
 from popart_compiler.runtime.sessions import open_session
@@ -108,7 +109,9 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
                     tensors: List[torch.Tensor], spec: Spec,
                     loaded: Optional[Program] = None, keep_blobs: bool = False) -> Compiled:
     """Compile: obtain the program (``loaded``, a cache entry or a capture), compile it,
-    warm up Inductor, acquire the device and create the session. Writes the ONNX
+    report it (:func:`~popart_compiler.runtime.reports.report`: the profile report, a
+    program that does not fit), lower it and warm up Inductor, acquire the device and
+    create the session. Writes the ONNX
     model-proto file when ``POPTORCH_EXPORT_PROTO_FILE`` is set. Sets
     ``state.progress``; commits nothing else.
 
@@ -135,6 +138,7 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
                                progress=lambda p, t: progress(4 + (5 * p) // t, 10),
                                optimizer=state.binding.description
                                if state.training else None)
+        reports.report(exe)  # the profile report; a program that does not fit
         runners = lower(exe)  # what the session runs, lowered to the backend
         warm_up(exe, runners)  # the inductor backend compiles its kernels here
         # The IPUs needed are known once the graph is placed (S-64); with

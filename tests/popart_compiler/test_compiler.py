@@ -41,7 +41,7 @@ def test_compile_runs_every_pass_and_reports_progress(compiler_logs):
                            progress=lambda done, total: calls.append((done, total)))
     assert calls == [(i, len(NAMES)) for i in range(len(NAMES) + 1)]
     assert [name for name, _ in exe.passes] == NAMES
-    assert [name for name, changed in exe.passes if changed] == ["place"]
+    assert [name for name, changed in exe.passes if changed] == []  # place: metadata
     assert exe.num_ipus == 1 and exe.loss_index is None and not exe.training
     assert exe.compile_seconds > 0 and exe.estimate is not None
     assert exe.stages is None
@@ -58,7 +58,7 @@ def test_training_executable():
     assert exe.num_user_outputs == 2 and [a.name for a in exe.activation_anchors] == \
         ["Relu:0"]
     assert exe.vectorized is None and "Gradient___fc1.weight" in exe.tensor_names
-    assert [name for name, changed in exe.passes if changed] == ["resolve_anchors", "place"]
+    assert [name for name, changed in exe.passes if changed] == ["resolve_anchors"]
 
 
 def test_compile_runs_the_passes_it_is_given():
@@ -68,7 +68,7 @@ def test_compile_runs_the_passes_it_is_given():
                            progress=lambda done, total: calls.append((done, total)),
                            passes=passes)
     assert calls == [(0, 2), (1, 2), (2, 2)]
-    assert exe.passes == [("check_options", False), ("place", True)]
+    assert exe.passes == [("check_options", False), ("place", False)]
     assert exe.estimate is None  # estimate did not run
 
 
