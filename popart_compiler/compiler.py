@@ -18,6 +18,7 @@ from typing import Callable, List, Optional, Tuple
 
 from popart_compiler import config, ensures
 from popart_compiler.backends import inductor
+from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
 from popart_compiler.passes.anchors import name_tensors, resolve_anchors
@@ -33,6 +34,7 @@ from popart_compiler.passes.defaults import session_defaults
 from popart_compiler.passes.placement import place
 from popart_compiler.passes.split_stages import split_stages
 from popart_compiler.passes.vectorize import vectorize
+from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.session_options import SessionOptions
 from popart_compiler.stages import Executable
 from popart_compiler.verify import verify
@@ -72,11 +74,14 @@ def prepare(options: SessionOptions) -> None:
 
 def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
             progress: Optional[Callable[[int, int], None]] = None,
-            optimizer=None, passes: Optional[List[Pass]] = None) -> Executable:
-    """Compile ``graph`` by running :data:`PASSES` in order.
+            optimizer: Optional[OptimizerDescription] = None,
+            passes: Optional[List[Pass]] = None,
+            stop_after: Optional[str] = None) -> Executable:
+    """Compile ``graph`` by running :data:`PASSES` in order (up to ``stop_after``).
 
-    A pass that changed the graph is followed by :meth:`Graph.refresh` and, when
-    ``POPTORCH_VERIFY=1``, :func:`~popart_compiler.verify.verify`. An exception raised
+    A pass that changed the graph is followed by :meth:`Graph.refresh`; when
+    ``POPTORCH_VERIFY=1`` every pass is followed by :func:`~popart_compiler.verify.verify`
+    with what the pass ensures (:attr:`Pass.ensures`). An exception raised
     by a pass propagates unchanged, with a note naming the pass.
 
     Args:
@@ -87,9 +92,14 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
         optimizer: the ``OptimizerDescription`` of a training program (its state
             counts in the memory estimate).
         passes: the passes to run instead of :data:`PASSES` (tests).
+        stop_after: the name of the last pass to run (one of ``passes``); default:
+            all. An executable compiled part of the way holds what its passes derived
+            (e.g. ``stop_after="vectorize"``: everything but the estimate, which
+            ``poptorch.plan`` computes itself).
 
     Raises:
-        Error: unsupported input dtype or zero-sized tensor; output-mode period
+        Error: ``stop_after`` names no pass of ``passes`` (the message lists them);
+            unsupported input dtype or zero-sized tensor; output-mode period
             inconsistent with ``device_iterations``; gradient accumulation in
             inference; training graph without exactly one final, returned loss;
             the execution strategy's rules (S-60, S-63…S-65, see
@@ -101,7 +111,7 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
             reports it (:func:`popart_compiler.runtime.reports.report`).
     """
     start = time.perf_counter()
-    passes = list(PASSES if passes is None else passes)
+    passes = _until(list(PASSES if passes is None else passes), stop_after)
     report = progress or (lambda done, total: None)
     check = config.verify_graphs()
     c = Compilation(options, training, optimizer)
@@ -134,4 +144,15 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
         vectorized=c.vectorized, tensor_names=c.tensor_names,
         compile_seconds=time.perf_counter() - start,
         vectorized_slots=c.vectorized_slots, placement=plan, stages=c.stages,
-        estimate=c.estimate, passes=ran, defaults=c.defaults)
+        estimate=c.estimate, passes=ran, defaults=c.defaults, optimizer=c.optimizer)
+
+
+def _until(passes: List[Pass], stop_after: Optional[str]) -> List[Pass]:
+    """``passes`` up to and including the one named ``stop_after`` (all: ``None``)."""
+    if stop_after is None:
+        return passes
+    names = [p.name for p in passes]
+    if stop_after not in names:
+        raise backend_error(f"compile(stop_after={stop_after!r}): no compiler pass has "
+                            f"that name. Name one of: {', '.join(names)}.")
+    return passes[:names.index(stop_after) + 1]

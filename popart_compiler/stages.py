@@ -18,6 +18,7 @@ from popart_compiler.cost.cost_model import IpuEstimate
 from popart_compiler.cost.op_costs import merge_stages
 from popart_compiler.implicit_defaults import ImplicitDefault
 from popart_compiler.ir import Graph
+from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.passes import placement
 from popart_compiler.session_options import Anchor, SessionOptions, StrategySettings
 
@@ -104,6 +105,9 @@ class Executable:
             graph.
         defaults: the options PopTorch's compiler set because the user did not
             (:mod:`popart_compiler.implicit_defaults`); ``options`` includes them.
+        optimizer: the optimizer description it was compiled with (training: its
+            state counts in the estimate), else ``None``; a session runs the one it
+            is given.
     """
     graph: Graph
     options: SessionOptions
@@ -121,6 +125,7 @@ class Executable:
     estimate: Optional[IpuEstimate] = None
     passes: List[Tuple[str, bool]] = dataclasses.field(default_factory=list)
     defaults: Tuple[ImplicitDefault, ...] = ()
+    optimizer: Optional[OptimizerDescription] = None
 
     @property
     def module(self) -> fx.GraphModule:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from popart_compiler.errors import py_error
+from popart_compiler.stages import Executable
 from poptorch import enums, optim
 from poptorch._capture.args import ArgsParser, BoundArgs, Spec
 from poptorch._executor import call_io
@@ -199,6 +200,23 @@ class PoplarExecutor:
             self._instrumentModel()
         lifecycle.commit(self._state, compile_.compile_program(
             self._state, bound, tensors, spec, loaded, keep_blobs))
+
+    @serialised
+    def _compile_until(self, stop_after: str, *args, check_capture=None,
+                       **kwargs) -> Executable:
+        """Capture these example arguments afresh and compile them up to the compiler
+        pass ``stop_after`` (:func:`compile_.compile_program`, which calls
+        ``check_capture(graph)`` on the capture first), committing nothing: the executor
+        stays uncompiled. ``poptorch.plan`` compiles this way.
+
+        Raises:
+            poptorch.Error: capture and compile errors; ``stop_after`` names no pass of
+                ``popart_compiler.compiler.PASSES``; what ``check_capture`` raises.
+        """
+        bound, tensors, spec = call_io.bind(self._state, args, kwargs)
+        return compile_.compile_program(self._state, bound, tensors, spec,
+                                        stop_after=stop_after,
+                                        check_capture=check_capture).executable
 
     @serialised
     def compile(self, *args, **kwargs) -> None:

@@ -110,3 +110,26 @@ def test_prepare_starts_the_cpu_probe_of_inductor_only(monkeypatch, options, pro
     monkeypatch.setattr(compiler.inductor, "start_probing_cpu", lambda: calls.append(1))
     compiler.prepare(options)
     assert calls == ([1] if probes else [])
+
+
+def test_compile_stops_after_the_named_pass():
+    calls = []
+    exe = compiler.compile(export(MLP(), torch.randn(2, 4)),
+                           SessionOptions(device_iterations=2), False,
+                           progress=lambda done, total: calls.append((done, total)),
+                           stop_after="vectorize")
+    assert [name for name, _ in exe.passes] == NAMES[:NAMES.index("vectorize") + 1]
+    assert calls[-1] == (len(NAMES) - 1, len(NAMES) - 1)
+    assert exe.estimate is None and exe.placement is not None
+    assert exe.vectorized is not None and exe.vectorized_slots == 2
+    exe = compiler.compile(export(MLP(), torch.randn(2, 4)), SessionOptions(), False,
+                           stop_after="check_options")
+    assert exe.passes == [("check_options", False)] and exe.placement is None
+
+
+def test_compile_refuses_an_unknown_stop():
+    with pytest.raises(Error, match=r"compile\(stop_after='lower'\): no compiler pass has "
+                                    r"that name. Name one of: check_options, check_inputs, "
+                                    r".*, vectorize, estimate\.$"):
+        compiler.compile(export(MLP(), torch.randn(2, 4)), SessionOptions(), False,
+                         stop_after="lower")
