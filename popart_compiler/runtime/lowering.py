@@ -12,7 +12,8 @@ can be lowered again (another session, another process).
   (:class:`~popart_compiler.backends.eager.FloatingPointChecker`), whatever the backend.
 * ``inductor``: TorchInductor's compilation of copies of the same graphs
   (:mod:`popart_compiler.backends.inductor`), compiled at their first call; on the CPU
-  the linear layers first become oneDNN linears.
+  the linear layers first become oneDNN linears, and in inference their weights are
+  prepacked (:mod:`popart_compiler.backends.prepack`).
 * ``auto``: the eager lowering, plus :attr:`Runners.alternative`, which builds the
   inductor lowering (uncompiled) for :mod:`popart_compiler.backends.auto` to compile
   once the program is hot; none for programs that stay eager (checked floating-point
@@ -27,7 +28,7 @@ from typing import Callable, Optional
 
 import torch.fx as fx
 
-from popart_compiler.backends import inductor
+from popart_compiler.backends import inductor, prepack
 from popart_compiler.backends.auto import Lowering
 from popart_compiler.backends.eager import FloatingPointChecker
 from popart_compiler.logging import logger
@@ -82,9 +83,9 @@ def lower(exe: Executable) -> Runners:
     runner = graph.module
     vectorized = copy.deepcopy(exe.vectorized) if exe.vectorized is not None else None
     if o.device == "cpu":
-        runner = inductor.onednn_linear(copy.deepcopy(graph.module))
+        runner = _for_cpu(copy.deepcopy(graph.module), exe.training)
         if vectorized is not None:
-            inductor.onednn_linear(vectorized)
+            vectorized = _for_cpu(vectorized, exe.training)
     if vectorized is not None:
         vectorized = inductor.compile_graph(vectorized, random=random)
     return Runners(Lowering("inductor", inductor.compile_graph(runner, random=random),
@@ -92,20 +93,28 @@ def lower(exe: Executable) -> Runners:
                    functools.partial(inductor.compile_graph, random=random))
 
 
+def _for_cpu(gm: fx.GraphModule, training: bool) -> fx.GraphModule:
+    """oneDNN linears; in inference, prepacked weights and channels-last convolutions
+    (:mod:`popart_compiler.backends.prepack`; training: none, the weights change at
+    every step)."""
+    inductor.onednn_linear(gm)
+    return gm if training else prepack.prepack_inference(gm)
+
+
 def inductor_lowering(exe: Executable, slots: int) -> Lowering:
     """The inductor backend's lowering of ``exe`` for the ``auto`` backend: the
     per-micro-batch graph and, for ``slots`` > 1, the graph vectorized over ``slots``
     micro-batches, each compiled at its first call (or by ``precompile``); on the CPU
-    their linear layers run as oneDNN linears. A signature never compiled runs its
-    graph module uncompiled (``compile_on_miss=False``): the ``auto`` backend compiles
-    outside the session's calls only."""
+    their linear layers run as oneDNN linears (prepacked in inference). A signature
+    never compiled runs its graph module uncompiled (``compile_on_miss=False``): the
+    ``auto`` backend compiles outside the session's calls only."""
     graph, o = exe.graph, exe.options
     runner = copy.deepcopy(graph.module)
     vectorized = vectorize_program(graph, o, slots) if slots > 1 else None
     if o.device == "cpu":
-        inductor.onednn_linear(runner)
+        runner = _for_cpu(runner, exe.training)
         if vectorized is not None:
-            inductor.onednn_linear(vectorized)
+            vectorized = _for_cpu(vectorized, exe.training)
     compiled = functools.partial(inductor.compile_graph, random=graph.random,
                                  compile_on_miss=False)
     return Lowering("inductor", compiled(runner),

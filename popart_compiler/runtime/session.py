@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from popart_compiler.backends import decisions
 from popart_compiler.backends.auto import AutoChooser, Lowering
 from popart_compiler.enums import CommGroupType, OutputMode
 from popart_compiler.errors import backend_error
@@ -92,8 +93,11 @@ class Session(abc.ABC):
         #: the ``auto`` backend's choice between eager and Inductor, call by call
         self.auto: Optional[AutoChooser] = None
         if self.runners.alternative is not None:
+            kind = torch.device(torch_device).type
+            start, record, source = decisions.for_program(executable, kind)
             self.auto = AutoChooser(self.runners.lowering, self._compile_alternative,
-                                    device=torch.device(torch_device).type)
+                                    device=kind, start=start, on_decide=record,
+                                    source=source)
         #: Several stages: micro-batches run through them in schedule order (S-63).
         self._staged = StagedProgram(executable.stages, wrap=self.runners.stage_runner) \
             if executable.stages is not None else None

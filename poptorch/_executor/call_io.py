@@ -16,8 +16,8 @@ from poptorch._capture.args import (RECOMPILE, BoundArgs, Spec, check_batch, fla
 from poptorch._executor.state import Compiled, ExecutorState
 from poptorch._logging import logger
 
-__all__ = ["bind", "device_inputs", "validate_inputs", "write_back_inputs",
-           "build_outputs"]
+__all__ = ["bind", "check_input_storage", "device_inputs", "validate_inputs",
+           "write_back_inputs", "build_outputs"]
 
 
 def _no_backward(*args, **kwargs):
@@ -45,8 +45,32 @@ def bind(state: ExecutorState, args, kwargs) -> Tuple[BoundArgs, List[torch.Tens
     a = o.Training.gradient_accumulation if state.training else 1
     factor = d * (r // g) * a
     for name, t in zip(names, tensors):
+        check_input_storage(name, t)
         check_batch(name, t, factor, d, r, g, a)
     return bound, tensors, spec
+
+
+def check_input_storage(name: str, tensor: torch.Tensor) -> None:
+    """Raise unless ``tensor`` holds values the program can take: a dense (strided),
+    non-quantized tensor with data (not on the ``meta`` device), of plain
+    ``torch.Tensor`` kind or a subclass whose data is a plain tensor.
+
+    Raises:
+        poptorch.Error: naming the input and what to pass instead.
+    """
+    if tensor.is_meta:
+        raise py_error(f"The input {name!r} is on the meta device, which holds no values: pass "
+                       "a tensor with data (e.g. on the cpu, `x.to_empty(device='cpu')` "
+                       "then fill it).")
+    if tensor.layout != torch.strided:
+        raise py_error(f"The input {name!r} has layout {tensor.layout}; the program takes dense "
+                       "tensors only: pass `x.to_dense()`.")
+    if tensor.is_quantized:
+        raise py_error(f"The input {name!r} is a quantized tensor; the program takes plain "
+                       "tensors only: pass `x.dequantize()`.")
+    if tensor.is_nested:
+        raise py_error(f"The input {name!r} is a nested tensor; the program takes plain "
+                       "tensors only: pad it (`torch.nested.to_padded_tensor`).")
 
 
 def _warn_once(state: ExecutorState, key: str, message: str) -> None:

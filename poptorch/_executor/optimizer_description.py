@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from popart_compiler.optim.description import HYPER_PARAMETERS, OptimizerDescription
+from popart_compiler.errors import backend_error
 from poptorch._logging import logger
 from poptorch.optim import KINDS, Optimizer
 
@@ -114,6 +115,10 @@ def optimizer_type(optimizer: torch.optim.Optimizer) -> str:
     return kind
 
 
+#: Largest finite float32 (hyper-parameters are float32 on the device, as in PopTorch).
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _check_number(name: str, value: Any) -> Any:
     if name in ("nesterov", "centered"):
         return bool(value)
@@ -126,6 +131,10 @@ def _check_number(name: str, value: Any) -> Any:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise AssertionError(f"Expected a number for {name}, got {value!r} of type "
                              f"{type(value).__name__}")
+    if math.isfinite(value) and abs(value) > _FLOAT32_MAX:
+        raise backend_error(f"The optimizer's {name} = {value!r} is out of float32 range "
+                            f"(|x| <= {_FLOAT32_MAX:.6g}): the device holds "
+                            "hyper-parameters as float32, as PopTorch; use a smaller value.")
     return float(value)
 
 

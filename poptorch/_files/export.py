@@ -52,6 +52,30 @@ _RUNTIME_OPTIONS = frozenset({
     "compilation_progress_bar_fn", "engineOptions"})
 
 
+#: Top-level and backend options that choose where a process writes (logs, profile
+#: reports and their sub-directory, the executable cache): a loaded file never sets
+#: them, the loading process's own ``Options()`` (and environment) do (issue 29).
+_LOCAL_OPTIONS = ("log_dir", "model_name")
+_LOCAL_BACKEND_OPTIONS = ("engineOptions", "cachePath", "enableEngineCaching")
+
+
+def _use_local_paths(options) -> None:
+    """Replace the options of ``options`` (read from a file) that choose where this
+    process writes with those of a fresh ``Options()`` of this process."""
+    fresh = type(options)()
+    for key in _LOCAL_OPTIONS:
+        if key in fresh._values:
+            options._values[key] = fresh._values[key]
+        else:
+            options._values.pop(key, None)
+    stored, local = options._Popart.options, fresh._Popart.options
+    for key in _LOCAL_BACKEND_OPTIONS:
+        if key in local:
+            stored[key] = local[key]
+        else:
+            stored.pop(key, None)
+
+
 # -- saving ---------------------------------------------------------------------------
 
 def _target_path(filename: str) -> str:
@@ -441,6 +465,7 @@ def read_exported(filename: str, version: str, edit_opts_fn: Optional[Callable] 
     options = decode(meta["options"])  # a copy: checked.options is what the file holds
     options._unfreeze()
     options.deleteIfExists("ipu_version")
+    _use_local_paths(options)
     offline = options.connection_type == enums.ConnectionType.Never.value
     if offline:
         options.connectionType(enums.ConnectionType.Always)

@@ -32,6 +32,8 @@ _CLASSES.update({f"torch.optim.{c.__name__}": c for c in (
 _KEY_OF = {cls: key for key, cls in _CLASSES.items()}
 #: PopTorch attributes restored on the rebuilt optimizer.
 _ATTRIBUTES = optim.ATTRIBUTES
+#: Largest finite float32: the device holds hyper-parameters as float32, as PopTorch.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 #: The parts of a stored optimizer state: device state and hyper-parameter tensors.
 _STATE_PARTS = ("ipu_state", "ipu_param")
 
@@ -126,6 +128,15 @@ def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, st
     return settings, tensors_to_bytes(tensors)
 
 
+def _check_float32(value: Any, where: str) -> None:
+    """Raise ``Invalid`` for a finite number (or tuple of them) beyond float32's range."""
+    for v in value if isinstance(value, tuple) else (value,):
+        if type(v) in (int, float) and math.isfinite(v) and abs(v) > _FLOAT32_MAX:
+            raise Invalid(f"{where} = {v!r} is out of float32 range (|x| <= "
+                          f"{_FLOAT32_MAX:.6g}): the device holds hyper-parameters as "
+                          "float32")
+
+
 def _check_hyper(hyper: Any, reference: Dict[str, Any], where: str) -> None:
     """Hyper-parameters of the types the optimizer class uses: numbers, booleans,
     ``None`` (``foreach``, ``fused``) and tuples of numbers (``betas``); every
@@ -150,6 +161,7 @@ def _check_hyper(hyper: Any, reference: Dict[str, Any], where: str) -> None:
             ok = False  # torch.optim refuses negative (and NaN) rates, decays, ...
         if not ok:
             raise Invalid(f"{where}: {name} = {value!r} is not a valid value")
+        _check_float32(value, f"{where}: {name}")
     missing = sorted(set(reference) - set(hyper))
     if missing:
         raise Invalid(f"{where}: the hyper-parameter {missing[0]!r} is missing")
@@ -184,6 +196,8 @@ def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
     if unknown:
         raise Invalid(f"metadata.json.optimizer.attributes: unknown attribute "
                       f"{unknown[0]!r}")
+    for name, value in attributes.items():
+        _check_float32(value, f"metadata.json.optimizer.attributes: {name}")
     for group, hyper in zip(settings["groups"], hypers):
         missing = [n for n in group["params"] if n not in params]
         if missing:

@@ -35,7 +35,8 @@ from poptorch._files.program_checks import checked_program_json
 from poptorch._files.shapes import check_structure, checked_tensors
 from poptorch._files.structure import decode_spec, encode_spec
 
-__all__ = ["Program", "to_blobs", "from_blobs", "state_signature", "structure_of"]
+__all__ = ["Program", "to_blobs", "from_blobs", "state_signature", "structure_of",
+           "host_ops", "HOST_OPS_REASON"]
 
 
 @dataclasses.dataclass
@@ -135,6 +136,23 @@ def _program_state(signature: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
 
 # -- whole programs ----------------------------------------------------------------------
 
+#: Why a program with ``poptorch.CPU`` ops is never stored (issue 29, item 3).
+HOST_OPS_REASON = ("a file holds data only, never Python code, and a host function has no "
+                   "name another process could look it up by")
+
+
+def host_ops(program: Program) -> List[str]:
+    """The IDs of the ``poptorch.CPU`` ops ``program`` calls (in any sub-graph), sorted."""
+    found = set()
+    for module in program.captured.graph.program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        for node in getattr(graph, "nodes", ()):
+            if node.op == "call_function" and \
+                    str(node.target).startswith("poptorch.host_call") and node.args[1:]:
+                found.add(str(node.args[1]).rpartition("#")[0])
+    return sorted(found)
+
+
 def to_blobs(program: Program) -> Dict[str, bytes]:
     """``program.json``, ``constants.safetensors``, ``host_outputs.safetensors`` and
     ``structure.json`` (input / output structure, weight layout, the placement of the
@@ -142,9 +160,17 @@ def to_blobs(program: Program) -> Dict[str, bytes]:
     out.
 
     Raises:
-        poptorch.Error: the program holds something that cannot be stored (a custom
-            class object, a custom-parser argument, a non-JSON constant argument).
+        poptorch.Error: the program holds something that cannot be stored (a
+            ``poptorch.CPU`` host op, a custom class object, a custom-parser argument,
+            a non-JSON constant argument).
     """
+    ops = host_ops(program)
+    if ops:
+        raise backend_error(
+            f"Cannot store the program: it calls the poptorch.CPU host op(s) "
+            f"{', '.join(map(repr, ops))}, and {HOST_OPS_REASON}. Save a model without "
+            "poptorch.CPU ops, or re-create the model and its wrapper in the loading "
+            "process and compile it there.")
     exported = program.captured.graph.program
     constants = {}
     for name, value in exported.constants.items():

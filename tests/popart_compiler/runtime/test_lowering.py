@@ -79,10 +79,11 @@ def test_inductor_compiles_copies_at_their_first_call():
     assert inductor.compile_count() == before  # nothing compiled yet
     ops = {str(n.target) for n in lowering.runner._gm.graph.nodes
            if n.op == "call_function"}
-    if torch.backends.mkldnn.is_available():  # on the CPU: oneDNN linears
-        assert "popart_compiler.onednn_linear.default" in ops
+    if torch.backends.mkldnn.is_available():  # on the CPU, inference: prepacked linears
+        assert "popart_compiler.onednn_linear_packed.default" in ops
+        assert "popart_compiler.onednn_linear.default" not in ops
     kept = {str(n.target) for n in exe.vectorized.graph.nodes if n.op == "call_function"}
-    assert "popart_compiler.onednn_linear.default" not in kept
+    assert not any(op.startswith("popart_compiler.onednn") for op in kept)
     assert "aten.linear.default" in {str(n.target) for n in exe.module.graph.nodes}
 
 
