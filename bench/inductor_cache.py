@@ -50,9 +50,9 @@ spent = []
 warm_up = executor.warm_up
 
 
-def timed(exe):
+def timed(exe, runners):
     start = time.perf_counter()
-    warm_up(exe)
+    warm_up(exe, runners)
     spent.append(time.perf_counter() - start)
 
 

@@ -7,15 +7,18 @@ Compilation is the list of named passes :data:`PASSES`, run in order by
 :mod:`popart_compiler.passes.base`): the IPU's rules (supported dtypes, 32-bit types,
 static shapes), the execution strategy and the loss of training graphs are checked,
 anchors resolved, the graph placed on IPUs, split into pipeline stages, vectorized over
-micro-batches where it can be, lowered to its backend and estimated on the IPU Model.
+micro-batches where it can be and estimated on the IPU Model. The result is plain data:
+the runtime lowers it to its backend when a session is built
+(:mod:`popart_compiler.runtime.lowering`).
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, List, Optional, Tuple
 
-from popart_compiler import config
+from popart_compiler import config, ensures
 from popart_compiler.backends import inductor
+from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
 from popart_compiler.passes.anchors import name_tensors, resolve_anchors
@@ -28,22 +31,36 @@ from popart_compiler.passes.dropout import remove_inference_dropout
 from popart_compiler.passes.dtypes import demote_float64, retarget_device
 from popart_compiler.passes.estimate import estimate
 from popart_compiler.passes.defaults import session_defaults
-from popart_compiler.passes.lower import lower
 from popart_compiler.passes.placement import place
 from popart_compiler.passes.split_stages import split_stages
 from popart_compiler.passes.vectorize import vectorize
+from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.session_options import SessionOptions
 from popart_compiler.stages import Executable
 from popart_compiler.verify import verify
 
 __all__ = ["PASSES", "compile", "prepare"]
 
-#: The compiler, in order.
-PASSES: Tuple[Pass, ...] = tuple(Pass.of(run) for run in (
-    check_options, check_inputs, demote_float64, retarget_device,
-    remove_inference_dropout, check_loss, check_buffers, check_replica_groupings,
-    check_overlapped_io, record_available_memory, resolve_anchors, name_tensors,
-    place, session_defaults, split_stages, vectorize, lower, estimate))
+#: The compiler, in order, each pass with what it ensures (:mod:`popart_compiler.ensures`).
+PASSES: Tuple[Pass, ...] = (
+    Pass.of(check_options),
+    Pass.of(check_inputs, ensures.ipu_types_and_ops),
+    Pass.of(demote_float64, ensures.no_float64),
+    Pass.of(retarget_device, ensures.on_session_device),
+    Pass.of(remove_inference_dropout, ensures.no_inference_dropout),
+    Pass.of(check_loss),
+    Pass.of(check_buffers),
+    Pass.of(check_replica_groupings),
+    Pass.of(check_overlapped_io),
+    Pass.of(record_available_memory),
+    Pass.of(resolve_anchors),
+    Pass.of(name_tensors),
+    Pass.of(place, ensures.placement_complete),
+    Pass.of(session_defaults),
+    Pass.of(split_stages, ensures.stages_well_formed),
+    Pass.of(vectorize, ensures.vectorized_well_formed),
+    Pass.of(estimate, ensures.estimated),
+)
 
 
 def prepare(options: SessionOptions) -> None:
@@ -57,11 +74,14 @@ def prepare(options: SessionOptions) -> None:
 
 def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
             progress: Optional[Callable[[int, int], None]] = None,
-            optimizer=None, passes: Optional[List[Pass]] = None) -> Executable:
-    """Compile ``graph`` by running :data:`PASSES` in order.
+            optimizer: Optional[OptimizerDescription] = None,
+            passes: Optional[List[Pass]] = None,
+            stop_after: Optional[str] = None) -> Executable:
+    """Compile ``graph`` by running :data:`PASSES` in order (up to ``stop_after``).
 
-    A pass that changed the graph is followed by :meth:`Graph.refresh` and, when
-    ``POPTORCH_VERIFY=1``, :func:`~popart_compiler.verify.verify`. An exception raised
+    A pass that changed the graph is followed by :meth:`Graph.refresh`; when
+    ``POPTORCH_VERIFY=1`` every pass is followed by :func:`~popart_compiler.verify.verify`
+    with what the pass ensures (:attr:`Pass.ensures`). An exception raised
     by a pass propagates unchanged, with a note naming the pass.
 
     Args:
@@ -72,22 +92,26 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
         optimizer: the ``OptimizerDescription`` of a training program (its state
             counts in the memory estimate).
         passes: the passes to run instead of :data:`PASSES` (tests).
+        stop_after: the name of the last pass to run (one of ``passes``); default:
+            all. An executable compiled part of the way holds what its passes derived
+            (e.g. ``stop_after="vectorize"``: everything but the estimate, which
+            ``poptorch.plan`` computes itself).
 
     Raises:
-        Error: unsupported input dtype or zero-sized tensor; output-mode period
+        Error: ``stop_after`` names no pass of ``passes`` (the message lists them);
+            unsupported input dtype or zero-sized tensor; output-mode period
             inconsistent with ``device_iterations``; gradient accumulation in
             inference; training graph without exactly one final, returned loss;
             the execution strategy's rules (docs/semantics.md S-60, S-63…S-65, see
             :func:`~popart_compiler.passes.placement.plan_placement`);
             in-place buffer updates with replicas fed different data while
             ``broadcast_buffers`` is on; unknown anchor; a process id outside
-            ``[0, num_processes)``; overlapped IO against docs/semantics.md S-66's rules; out of
-            memory on an IPU in strict mode (``type == "poplar_out_of_memory"``,
-            ``SessionOptions.strict_memory`` without the engine option
-            ``debug.allowOutOfMemory``; otherwise a warning, as Poplar's IPU Model).
+            ``[0, num_processes)``; overlapped IO against docs/semantics.md S-66's rules. A program
+            that does not fit is estimated as such (``estimate.fits``); the runtime
+            reports it (:func:`popart_compiler.runtime.reports.report`).
     """
     start = time.perf_counter()
-    passes = list(PASSES if passes is None else passes)
+    passes = _until(list(PASSES if passes is None else passes), stop_after)
     report = progress or (lambda done, total: None)
     check = config.verify_graphs()
     c = Compilation(options, training, optimizer)
@@ -101,7 +125,7 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
             if result.changed:
                 graph.refresh()
             if check:
-                verify(graph, c, after=p.name)
+                verify(graph, c, after=p.name, ensures=p.ensures)
         except BaseException as exc:
             if hasattr(exc, "add_note"):
                 exc.add_note(f"(in compiler pass {p.name})")
@@ -120,5 +144,15 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
         vectorized=c.vectorized, tensor_names=c.tensor_names,
         compile_seconds=time.perf_counter() - start,
         vectorized_slots=c.vectorized_slots, placement=plan, stages=c.stages,
-        runner=c.runner, stage_runner=c.stage_runner, alternative=c.alternative,
-        estimate=c.estimate, passes=ran, defaults=c.defaults)
+        estimate=c.estimate, passes=ran, defaults=c.defaults, optimizer=c.optimizer)
+
+
+def _until(passes: List[Pass], stop_after: Optional[str]) -> List[Pass]:
+    """``passes`` up to and including the one named ``stop_after`` (all: ``None``)."""
+    if stop_after is None:
+        return passes
+    names = [p.name for p in passes]
+    if stop_after not in names:
+        raise backend_error(f"compile(stop_after={stop_after!r}): no compiler pass has "
+                            f"that name. Name one of: {', '.join(names)}.")
+    return passes[:names.index(stop_after) + 1]

@@ -10,12 +10,15 @@ The stages of a compilation, as JAX names its own (``Traced → Lowered → Comp
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
+from popart_compiler.cost.cost_model import IpuEstimate
 from popart_compiler.cost.op_costs import merge_stages
+from popart_compiler.implicit_defaults import ImplicitDefault
 from popart_compiler.ir import Graph
+from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.passes import placement
 from popart_compiler.session_options import Anchor, SessionOptions, StrategySettings
 
@@ -72,7 +75,9 @@ class StagedGraph:
 
 @dataclasses.dataclass
 class Executable:
-    """A compiled program, ready to be loaded by a session.
+    """A compiled program, ready to be loaded by a session: plain data (graphs,
+    placement, stages, estimate, anchors), nothing a backend runs. A session lowers it
+    to its backend when it is built (:func:`popart_compiler.runtime.lowering.lower`).
 
     Attributes:
         graph: the captured graph (its module is the per-micro-batch program; activation
@@ -85,7 +90,8 @@ class Executable:
             outputs, in order.
         state_anchors: anchors on weights, gradients, updated weights or optimizer state.
         vectorized: for stateless inference, the graph over ``vectorized_slots``
-            micro-batches at once (a run calls it for each chunk of that many).
+            micro-batches at once, uncompiled (a run calls its lowering for each chunk
+            of that many).
         vectorized_slots: micro-batches per call of ``vectorized``.
         tensor_names: every tensor name of the program (docs/semantics.md S-16).
         compile_seconds: wall-clock time of the compilation.
@@ -93,20 +99,15 @@ class Executable:
             every node of ``module`` carries ``node.meta["placement"]``.
         stages: the program split by pipeline stage when it has several (run with
             the stage schedule, :mod:`popart_compiler.runtime.schedule`), else ``None``.
-        runner: what runs one micro-batch: ``module`` itself on the eager backend, an
-            op-by-op checking interpreter with floating-point exceptions, its Inductor
-            compilation on the inductor backend.
-        stage_runner: turns a stage's submodule into what runs it (``None``: call the
-            submodule).
-        alternative: the ``auto`` backend: builds the Inductor lowering
-            (:class:`~popart_compiler.backends.auto.Lowering`, uncompiled) that a
-            session compiles once the program is hot; ``None`` where it stays eager.
         estimate: the IPU Model's memory / cycle estimate
             (:mod:`popart_compiler.cost.cost_model`).
         passes: the compiler passes that ran, in order, and whether each changed the
             graph.
         defaults: the options PopTorch's compiler set because the user did not
             (:mod:`popart_compiler.implicit_defaults`); ``options`` includes them.
+        optimizer: the optimizer description it was compiled with (training: its
+            state counts in the estimate), else ``None``; a session runs the one it
+            is given.
     """
     graph: Graph
     options: SessionOptions
@@ -115,18 +116,16 @@ class Executable:
     num_ipus: int
     activation_anchors: List[Anchor]
     state_anchors: List[Anchor]
-    vectorized: Optional[Callable]
+    vectorized: Optional[fx.GraphModule]
     tensor_names: List[str]
     compile_seconds: float = 0.0
     vectorized_slots: int = 1
     placement: Optional[placement.PlacementPlan] = None
     stages: Optional[StagedGraph] = None
-    runner: Optional[Callable] = None
-    stage_runner: Optional[Callable[[fx.GraphModule], Callable]] = None
-    alternative: Optional[Callable[[], Any]] = None
-    estimate: Any = None
+    estimate: Optional[IpuEstimate] = None
     passes: List[Tuple[str, bool]] = dataclasses.field(default_factory=list)
-    defaults: Tuple[Any, ...] = ()
+    defaults: Tuple[ImplicitDefault, ...] = ()
+    optimizer: Optional[OptimizerDescription] = None
 
     @property
     def module(self) -> fx.GraphModule:

@@ -4,7 +4,7 @@
 instead of far away in a session."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
@@ -13,7 +13,9 @@ from popart_compiler.passes.base import Compilation
 __all__ = ["verify"]
 
 
-def verify(graph: Graph, c: Optional[Compilation] = None, after: str = "") -> None:
+def verify(graph: Graph, c: Optional[Compilation] = None, after: str = "",
+           ensures: Optional[Callable[[Graph, Compilation], Optional[str]]] = None
+           ) -> None:
     """Check ``graph``:
 
     * torch.fx's own ``lint`` of the module's graph;
@@ -21,12 +23,17 @@ def verify(graph: Graph, c: Optional[Compilation] = None, after: str = "") -> No
       inputs;
     * the outputs are the user outputs followed by the activation anchors (``c``);
     * every placeholder and op has ``meta["val"]``;
-    * once placed (``c.placement``), every op has ``meta["placement"]``.
+    * once placed (``c.placement``), every op has ``meta["placement"]``;
+    * what the pass that just ran ensures (``ensures``, :mod:`popart_compiler.ensures`:
+      no float64 after ``demote_float64``, no dropout in inference after
+      ``remove_inference_dropout``, placement complete after ``place``, well-formed
+      stage submodules and vectorized graph, devices and types, supported ops).
 
     Args:
         graph: the graph.
         c: the compilation (anchors and placement), when checking a compiler pass.
         after: the name of the pass that just ran (for the message).
+        ensures: that pass's postcondition (:attr:`Pass.ensures`); needs ``c``.
 
     Raises:
         poptorch.Error: ``type == "poptorch_verify_error"``, naming the check and pass.
@@ -63,3 +70,7 @@ def verify(graph: Graph, c: Optional[Compilation] = None, after: str = "") -> No
             fail(f"{node.op} {node.name} has no meta['val']")
         if placed and node.op == "call_function" and "placement" not in node.meta:
             fail(f"op {node.name} has no placement")
+    if ensures is not None and c is not None:
+        problem = ensures(graph, c)
+        if problem is not None:
+            fail(problem)

@@ -5,26 +5,39 @@ the compilation was asked for, and what earlier passes derived) and returns a
 :class:`PassResult`: the graph and whether it changed. A pass that rewrites the graph
 does so in place and says so; a check raises ``Error`` or returns the graph unchanged;
 an analysis records its result on the :class:`Compilation` (anchors, placement, stages,
-the vectorized graph, the runners, the estimate). The compiler
+the vectorized graph, the estimate) and reports no change. Passes write no files and
+build nothing a backend runs: the runtime lowers the result
+(:mod:`popart_compiler.runtime.lowering`) and writes the reports. Each pass may state
+what it ensures (:attr:`Pass.ensures`), which :func:`popart_compiler.verify.verify`
+checks after it when ``POPTORCH_VERIFY=1``. The compiler
 (:func:`popart_compiler.compiler.compile`) runs :data:`~popart_compiler.compiler.PASSES`
-in order (torch.fx's ``PassBase`` / ``PassResult`` in spirit).
+in order (torch.fx's ``PassBase`` / ``PassResult`` and ``requires`` / ``ensures`` in
+spirit).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch.fx as fx
 
+from popart_compiler.implicit_defaults import ImplicitDefault
 from popart_compiler.ir import Graph
+from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.session_options import Anchor, SessionOptions
+
+if TYPE_CHECKING:  # these modules import this one
+    from popart_compiler.cost.cost_model import IpuEstimate
+    from popart_compiler.passes.placement import PlacementPlan
+    from popart_compiler.stages import StagedGraph
 
 __all__ = ["Pass", "PassResult", "Compilation", "unchanged"]
 
 
 @dataclasses.dataclass
 class PassResult:
-    """The graph after a pass and whether the pass changed it."""
+    """The graph after a pass and whether the pass changed it (its nodes, their order
+    or their arguments; metadata such as ``node.meta["placement"]`` is no change)."""
     graph: Graph
     changed: bool
 
@@ -41,54 +54,64 @@ class Compilation:
     Attributes:
         options: the session options.
         training: compile forward, backward and weight update.
-        optimizer: the ``OptimizerDescription`` of a training program (its state counts
+        optimizer: the optimizer description of a training program (its state counts
             in the memory estimate), else ``None``.
         loss_index: index of the final loss among the user outputs (``check_loss``).
         activation_anchors: anchors on activations, appended to the graph's outputs
             after the user outputs, in order (``resolve_anchors``).
         state_anchors: anchors on weights, gradients and optimizer state.
         tensor_names: every tensor name of the program (``name_tensors``, docs/semantics.md S-16).
-        placement: the ``PlacementPlan`` (``place``).
-        stages: the ``StagedGraph`` of a multi-stage program (``split_stages``).
+        placement: where each op runs (``place``).
+        stages: the program split by pipeline stage, when it has several
+            (``split_stages``).
         vectorized: stateless inference: the graph over ``vectorized_slots``
-            micro-batches at once (``vectorize``).
+            micro-batches at once, uncompiled (``vectorize``).
         vectorized_slots: micro-batches per call of ``vectorized``.
-        runner: what runs one micro-batch (``lower``).
-        stage_runner: turns a stage's submodule into what runs it (``lower``).
-        alternative: the ``auto`` backend: builds the Inductor lowering
-            (``lower.inductor_lowering``), ``None`` where the program stays eager.
-        estimate: the IPU Model's ``IpuEstimate`` (``estimate``).
+        estimate: the IPU Model's memory and cycles (``estimate``).
         defaults: the options PopTorch's compiler set because the user did not
-            (``session_defaults``; each an ``ImplicitDefault``, in PopTorch's order).
+            (``session_defaults``, in PopTorch's order).
     """
     options: SessionOptions
     training: bool
-    optimizer: Any = None
+    optimizer: Optional[OptimizerDescription] = None
     loss_index: Optional[int] = None
     activation_anchors: List[Anchor] = dataclasses.field(default_factory=list)
     state_anchors: List[Anchor] = dataclasses.field(default_factory=list)
     tensor_names: List[str] = dataclasses.field(default_factory=list)
-    placement: Any = None
-    stages: Any = None
+    placement: Optional[PlacementPlan] = None
+    stages: Optional[StagedGraph] = None
     vectorized: Optional[fx.GraphModule] = None
     vectorized_slots: int = 1
-    runner: Optional[Callable] = None
-    stage_runner: Optional[Callable[[fx.GraphModule], Callable]] = None
-    alternative: Optional[Callable[[], Any]] = None
-    estimate: Any = None
-    defaults: Tuple[Any, ...] = ()
+    estimate: Optional[IpuEstimate] = None
+    defaults: Tuple[ImplicitDefault, ...] = ()
+
+
+def _nothing(graph: Graph, compilation: Compilation) -> Optional[str]:
+    """The postcondition of a pass that states none: always holds."""
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
-    """A named pass (``run(graph, compilation) -> PassResult``)."""
+    """A named pass (``run(graph, compilation) -> PassResult``).
+
+    Attributes:
+        name: the pass's name (its function's).
+        run: the pass.
+        ensures: what holds after the pass (torch.fx's ``ensures``): returns ``None``
+            when it holds, else what does not (:mod:`popart_compiler.ensures`);
+            :func:`~popart_compiler.verify.verify` checks it after the pass.
+    """
     name: str
     run: Callable[[Graph, Compilation], PassResult]
+    ensures: Callable[[Graph, Compilation], Optional[str]] = _nothing
 
     @classmethod
-    def of(cls, run: Callable[[Graph, Compilation], PassResult]) -> "Pass":
-        """The pass named after its function."""
-        return cls(run.__name__, run)
+    def of(cls, run: Callable[[Graph, Compilation], PassResult],
+           ensures: Optional[Callable[[Graph, Compilation], Optional[str]]] = None
+           ) -> "Pass":
+        """The pass named after its function (``ensures``: its postcondition)."""
+        return cls(run.__name__, run, ensures or _nothing)
 
     def __call__(self, graph: Graph, compilation: Compilation) -> PassResult:
         return self.run(graph, compilation)

@@ -62,19 +62,27 @@ def _as_float32(value: Any) -> Any:
     return value
 
 
+def _has_float64(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_has_float64(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.dtype == torch.float64
+
+
 def demote_float64(graph: Graph, c: Compilation) -> PassResult:
     """``torch.float64`` → ``torch.float32`` in op arguments (docs/semantics.md S-44), with
     PopTorch's warning; the values the ops compute are then described as float32 too
-    (``meta["val"]``, which the IPU Model's estimate and the user outputs read)."""
+    (``meta["val"]``, which the IPU Model's estimate and the user outputs read), also
+    where only the state or inputs are float64 (the device holds them as float32)."""
     changed = rewrite_args(graph.module, {torch.float64: torch.float32})
     if changed:
         logger.warning("[DISPATCHER] Type coerced from Double to Float in the graph: "
                        "the IPU has no 64-bit floating point type")
-        for sub in graph.module.modules():
-            if isinstance(sub, fx.GraphModule):
-                for node in sub.graph.nodes:
-                    if node.op != "placeholder" and "val" in node.meta:
-                        node.meta["val"] = _as_float32(node.meta["val"])
+    for sub in graph.module.modules():
+        if isinstance(sub, fx.GraphModule):
+            for node in sub.graph.nodes:
+                if node.op != "placeholder" and _has_float64(node.meta.get("val")):
+                    node.meta["val"] = _as_float32(node.meta["val"])
+                    changed = True
     return PassResult(graph, changed)
 
 

@@ -40,7 +40,7 @@ from popart_compiler.enums import ExecutionMode, Liveness
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
-from popart_compiler.passes.base import Compilation, PassResult
+from popart_compiler.passes.base import Compilation, PassResult, unchanged
 from popart_compiler.session_options import StrategySettings
 
 __all__ = ["Placement", "PlacementPlan", "BLOCK_KEY",
@@ -440,7 +440,8 @@ def log_placement(text: str) -> None:
 
 def place(graph: Graph, c: Compilation) -> PassResult:
     """Place every node (:func:`plan_placement`) and record the plan as
-    ``c.placement``; the placement table is logged at DEBUG."""
+    ``c.placement``; the placement table is logged at DEBUG. Only metadata is written
+    (``node.meta["placement"]``): the graph is unchanged."""
     o = c.options
     c.placement = plan_placement(graph.module, graph.blocks, graph.parameters, o.strategy,
                                  c.training, device_iterations=o.device_iterations,
@@ -448,4 +449,4 @@ def place(graph: Graph, c: Compilation) -> PassResult:
                                  replicas=o.replication_factor)
     if logger.isEnabledFor(logging.DEBUG):
         log_placement(placement_table(graph.module, c.placement, graph.parameters, None))
-    return PassResult(graph, True)
+    return unchanged(graph)

@@ -23,6 +23,7 @@ from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
 from popart_compiler.passes.base import Compilation, PassResult, unchanged
 from popart_compiler.passes.simplify import simplify
+from popart_compiler.session_options import SessionOptions
 
 __all__ = ["vectorize", "vectorize_graph", "vectorize_program", "vectorizable_slots",
            "chunk_size", "VECTORIZE_BUDGET"]
@@ -42,7 +43,7 @@ def vectorize(graph: Graph, c: Compilation) -> PassResult:
     floating-point exceptions, replica-grouped weights, host side effects, or when
     tracing fails (the session then loops)."""
     o = c.options
-    slots = vectorizable_slots(graph, c)
+    slots = vectorizable_slots(graph, o, c.training, c.stages is not None)
     if slots <= 1:
         return unchanged(graph)
     chunk = slots if o.backend == "inductor" else chunk_size(graph, slots)
@@ -53,13 +54,13 @@ def vectorize(graph: Graph, c: Compilation) -> PassResult:
     return unchanged(graph)
 
 
-def vectorizable_slots(graph: Graph, c: Compilation) -> int:
+def vectorizable_slots(graph: Graph, o: SessionOptions, training: bool, staged: bool) -> int:
     """Micro-batches of a call that :func:`vectorize` may run as one program (replicas
-    × device iterations); 1 when the program cannot be vectorized (see
-    :func:`vectorize`)."""
-    o = c.options
+    × device iterations of the session options ``o``); 1 when the program cannot be
+    vectorized (see :func:`vectorize`): ``training`` or ``staged`` (several pipeline
+    stages) among other reasons."""
     slots = o.device_iterations * o.replication_factor
-    if (c.training or slots <= 1 or c.stages is not None or graph.mutated_buffers
+    if (training or slots <= 1 or staged or graph.mutated_buffers
             or graph.mutated_inputs or graph.mutated_constants or o.synthetic_data
             or o.fp_exceptions or o.replica_groupings or not graph.has_device_work()
             or graph.runs_per_micro_batch()
@@ -68,7 +69,7 @@ def vectorizable_slots(graph: Graph, c: Compilation) -> int:
     return slots
 
 
-def vectorize_program(graph: Graph, o, chunk: int) -> Optional[fx.GraphModule]:
+def vectorize_program(graph: Graph, o: SessionOptions, chunk: int) -> Optional[fx.GraphModule]:
     """:func:`vectorize_graph` of ``graph``'s module over ``chunk`` micro-batches, with
     its state and inputs on the execution device of the session options ``o``
     (float64 state as float32, as the device holds it); ``None`` if tracing fails."""

@@ -42,14 +42,16 @@ import dataclasses
 import itertools
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+import torch.fx as fx
 
 from popart_compiler.errors import backend_error
 from popart_compiler.runtime import collectives, pipeline_service
 from popart_compiler.runtime.device import IpuModel
 from popart_compiler.runtime.device_state import DeviceRng
+from popart_compiler.runtime.lowering import Runners, lower
 from popart_compiler.runtime.pipeline_mesh import GradientSharing, PipelineMesh
 from popart_compiler.runtime.pipeline_program import PipelineProgram
 from popart_compiler.runtime.pipeline_schedule import PipelineRunner, ScheduleStats
@@ -114,10 +116,13 @@ def _check(exe: Executable) -> None:
             "option off.")
 
 
-def join_pipeline(executable: Executable, optimizer: Any, torch_device: str
+def join_pipeline(executable: Executable, optimizer: Any, torch_device: str,
+                  stage_runner: Optional[Callable[[fx.GraphModule], Callable]] = None
                   ) -> PipelineLayout:
     """Lay ``executable`` out over the run's processes: check it, join the other
-    processes (compare the compiled programs) and build the device mesh.
+    processes (compare the compiled programs) and build the device mesh. Each stage's
+    submodule runs as ``stage_runner`` makes it (:attr:`Runners.stage_runner`; ``None``:
+    the submodule itself).
 
     Raises:
         Error: the model cannot run this way (see :func:`_check`); the number of
@@ -128,7 +133,7 @@ def join_pipeline(executable: Executable, optimizer: Any, torch_device: str
     o, g = executable.options, executable.graph
     trainable = [executable.training and i < len(g.parameters) and g.trainable[i]
                  for i in range(len(g.placeholders))]
-    program = PipelineProgram(executable.stages, trainable, executable.stage_runner)
+    program = PipelineProgram(executable.stages, trainable, stage_runner)
     if len(program.placeholders) != len(g.placeholders):
         raise backend_error("The staged program's inputs differ from the graph's.")
     stages = program.num_units
@@ -290,11 +295,14 @@ class PipelineTrainingSession(_PipelineSession, TrainingSession):
         Error: see :func:`join_pipeline`.
     """
 
-    def __init__(self, executable: Executable, device: Optional[IpuModel], optimizer):
+    def __init__(self, executable: Executable, device: Optional[IpuModel], optimizer,
+                 runners: Optional[Runners] = None):
         torch_device = device.torch_device if device is not None else \
             executable.options.device
-        self.layout = join_pipeline(executable, optimizer, torch_device)
-        super().__init__(self.layout.executable, device, optimizer)
+        runners = runners if runners is not None else lower(executable)
+        self.layout = join_pipeline(executable, optimizer, torch_device,
+                                    runners.stage_runner)
+        super().__init__(self.layout.executable, device, optimizer, runners)
         self._start_pipeline(True, self.optimizer)
 
     def _join_run(self, optimizer):
@@ -344,11 +352,13 @@ class PipelineInferenceSession(_PipelineSession, InferenceSession):
         Error: see :func:`join_pipeline`.
     """
 
-    def __init__(self, executable: Executable, device: Optional[IpuModel] = None):
+    def __init__(self, executable: Executable, device: Optional[IpuModel] = None,
+                 runners: Optional[Runners] = None):
         torch_device = device.torch_device if device is not None else \
             executable.options.device
-        self.layout = join_pipeline(executable, None, torch_device)
-        super().__init__(self.layout.executable, device)
+        runners = runners if runners is not None else lower(executable)
+        self.layout = join_pipeline(executable, None, torch_device, runners.stage_runner)
+        super().__init__(self.layout.executable, device, runners)
         self._start_pipeline(False)
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -66,7 +66,7 @@ class PipelineProgram:
         trainable: for each placeholder of the split graph, whether it is a trainable
             parameter (only these start gradients; all ``False`` for inference).
         wrap: applied to each segment submodule to get the callable that runs it
-            (``Executable.stage_runner``); the submodule's ``forward`` by default.
+            (``Runners.stage_runner``); the submodule's ``forward`` by default.
 
     Attributes:
         num_units: merged stages (= processes per pipeline replica).

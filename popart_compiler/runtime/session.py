@@ -25,6 +25,7 @@ from popart_compiler.errors import backend_error
 from popart_compiler.runtime import warm_up
 from popart_compiler.runtime.device import IpuModel
 from popart_compiler.runtime.device_state import DEVICE_DTYPES, DeviceRng, DeviceWeights
+from popart_compiler.runtime.lowering import Runners, lower
 from popart_compiler.runtime.perf_counters import IterationClock, returned_iterations
 from popart_compiler.runtime.rollback import SavedTensors, deferred_interrupts
 from popart_compiler.runtime.schedule import StagedProgram
@@ -78,28 +79,28 @@ class Session(abc.ABC):
     #: measure what the snapshot costs.
     all_or_nothing = True
 
-    def __init__(self, executable: Executable, device: Optional[IpuModel] = None):
+    def __init__(self, executable: Executable, device: Optional[IpuModel] = None,
+                 runners: Optional[Runners] = None):
         self.executable = executable
         self.options = executable.options
         self.device = device
         torch_device = device.torch_device if device is not None else executable.options.device
         self.torch_device = torch_device
         self.weights = DeviceWeights(executable, torch_device)
-        self._runner = executable.runner or executable.module
-        self._vectorized = executable.vectorized
-        self._vectorized_slots = executable.vectorized_slots
+        #: the executable lowered to its backend (``runners``, else :func:`lower` now)
+        self.runners = runners if runners is not None else lower(executable)
+        self._use(self.runners.lowering)
         #: the ``auto`` backend's choice between eager and Inductor, call by call
         self.auto: Optional[AutoChooser] = None
-        if executable.alternative is not None:
+        if self.runners.alternative is not None:
             kind = torch.device(torch_device).type
             start, record, source = decisions.for_program(executable, kind)
-            self.auto = AutoChooser(
-                Lowering("eager", self._runner, self._vectorized, self._vectorized_slots),
-                self._compile_alternative, device=kind, start=start, on_decide=record,
-                source=source)
+            self.auto = AutoChooser(self.runners.lowering, self._compile_alternative,
+                                    device=kind, start=start, on_decide=record,
+                                    source=source)
         #: Several stages: micro-batches run through them in schedule order
         #: (docs/semantics.md S-63).
-        self._staged = StagedProgram(executable.stages, wrap=executable.stage_runner) \
+        self._staged = StagedProgram(executable.stages, wrap=self.runners.stage_runner) \
             if executable.stages is not None else None
         self.rng = DeviceRng(self.options.random_seed, torch_device,
                               stream=self.options.process_id)
@@ -111,7 +112,7 @@ class Session(abc.ABC):
         self._saved = SavedTensors()
 
     def _compile_alternative(self) -> Lowering:
-        return warm_up.precompile(self.executable, self.executable.alternative(),
+        return warm_up.precompile(self.executable, self.runners.alternative(),
                           self.weights.state(0))
 
     def _use(self, lowering: Lowering) -> None:

@@ -16,6 +16,7 @@ from popart_compiler.optim.description import OptimizerDescription
 from popart_compiler.optim.device_optimizer import DeviceOptimizer, StepSettings
 from popart_compiler.runtime import collectives
 from popart_compiler.runtime.device import IpuModel
+from popart_compiler.runtime.lowering import Runners
 from popart_compiler.runtime.session import Session
 from popart_compiler.stages import Executable
 
@@ -47,8 +48,8 @@ class TrainingSession(Session):
     training = True
 
     def __init__(self, executable: Executable, device: Optional[IpuModel],
-                 optimizer: OptimizerDescription):
-        super().__init__(executable, device)
+                 optimizer: OptimizerDescription, runners: Optional[Runners] = None):
+        super().__init__(executable, device, runners)
         g = executable.graph
         o = self.options
         #: the other processes of a multi-process run (docs/semantics.md S-28), ``None`` for one

@@ -30,6 +30,7 @@ from popart_compiler.backends.auto import Lowering
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.runtime.device_state import DeviceWeights
+from popart_compiler.runtime.lowering import Runners
 from popart_compiler.stages import Executable
 
 __all__ = ["warm_up", "precompile"]
@@ -51,11 +52,13 @@ def _example_inputs(exe: Executable, slots: int) -> Optional[List[torch.Tensor]]
     return out
 
 
-def warm_up(exe: Executable) -> None:
+def warm_up(exe: Executable, runners: Runners) -> None:
     """Compile the inductor kernels of ``exe`` now by calling its compiled graph once
-    on copies of its weights and zero inputs; a no-op for the ``eager`` backend, with
-    floating-point exception checks (op-by-op interpreter), for staged programs and for
-    programs with host side effects (per-micro-batch ops).
+    (``runners``: ``exe`` lowered by :func:`~popart_compiler.runtime.lowering.lower`,
+    what the session will run) on copies of its weights and zero inputs; a no-op for
+    the ``eager`` backend, with floating-point exception checks (op-by-op
+    interpreter), for staged programs and for programs with host side effects
+    (per-micro-batch ops).
 
     Raises:
         Exception: what TorchInductor raises when the graph cannot be compiled (the
@@ -65,10 +68,11 @@ def warm_up(exe: Executable) -> None:
     if (exe.options.backend != "inductor" or exe.options.fp_exceptions or exe.staged
             or exe.graph.runs_per_micro_batch()):
         return
-    if exe.vectorized is not None:
-        fn, inputs = exe.vectorized, _example_inputs(exe, exe.vectorized_slots)
+    lowered = runners.lowering
+    if lowered.vectorized is not None:
+        fn, inputs = lowered.vectorized, _example_inputs(exe, lowered.vectorized_slots)
     else:
-        fn, inputs = exe.runner, _example_inputs(exe, 0)
+        fn, inputs = lowered.runner, _example_inputs(exe, 0)
     if inputs is None:
         return  # compiled at the first run instead
     state = DeviceWeights(exe, exe.options.device).state(0)

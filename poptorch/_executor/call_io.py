@@ -27,9 +27,12 @@ def _no_backward(*args, **kwargs):
                    "inferenceModel, you should use a trainingModel instead.")
 
 
-def bind(state: ExecutorState, args, kwargs) -> Tuple[BoundArgs, List[torch.Tensor], Spec]:
+def bind(state: ExecutorState, args, kwargs,
+         running: bool = True) -> Tuple[BoundArgs, List[torch.Tensor], Spec]:
     """Bind a call's arguments to ``forward`` and flatten them (docs/semantics.md S-20); check each
     tensor's batch dimension against ``N = D × (R / g) × A`` (docs/semantics.md S-11).
+    ``running=False`` (``compile()``, offline precompilation) admits inputs on the
+    ``meta`` device: compiling and estimating need shapes only.
 
     Returns:
         ``(bound, tensors, spec)``: the bound arguments, their tensors in order and
@@ -45,20 +48,21 @@ def bind(state: ExecutorState, args, kwargs) -> Tuple[BoundArgs, List[torch.Tens
     a = o.Training.gradient_accumulation if state.training else 1
     factor = d * (r // g) * a
     for name, t in zip(names, tensors):
-        check_input_storage(name, t)
+        check_input_storage(name, t, running)
         check_batch(name, t, factor, d, r, g, a)
     return bound, tensors, spec
 
 
-def check_input_storage(name: str, tensor: torch.Tensor) -> None:
+def check_input_storage(name: str, tensor: torch.Tensor, running: bool = True) -> None:
     """Raise unless ``tensor`` holds values the program can take: a dense (strided),
-    non-quantized tensor with data (not on the ``meta`` device), of plain
-    ``torch.Tensor`` kind or a subclass whose data is a plain tensor.
+    non-quantized tensor with data (not on the ``meta`` device when ``running``: a
+    compilation without a run needs shapes only), of plain ``torch.Tensor`` kind or a
+    subclass whose data is a plain tensor.
 
     Raises:
         poptorch.Error: naming the input and what to pass instead.
     """
-    if tensor.is_meta:
+    if running and tensor.is_meta:
         raise py_error(f"The input {name!r} is on the meta device, which holds no values: pass "
                        "a tensor with data (e.g. on the cpu, `x.to_empty(device='cpu')` "
                        "then fill it).")

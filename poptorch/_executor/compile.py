@@ -14,11 +14,11 @@ import torch
 
 from popart_compiler import compiler
 from popart_compiler.enums import ConnectionType
+from popart_compiler.ir import Graph
+from popart_compiler.runtime import reports
 from popart_compiler.runtime.device import acquire_device
-from popart_compiler.runtime.pipeline import (PipelineInferenceSession,
-                                              PipelineTrainingSession)
-from popart_compiler.runtime.session import InferenceSession
-from popart_compiler.runtime.training import TrainingSession
+from popart_compiler.runtime.lowering import lower
+from popart_compiler.runtime.sessions import open_session
 from popart_compiler.runtime.warm_up import warm_up
 from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOptions,
                                              ipu_model_env)
@@ -85,11 +85,12 @@ def capture_program(state: ExecutorState, bound: BoundArgs, spec: Spec,
 
 
 def _program(state: ExecutorState, bound: BoundArgs, tensors: List[torch.Tensor],
-             spec: Spec, sess_opts: SessionOptions, keep_blobs: bool
+             spec: Spec, sess_opts: SessionOptions, keep_blobs: bool, use_cache: bool = True
              ) -> Tuple[Program, Callable[[], Program]]:
     """The program of a fresh compilation: the cache entry for these inputs, else a
-    capture of one micro-batch (which then fills the entry); and how to capture it
-    again. ``keep_blobs``: serialize it before the compiler rewrites it."""
+    capture of one micro-batch (which then fills the entry; ``use_cache=False``: always
+    a capture, the cache untouched); and how to capture it again. ``keep_blobs``:
+    serialize it before the compiler rewrites it."""
     factor = state.batch_factor
     micro = [t[: t.shape[0] // factor] if t.dim() else t
              for t in call_io.device_inputs(state, tensors)]
@@ -101,7 +102,7 @@ def _program(state: ExecutorState, bound: BoundArgs, tensors: List[torch.Tensor]
         state.model, state.options, state.training, dict(state.per_replica_params), spec,
         list(bound.names), bound.num_positional, sess_opts.device, sess_opts.backend,
         state.poptorch_version)
-    program = cache.obtain_program(request, recapture)
+    program = cache.obtain_program(request, recapture) if use_cache else recapture()
     if keep_blobs and program.blobs is None:
         program.blobs = to_blobs(program)
     return program, recapture
@@ -109,14 +110,26 @@ def _program(state: ExecutorState, bound: BoundArgs, tensors: List[torch.Tensor]
 
 def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
                     tensors: List[torch.Tensor], spec: Spec,
-                    loaded: Optional[Program] = None, keep_blobs: bool = False) -> Compiled:
+                    loaded: Optional[Program] = None, keep_blobs: bool = False,
+                    stop_after: Optional[str] = None,
+                    check_capture: Optional[Callable[[Graph], None]] = None) -> Compiled:
     """Compile: obtain the program (``loaded``, a cache entry or a capture), compile it,
-    warm up Inductor, acquire the device and create the session. Writes the ONNX
-    model-proto file when ``POPTORCH_EXPORT_PROTO_FILE`` is set. Sets
-    ``state.progress``; commits nothing else.
+    report it (:func:`~popart_compiler.runtime.reports.report`: the profile report, a
+    program that does not fit), lower it and warm up Inductor, acquire the device and
+    create the session. Writes the ONNX model-proto file when
+    ``POPTORCH_EXPORT_PROTO_FILE`` is set. Sets ``state.progress``; commits nothing
+    else.
+
+    ``stop_after`` (the name of a compiler pass, see
+    :func:`popart_compiler.compiler.compile`) compiles a fresh capture up to that pass
+    and stops there: no cache, proto file, report, lowering, device or session (the
+    ``Compiled`` has ``device`` and ``session`` ``None``). ``poptorch.plan`` compiles
+    this way. ``check_capture`` is called with the captured graph before the compiler
+    runs (it raises what it refuses).
 
     Raises:
-        poptorch.Error: capture and compile errors, device selection (docs/semantics.md S-64, S-81).
+        poptorch.Error: capture and compile errors, device selection (docs/semantics.md S-64, S-81),
+            a ``stop_after`` that names no compiler pass.
     """
     o = state.options
     sess_opts, progress = session_options(state)
@@ -125,20 +138,30 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
     use_model, explicit, small = model_selection(o)
     sess_opts.small_ipu_model = small
     offline = sess_opts.connection_type is ConnectionType.Never
+    partial = stop_after is not None
     try:
         progress(0, 10)
-        compiler.prepare(sess_opts)  # overlaps the capture
+        if not partial:
+            compiler.prepare(sess_opts)  # overlaps the capture
         if loaded is not None:
             program, recapture = loaded, None
         else:
-            program, recapture = _program(state, bound, tensors, spec, sess_opts, keep_blobs)
-        export_proto_if_requested(program)
+            program, recapture = _program(state, bound, tensors, spec, sess_opts, keep_blobs,
+                                          use_cache=not partial)
+        if check_capture is not None:
+            check_capture(program.captured.graph)
+        if not partial:
+            export_proto_if_requested(program)
         progress(4, 10)
         exe = compiler.compile(program.captured.graph, sess_opts, state.training,
                                progress=lambda p, t: progress(4 + (5 * p) // t, 10),
                                optimizer=state.binding.description
-                               if state.training else None)
-        warm_up(exe)  # the inductor backend compiles its kernels here
+                               if state.training else None, stop_after=stop_after)
+        if partial:
+            return Compiled(program, exe, None, None, recapture)
+        reports.report(exe)  # the profile report; a program that does not fit
+        runners = lower(exe)  # what the session runs, lowered to the backend
+        warm_up(exe, runners)  # the inductor backend compiles its kernels here
         # The IPUs needed are known once the graph is placed (docs/semantics.md S-64); with
         # ConnectionType.OnDemand the device is acquired after compiling too.
         device = acquire_device(exe.num_ipus, sess_opts.ipu_model_version,
@@ -152,9 +175,6 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
         progress.close()
     session = None
     if not offline:
-        pipelined = sess_opts.pipeline_across_processes  # one process per stage
-        training_cls = PipelineTrainingSession if pipelined else TrainingSession
-        inference_cls = PipelineInferenceSession if pipelined else InferenceSession
-        session = training_cls(exe, device, state.binding.description) \
-            if state.training else inference_cls(exe, device)
+        session = open_session(exe, device, state.binding.description
+                               if state.training else None, runners)
     return Compiled(program, exe, device, session, recapture)

@@ -12,7 +12,6 @@ state) and :mod:`poptorch._files.export` (files). :mod:`.wrapping` creates execu
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import threading
 from typing import Any, Callable, Dict, List, Optional
@@ -20,11 +19,13 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from popart_compiler.errors import py_error
+from popart_compiler.stages import Executable
 from poptorch import enums, optim
 from poptorch._capture.args import ArgsParser, BoundArgs, Spec
 from poptorch._executor import call_io
 from poptorch._executor import compile as compile_
-from poptorch._executor import host_sync, inspection, instrument, lifecycle
+from poptorch._executor import host_sync, instrument, lifecycle
+from poptorch._executor.inspection_api import InspectionMethods
 from poptorch._executor.optimizer_binding import OptimizerBinding
 from poptorch._executor.replica_grouping import ReplicaGroupingProxy
 from poptorch._executor.state import NO_EXECUTABLE, ExecutorState, executor_options
@@ -57,7 +58,7 @@ def _unpickled_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-class PoplarExecutor:
+class PoplarExecutor(InspectionMethods):
     """A model wrapped for the (simulated) IPU. Created by :func:`poptorch.trainingModel`,
     :func:`poptorch.inferenceModel` — not directly.
 
@@ -203,6 +204,23 @@ class PoplarExecutor:
             self._state, bound, tensors, spec, loaded, keep_blobs))
 
     @serialised
+    def _compile_until(self, stop_after: str, *args, check_capture=None,
+                       **kwargs) -> Executable:
+        """Capture these example arguments afresh and compile them up to the compiler
+        pass ``stop_after`` (:func:`compile_.compile_program`, which calls
+        ``check_capture(graph)`` on the capture first), committing nothing: the executor
+        stays uncompiled. ``poptorch.plan`` compiles this way.
+
+        Raises:
+            poptorch.Error: capture and compile errors; ``stop_after`` names no pass of
+                ``popart_compiler.compiler.PASSES``; what ``check_capture`` raises.
+        """
+        bound, tensors, spec = call_io.bind(self._state, args, kwargs, running=False)
+        return compile_.compile_program(self._state, bound, tensors, spec,
+                                        stop_after=stop_after,
+                                        check_capture=check_capture).executable
+
+    @serialised
     def compile(self, *args, **kwargs) -> None:
         """Capture and compile with these example arguments, attach and upload weights,
         optimizer and RNG state — like the first call, without running
@@ -213,7 +231,7 @@ class PoplarExecutor:
         if self.isCompiled():
             logger.warning("Call to compile() ignored: the executable is already compiled")
             return
-        self._compile(*call_io.bind(self._state, args, kwargs))
+        self._compile(*call_io.bind(self._state, args, kwargs, running=False))
 
     def compileAndExport(self, filename: str, *args, export_model: bool = True,
                          **kwargs) -> None:
@@ -225,7 +243,7 @@ class PoplarExecutor:
                 logger.warning("Call to compile() ignored: the executable is already "
                                "compiled")
             else:
-                bound, tensors, spec = call_io.bind(self._state, args, kwargs)
+                bound, tensors, spec = call_io.bind(self._state, args, kwargs, running=False)
                 self._compile(bound, tensors, spec, keep_blobs=True)
         self.save(filename, export_model=export_model, save_rng_state=True)
 
@@ -476,113 +494,3 @@ class PoplarExecutor:
             if state is not None:
                 with self._lock:
                     lifecycle.release(state, self)
-
-    # -- inspection (see inspection.py) ---------------------------------------------------
-
-    def cycleCount(self) -> int:
-        """Cycles of the last run on the first replica (docs/api-sections.md api §5.17).
-
-        PopTorch counts them on IPU hardware only and fails to compile on the Poplar
-        IPU Model. This IPU Model goes further: it returns its estimate of the run
-        (:mod:`popart_compiler.cost.cycle_model`: per-op cost, pipeline schedule, weight
-        update), which is deterministic and does not depend on the host.
-
-        Raises:
-            poptorch.Error: ``Options.logCycleCount(True)`` was not set, or the model
-                has not run since it was compiled.
-        """
-        return inspection.cycle_count(self._state)
-
-    def estimatedThroughput(self, host_loop: bool = False) -> float:
-        """The IPU Model's estimate of the samples per second of all replicas (not a
-        PopTorch method): micro-batch × micro-batches per step × replicas over the
-        estimated time of a step (pipeline schedule, weight update, stream copies), as
-        the device sees it; with ``host_loop=True`` as a Python loop of calls sees it
-        (the call's host time added: host link, outputs, PopTorch's per-call work;
-        ``docs/ipu-model-estimates.md``).
-
-        Raises:
-            poptorch.Error: not compiled.
-        """
-        summary = self.ipuModelEstimate()
-        if host_loop and summary.get("host"):
-            return float(summary["host"]["samples_per_second"])
-        return float(summary["cycles"]["samples_per_second"])
-
-    def ipuModelEstimate(self) -> Dict[str, Any]:
-        """The IPU Model's estimate of the compiled program (not a PopTorch method):
-        the figures written to ``profile.json`` — memory per IPU by category (bytes),
-        largest tensors, cycles per run, pipeline stages and schedule, samples per
-        second (see ``docs/ipu-model-estimates.md``).
-
-        Raises:
-            poptorch.Error: not compiled.
-        """
-        return inspection.ipu_model_estimate(self._state)
-
-    def compilationTime(self) -> datetime.timedelta:
-        """Wall-clock time of the last compilation (docs/api-sections.md api §5.18).
-
-        Raises:
-            poptorch.Error: not compiled, or the progress bar was disabled.
-        """
-        return inspection.compilation_time(self._state)
-
-    def getPerfCounters(self) -> Dict[str, List[List[float]]]:
-        """Host timestamps of the transfers of the last run (docs/api-sections.md api §5.19)."""
-        return inspection.perf_counters(self._state)
-
-    def getHostIpuLatency(self):
-        """``(min, max, mean)`` seconds from input start to input complete."""
-        return inspection.latency(self._state, "input", min, "input_complete", max)
-
-    def getComputeLatency(self):
-        """``(min, max, mean)`` seconds from input complete to output start."""
-        return inspection.latency(self._state, "input_complete", max, "output", max)
-
-    def getIpuHostLatency(self):
-        """``(min, max, mean)`` seconds from output start to output complete."""
-        return inspection.latency(self._state, "output", min, "output_complete", max)
-
-    def getLatency(self):
-        """``(min, max, mean)`` seconds from input start to output complete."""
-        return inspection.latency(self._state, "input", min, "output_complete", max)
-
-    def getTensorNames(self) -> List[str]:
-        """Names of the tensors of the compiled graph (docs/semantics.md S-16).
-
-        Raises:
-            AssertionError: not compiled.
-        """
-        return inspection.tensor_names(self._state)
-
-    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
-        """The value of an anchor (``Options.anchorTensor``) captured by the last run.
-
-        Raises:
-            AssertionError: "No tensor with name <n> found." (unknown name or no run).
-        """
-        return inspection.anchored_tensor(self._state, short_name)
-
-    def placementSummary(self, backward: bool = True) -> str:
-        """Where the compiled program runs, as a readable table (docs/api-sections.md api §9,
-        docs/semantics.md S-60).
-
-        One row per (IPU, pipeline stage, phase) with the number of forward ops, of
-        backward ops (training; counted on the joint forward/backward graph, ``-``
-        with ``backward=False``), and the number and bytes of the parameters whose
-        weight update runs there. The title gives the execution strategy, the IPUs
-        per replica and the number of stages (``2F − 1`` for pipelined training,
-        docs/semantics.md S-63). The same table (without backward counts) is logged at DEBUG when
-        the model compiles. Not part of PopTorch's API.
-
-        Raises:
-            poptorch.Error: the model is not compiled yet.
-        """
-        return inspection.placement_summary(self._state, backward)
-
-    def _debugGetPopartIR(self) -> str:
-        """A text listing of the compiled graph's operations with their scoped names and
-        the annotations the IPU compiler would read (``MultiConv``, ``Attribute``,
-        available memory; docs/api-sections.md api §8)."""
-        return inspection.program_text(self._state)

@@ -1,10 +1,11 @@
-"""Creating executors: ``trainingModel`` / ``inferenceModel`` (:func:`wrap`) and
+"""Creating executors: ``trainingModel`` / ``inferenceModel`` (:func:`wrap`),
 ``poptorch.load`` (:func:`wrap_loaded`, the one entry that builds a wrapper from a loaded
-program)."""
+program) and the short-lived executor of ``poptorch.plan``'s capture (:func:`transient`)."""
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -14,7 +15,7 @@ from poptorch._files import export
 from poptorch._version import __version__
 from poptorch.options import Options
 
-__all__ = ["wrap", "wrap_loaded"]
+__all__ = ["wrap", "wrap_loaded", "transient"]
 
 
 def wrap(model: torch.nn.Module, options: Optional[Options], training: bool,
@@ -66,3 +67,25 @@ def wrap_loaded(loaded: "export.Loaded") -> PoplarExecutor:
         with loaded.part("metadata.json.rng_state"):
             executor.rng_state = loaded.rng_state
     return executor
+
+
+@contextlib.contextmanager
+def transient(model: torch.nn.Module, options: Optional[Options], training: bool,
+              optimizer: Optional[torch.optim.Optimizer] = None) -> Iterator[PoplarExecutor]:
+    """An executor of ``model`` (:func:`wrap`) for the ``with`` block only: on exit a
+    training executor hands back what it holds and removes the model's instrumentation
+    (as when it goes away), and the model is no longer registered as wrapped for
+    training, whether the block succeeded or raised.
+
+    Raises:
+        RuntimeError: training: the model is already wrapped by a live training
+            executor.
+    """
+    executor = wrap(model, options, training, optimizer=optimizer)
+    state = executor._state
+    try:
+        yield executor
+    finally:
+        lifecycle.release(state, executor)
+        if host_sync.TRAINING_WRAPPERS.get(id(state.user_model)) is executor:
+            del host_sync.TRAINING_WRAPPERS[id(state.user_model)]

@@ -11,7 +11,7 @@ duration of the capture only:
   layer (:func:`checkpoint_outputs`), each tagged as the planner's;
 * every vocabulary projection computed by :class:`SerializedLinear` (factor 1).
 
-The compiler's passes then run up to (not including) lowering and the estimate, and
+The executor's compile entry then compiles it up to (not including) the estimate, and
 the program is costed twice: with the checkpoints (*A*) and with them removed from the
 graph (*B*) (:class:`popart_compiler.planner.variants.Variants`). A plan applied to the
 model (:mod:`.apply`) makes the same changes with its own choices, so that compiling it
@@ -26,7 +26,6 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from popart_compiler import compiler
 from popart_compiler.cost.cost_model import cycle_settings, memory_settings
 from popart_compiler.cost.ipu_model import target_for
 from popart_compiler.cost.op_costs import collect, steering_op, with_serialization
@@ -35,9 +34,8 @@ from popart_compiler.planner.problem import DEFAULT_PROPORTIONS, Problem
 from popart_compiler.planner.units import check_blocks, find_units
 from popart_compiler.planner.variants import Variants
 from poptorch import enums
-from poptorch._executor import call_io
 from poptorch._executor import compile as compile_
-from poptorch._executor import host_sync, lifecycle, wrapping
+from poptorch._executor import wrapping
 from poptorch._executor.state import executor_options
 from poptorch._ops.blocks import _BeginBlockHook
 from poptorch._ops.compiler_hints import recomputationCheckpoint, serializedMatMul
@@ -50,6 +48,9 @@ __all__ = ["Planning", "capture_for_planning", "checkpoint_outputs", "Serialized
 
 #: ``node.meta["custom"]`` key on the planner's checkpoint markers.
 PLAN_MARKER = "poptorch_plan_checkpoint"
+#: The compiler pass the planner's compilation stops after: the one before the
+#: estimate, which the planner makes itself for each candidate.
+_LAST_PASS = "vectorize"
 
 
 class SerializedLinear(nn.Module):
@@ -178,27 +179,14 @@ def _planning_options(options: Options, training: bool) -> Options:
 
 def _capture(model, inputs, options, optimizer, training, units: Sequence[str]
              ) -> Tuple[Graph, object]:
-    """Capture ``model`` with ``inputs`` and run the compiler's passes up to the
-    lowering; returns ``(graph, optimizer description)``."""
+    """Capture ``model`` with ``inputs`` and compile it up to the estimate through the
+    executor's compile entry; returns ``(graph, optimizer description)``."""
     opts = _planning_options(options, training)
-    wrapper = wrapping.wrap(model, opts, training, optimizer=optimizer if training else None)
-    state = wrapper._state
-    try:
-        sess_opts, _ = compile_.session_options(state)
-        sess_opts.small_ipu_model = compile_.model_selection(state.options)[2]
-        bound, tensors, spec = call_io.bind(state, tuple(inputs), {})
-        micro = call_io.device_inputs(state, tensors)
-        program = compile_.capture_program(state, bound, spec, micro, sess_opts.device)
-        description = state.binding.description if training else None
-        passes = [p for p in compiler.PASSES if p.name not in ("lower", "estimate")]
-        graph = program.captured.graph
-        check_blocks(graph, set(units))
-        compiler.compile(graph, sess_opts, training, optimizer=description, passes=passes)
-        return graph, description
-    finally:
-        lifecycle.release(state, wrapper)
-        if host_sync.TRAINING_WRAPPERS.get(id(model)) is wrapper:
-            del host_sync.TRAINING_WRAPPERS[id(model)]
+    with wrapping.transient(model, opts, training,
+                            optimizer if training else None) as wrapper:
+        exe = wrapper._compile_until(_LAST_PASS, *inputs, check_capture=lambda graph:
+                                     check_blocks(graph, set(units)))
+    return exe.graph, exe.optimizer
 
 
 def _remove_markers(graph: Graph, markers: Sequence[str]) -> None:

@@ -18,7 +18,7 @@ NAMES = ["check_options", "check_inputs", "demote_float64", "retarget_device",
          "remove_inference_dropout", "check_loss", "check_buffers",
          "check_replica_groupings", "check_overlapped_io", "record_available_memory",
          "resolve_anchors", "name_tensors", "place", "session_defaults", "split_stages",
-         "vectorize", "lower", "estimate"]
+         "vectorize", "estimate"]
 
 
 def test_passes_are_the_compiler_in_order():
@@ -41,10 +41,10 @@ def test_compile_runs_every_pass_and_reports_progress(compiler_logs):
                            progress=lambda done, total: calls.append((done, total)))
     assert calls == [(i, len(NAMES)) for i in range(len(NAMES) + 1)]
     assert [name for name, _ in exe.passes] == NAMES
-    assert [name for name, changed in exe.passes if changed] == ["place"]
+    assert [name for name, changed in exe.passes if changed] == []  # place: metadata
     assert exe.num_ipus == 1 and exe.loss_index is None and not exe.training
     assert exe.compile_seconds > 0 and exe.estimate is not None
-    assert exe.runner is exe.module and exe.stages is None
+    assert exe.stages is None
     assert exe.placement.stages == (0,)
     for i, name in enumerate(NAMES, 1):
         assert f"Compiler pass {i}/{len(NAMES)}: {name}" in compiler_logs.text
@@ -58,7 +58,7 @@ def test_training_executable():
     assert exe.num_user_outputs == 2 and [a.name for a in exe.activation_anchors] == \
         ["Relu:0"]
     assert exe.vectorized is None and "Gradient___fc1.weight" in exe.tensor_names
-    assert [name for name, changed in exe.passes if changed] == ["resolve_anchors", "place"]
+    assert [name for name, changed in exe.passes if changed] == ["resolve_anchors"]
 
 
 def test_compile_runs_the_passes_it_is_given():
@@ -68,8 +68,8 @@ def test_compile_runs_the_passes_it_is_given():
                            progress=lambda done, total: calls.append((done, total)),
                            passes=passes)
     assert calls == [(0, 2), (1, 2), (2, 2)]
-    assert exe.passes == [("check_options", False), ("place", True)]
-    assert exe.runner is None and exe.estimate is None  # lower / estimate did not run
+    assert exe.passes == [("check_options", False), ("place", False)]
+    assert exe.estimate is None  # estimate did not run
 
 
 def test_a_graph_without_device_work_is_reported(compiler_logs):
@@ -110,3 +110,26 @@ def test_prepare_starts_the_cpu_probe_of_inductor_only(monkeypatch, options, pro
     monkeypatch.setattr(compiler.inductor, "start_probing_cpu", lambda: calls.append(1))
     compiler.prepare(options)
     assert calls == ([1] if probes else [])
+
+
+def test_compile_stops_after_the_named_pass():
+    calls = []
+    exe = compiler.compile(export(MLP(), torch.randn(2, 4)),
+                           SessionOptions(device_iterations=2), False,
+                           progress=lambda done, total: calls.append((done, total)),
+                           stop_after="vectorize")
+    assert [name for name, _ in exe.passes] == NAMES[:NAMES.index("vectorize") + 1]
+    assert calls[-1] == (len(NAMES) - 1, len(NAMES) - 1)
+    assert exe.estimate is None and exe.placement is not None
+    assert exe.vectorized is not None and exe.vectorized_slots == 2
+    exe = compiler.compile(export(MLP(), torch.randn(2, 4)), SessionOptions(), False,
+                           stop_after="check_options")
+    assert exe.passes == [("check_options", False)] and exe.placement is None
+
+
+def test_compile_refuses_an_unknown_stop():
+    with pytest.raises(Error, match=r"compile\(stop_after='lower'\): no compiler pass has "
+                                    r"that name. Name one of: check_options, check_inputs, "
+                                    r".*, vectorize, estimate\.$"):
+        compiler.compile(export(MLP(), torch.randn(2, 4)), SessionOptions(), False,
+                         stop_after="lower")

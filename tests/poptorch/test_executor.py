@@ -255,3 +255,29 @@ def test_optimizer_is_logged_once_per_compile(poptorch_logs):
     m = Classifier()
     poptorch.trainingModel(m)(torch.randn(2, 6), torch.randint(0, 4, (2,)))
     assert poptorch_logs.text.count("Updating graph optimizer with SGD") == 1
+
+
+# -- compiling part of the way (poptorch.plan's entry) -----------------------------------
+
+def test_a_transient_executor_compiles_up_to_a_pass_and_commits_nothing(tmp_path):
+    """``wrapping.transient`` + ``_compile_until``: the normal compile entry, stopped
+    after a named pass; the executor stays uncompiled, the cache is not touched, and
+    the training model is handed back uninstrumented."""
+    from poptorch._executor import wrapping
+    m = Classifier()
+    seen = []
+    opts = poptorch.Options().enableExecutableCaching(str(tmp_path / "cache"))
+    with wrapping.transient(m, opts, True, poptorch.optim.SGD(m.parameters(), lr=0.1)) \
+            as executor:
+        assert type(m).__name__ == "PoptorchClassifier"
+        exe = executor._compile_until("place", torch.randn(2, 6), torch.tensor([1, 3]),
+                                      check_capture=seen.append)
+        assert not executor.isCompiled()
+    assert type(m) is Classifier
+    assert [name for name, _ in exe.passes][-1] == "place" and exe.estimate is None
+    assert exe.training and exe.optimizer is not None and exe.placement is not None
+    assert seen == [exe.graph]  # checked as captured, before the passes
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(poptorch.Error, match="no compiler pass has that name"):
+        poptorch.inferenceModel(SingleLinear())._compile_until("lower", torch.randn(2, 6))
+    poptorch.trainingModel(m)  # no longer registered as wrapped for training

@@ -166,3 +166,14 @@ def test_inputs_the_program_cannot_take_are_an_error(make, what):
         wrapper(make())
     x, _ = data()
     torch.testing.assert_close(wrapper(x), model(x))  # nothing broken
+
+
+def test_meta_inputs_compile_for_an_offline_estimate():
+    """compile() needs shapes only: offline estimates of large models build weights and
+    inputs on the meta device (``useOfflineIpuTarget``); calls refuse meta inputs
+    (``test_inputs_the_program_cannot_take_are_an_error``)."""
+    model = Net().eval().to("meta")
+    wrapper = poptorch.inferenceModel(model, poptorch.Options().useOfflineIpuTarget(1))
+    wrapper.compile(torch.empty(8, 6, device="meta"))
+    assert wrapper.isCompiled()
+    assert wrapper.ipuModelEstimate()["cycles"]["samples_per_second"] > 0

@@ -1,6 +1,7 @@
 """The pass tests' runner: one pass on a graph, as ``compile()`` runs it."""
 import pytest
 
+from popart_compiler import compiler
 from popart_compiler.passes.base import Compilation, Pass, PassResult
 from popart_compiler.verify import verify
 
@@ -8,13 +9,14 @@ from popart_compiler.verify import verify
 def _run(run, graph, c: Compilation) -> PassResult:
     """Run the pass function ``run`` on ``graph`` as :func:`popart_compiler.compiler.
     compile` does (``graph.refresh()`` after a change), then check the result with
-    :func:`popart_compiler.verify.verify`."""
-    p = Pass.of(run)
+    :func:`popart_compiler.verify.verify` and what the pass ensures (its entry in
+    :data:`~popart_compiler.compiler.PASSES`)."""
+    p = next((q for q in compiler.PASSES if q.run is run), None) or Pass.of(run)
     result = p(graph, c)
     assert isinstance(result, PassResult)
     if result.changed:
         result.graph.refresh()
-    verify(result.graph, c, after=p.name)
+    verify(result.graph, c, after=p.name, ensures=p.ensures)
     return result
 
 

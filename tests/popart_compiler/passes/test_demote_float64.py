@@ -57,3 +57,17 @@ def test_demoted_values_are_described_as_float32(run_pass):
     assert dtypes == {"to": torch.float32, "mul": torch.float32, "zeros": torch.float32,
                       "add": torch.float32}
     assert [i.dtype for i in g.user_outputs] == [torch.float32]
+
+
+def test_float64_weights_alone_are_described_as_float32(run_pass):
+    """A double model has no float64 in its op arguments, only in its state: what its
+    ops compute on the device (float32 copies of the weights) is float32 too (the
+    failing input: ``nn.Linear(2, 3).double()``, whose linear stayed float64)."""
+    model = nn.Linear(2, 3).double()
+    g = export(model, torch.randn(1, 2, dtype=torch.float64))
+    result = run_pass(demote_float64, g, Compilation(SessionOptions(), False))
+    assert result.changed
+    computed = [n.meta["val"].dtype for n in g.module.graph.nodes
+                if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)]
+    assert computed and all(d == torch.float32 for d in computed)
+    assert [i.dtype for i in g.user_outputs] == [torch.float32]

@@ -1,18 +1,12 @@
 """``estimate`` (passes/estimate.py): the IPU Model's memory and cycles of the placed
-program (``c.estimate``), the profile report when asked for (docs/semantics.md S-85) and the report
-of a
-program that does not fit: a warning, as Poplar's IPU Model, or the error in strict
-mode."""
-import json
-
-import pytest
+program (``c.estimate``). The pass writes no file and raises nothing for a program that
+does not fit: the runtime reports it (``tests/popart_compiler/runtime/test_reports.py``)."""
 import torch
 import torch.nn as nn
 
 from models import MLP, export
 from popart_compiler import compiler
 from popart_compiler.cost.cost_model import IpuEstimate
-from popart_compiler.errors import Error
 from popart_compiler.passes.base import Compilation
 from popart_compiler.passes.estimate import estimate
 from popart_compiler.passes.placement import place
@@ -49,38 +43,22 @@ class Wide(nn.Module):
         return self.fc(x)
 
 
-def test_out_of_memory_warns_and_estimates(run_pass, compiler_logs):
-    g, c = placed(Wide(), torch.randn(1, 1024), SessionOptions(small_ipu_model=True))
-    run_pass(estimate, g, c)
-    assert c.estimate is not None and not c.estimate.fits
-    assert "The program does not fit in the IPU's memory (the IPU Model runs it" in \
-        compiler_logs.text
-
-
-def test_out_of_memory_in_strict_mode_raises():
+def test_a_program_that_does_not_fit_is_estimated_quietly(run_pass, compiler_logs):
+    """The pass only estimates: the runtime reports a program that does not fit
+    (``runtime/reports.py``), even in strict mode."""
     g, c = placed(Wide(), torch.randn(1, 1024),
                   SessionOptions(small_ipu_model=True, strict_memory=True))
-    with pytest.raises(Error) as info:
-        estimate(g, c)
-    assert info.value.type == "poplar_out_of_memory"
-    assert c.estimate is None
-    allowed = SessionOptions(small_ipu_model=True, strict_memory=True,
-                             raw={"engineOptions": {"debug.allowOutOfMemory": "true"}})
-    g, c = placed(Wide(), torch.randn(1, 1024), allowed)
-    estimate(g, c)
-    assert not c.estimate.fits
+    run_pass(estimate, g, c)
+    assert c.estimate is not None and not c.estimate.fits
+    assert "does not fit" not in compiler_logs.text
 
 
-def test_profile_report_is_written_when_asked_for(run_pass, tmp_path):
+def test_the_pass_writes_no_report(run_pass, tmp_path):
     raw = {"engineOptions": {"autoReport.all": "true",
                              "autoReport.directory": str(tmp_path)}}
     g, c = placed(MLP(), torch.randn(2, 4), SessionOptions(raw=raw))
     run_pass(estimate, g, c)
-    report = json.loads((tmp_path / "inference" / "profile.json").read_text())
-    assert report["model_name"] == "inference" and report["training"] is False
-    assert report["cycles"]["run"] == int(c.estimate.cycles.run_cycles)
-    assert sorted(p.name for p in (tmp_path / "inference").iterdir()) == \
-        ["profile.html", "profile.json", "profile.pop"]
+    assert c.estimate is not None and list(tmp_path.iterdir()) == []
 
 
 class Exps(nn.Module):

@@ -41,17 +41,19 @@ def test_markers_present_and_valid_placements(inference_problem):
     assert p.proportions == (0.3, 0.6) and DEFAULT_PROPORTIONS[0] == 0.1
     assert p.present([StageSpec(0, 3, 0, 1)]) == set()
     assert p.valid([StageSpec(0, 3, 0, 1)])
-    # autoRecomputation is Pipeline (PopTorch's default): the program recomputes anyway
-    assert p.user_recomputes and p.valid([StageSpec(0, 3, 0, 1, checkpoint=True)])
+    # inference never recomputes: planner checkpoints would change nothing
+    assert not p.recomputes(1) and not p.recomputes(2)
+    assert not p.valid([StageSpec(0, 3, 0, 1, checkpoint=True)])
     marked = [Unit("a", True, 0, 1, ("m0",)), Unit("b", True, 1, 2, ("m1",)),
               Unit("c", False, 2, 3)]
     p2 = copy.copy(p)
-    p2.units, p2.user_recomputes = marked, False
-    # planner checkpoints without a single marker present: the program without them
+    p2.units = marked
+    # planner checkpoints where nothing recomputes (inference): not a valid placement
     assert not p2.valid([StageSpec(0, 2, 0, 1, checkpoint=False)])
     stages = [StageSpec(0, 1, 0, 2, checkpoint=False), StageSpec(2, 2, 1, 2, False)]
     assert p2.present(stages) == {"m1"}  # the stage's last layer output only
     assert p2.present([StageSpec(0, 1, 0, 2, True), StageSpec(2, 2, 1, 2, True)]) == \
         {"m0", "m1"}
-    assert p2.valid(stages)
+    assert not p2.valid(stages)
+    assert p2.valid([StageSpec(0, 1, 0, 2), StageSpec(2, 2, 1, 2)])  # no checkpoints
     assert StageSpec(2, 2, 1, 2).final and not StageSpec(0, 1, 0, 2).final

@@ -11,6 +11,7 @@ from popart_compiler import compiler
 from popart_compiler.backends.auto import Lowering
 from popart_compiler.errors import Error
 from popart_compiler.ir import Graph
+from popart_compiler.runtime.lowering import Runners
 from popart_compiler.runtime.warm_up import precompile, warm_up
 from popart_compiler.session_options import SessionOptions
 
@@ -40,15 +41,17 @@ def exe():
 
 
 def _as(exe, runner, **options):
-    # a stateful program: the warm-up calls the per-micro-batch runner
-    return dataclasses.replace(exe, runner=runner, vectorized=None,
-                               options=dataclasses.replace(exe.options, **options))
+    """``(exe, runners)``: ``exe`` with ``options`` and ``runner`` as its lowered
+    per-micro-batch runner (no vectorized graph: the warm-up calls the runner)."""
+    exe = dataclasses.replace(exe, vectorized=None,
+                              options=dataclasses.replace(exe.options, **options))
+    return exe, Runners(Lowering(options.get("backend", "eager"), runner))
 
 
 def test_the_inductor_backend_calls_the_graph_once_on_weights_and_zeros(exe):
     rec = Recorder()
     torch.manual_seed(3)
-    warm_up(_as(exe, rec, backend="inductor"))
+    warm_up(*_as(exe, rec, backend="inductor"))
     after = torch.rand(2)
     torch.manual_seed(3)
     assert torch.equal(after, torch.rand(2))  # the host generator is as it was
@@ -62,14 +65,14 @@ def test_the_inductor_backend_calls_the_graph_once_on_weights_and_zeros(exe):
                                      dict(backend="inductor", fp_exceptions=True)])
 def test_nothing_runs_without_kernels_to_compile(exe, options):
     rec = Recorder()
-    warm_up(_as(exe, rec, **options))
+    warm_up(*_as(exe, rec, **options))
     assert rec.calls == []
 
 
 def test_a_compilation_error_is_raised(exe):
     rec = Recorder(error=RuntimeError("inductor failed"))
     with pytest.raises(RuntimeError, match="inductor failed"):
-        warm_up(_as(exe, rec, backend="inductor"))
+        warm_up(*_as(exe, rec, backend="inductor"))
 
 
 def test_precompile_passes_stand_ins_of_the_state_and_inputs(exe):
