@@ -29,6 +29,7 @@ from poptorch._capture import data_dependence, number_reads
 from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
+from poptorch._capture.eager_words import in_eager_words
 from poptorch._capture.guard import capture_guard, thread_stderr
 from poptorch._capture.substitution import OverwriteContextManager
 from poptorch._capture.warnings import at_user_code
@@ -528,6 +529,7 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             strategy = PipelinedExecution()
         blocks = strategy._placements(history)
     except Exception as exc:
+        in_eager_words(exc)  # never name the capture's stand-ins (FakeTensor, ...)
         try:
             _check_state_unchanged(model, before)  # S-5 explains most failures
         finally:
