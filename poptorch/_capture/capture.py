@@ -25,7 +25,7 @@ from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 from poptorch import _impl
-from poptorch._capture import data_dependence, number_reads
+from poptorch._capture import data_dependence, number_reads, storage_reads
 from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
@@ -536,6 +536,8 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             _restore_state(model, before)
         if isinstance(exc, Error):
             raise
+        if storage_reads.is_storage_read(exc):
+            raise storage_reads.storage_error(exc) from None
         if data_dependence.is_data_dependent(exc):
             raise data_dependence.data_dependent_error(exc) from None
         frame = _user_frame(exc)

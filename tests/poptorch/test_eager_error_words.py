@@ -64,3 +64,62 @@ def test_eager_text_rewrites_only_stand_in_names():
     # The user's own words stay: a bare "Proxy", "MyFakeTensorLike", "Tensor".
     assert eager_text("Proxy server MyFakeTensorLike Tensor") == \
         "Proxy server MyFakeTensorLike Tensor"
+
+
+# -- reading a tensor's memory during capture ---------------------------------------------
+
+class _DeepCopies(nn.Module):
+    def forward(self, x):
+        import copy
+        return copy.deepcopy(x) + 1
+
+
+def test_storage_read_names_the_line_not_fake_tensors():
+    model = poptorch.inferenceModel(_DeepCopies())
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.ones(2))
+    text = str(info.value)
+    assert "reads the memory of a tensor" in text
+    assert f"{__file__}:" in text and "copy.deepcopy(x)" in text
+    assert "FakeTensor" not in text and "FunctionalTensor" not in text
+
+
+_FAKE_LIGHTNING = '''
+import copy
+
+import torch
+
+
+def log(name, value):
+    # As Lightning's metric objects do: copy a state tensor made for the value.
+    copy.deepcopy(torch.zeros((), dtype=value.dtype))
+'''
+
+
+def test_lightning_log_in_captured_step_says_so(tmp_path, monkeypatch):
+    # A stand-in laid out like Lightning: lightning/pytorch/core/module.py's log().
+    package = tmp_path / "lightning" / "pytorch" / "core"
+    package.mkdir(parents=True)
+    (package / "module.py").write_text(_FAKE_LIGHTNING)
+    monkeypatch.syspath_prepend(str(package))
+    import importlib
+    fake = importlib.import_module("module")
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            loss = self.lin(x).sum()
+            fake.log("train_loss", loss)
+            return poptorch.identity_loss(loss, reduction="sum")
+
+    model = poptorch.trainingModel(Step())
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.ones(1, 2))
+    text = str(info.value)
+    assert "calls Lightning's logging" in text
+    assert 'fake.log("train_loss", loss)' in text and f"{__file__}:" in text
+    assert "on_train_batch_end" in text
+    assert "FakeTensor" not in text
