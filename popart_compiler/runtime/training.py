@@ -271,3 +271,13 @@ class TrainingSession(Session):
     def readOptimizerParams(self) -> Dict[str, torch.Tensor]:
         """Hyper-parameter tensors by PopART name (``ipu_param``, S-56)."""
         return self.optimizer.hyper_parameters()
+
+    def writeOptimizerParams(self, params: Dict[str, torch.Tensor]) -> None:
+        """Write hyper-parameter tensors by PopART name (``ipu_param``, S-56): the
+        following weight updates use them until :meth:`setOptimizer` sends new values.
+        Unknown names are ignored, missing ones keep their values.
+
+        Raises:
+            TypeError: a value is not a one-element tensor.
+        """
+        self.optimizer.write_hyper_parameters(params)
