@@ -27,6 +27,11 @@ __all__ = ["TrainingSession"]
 _AUTOGRAD_LOCK = threading.Lock()
 
 
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` / ``float16`` for the optimizer log line."""
+    return str(dtype).rpartition(".")[2]
+
 class TrainingSession(Session):
     """Runs a training executable: per device iteration, ``A`` forward/backward
     micro-batches on each replica, the reduction of S-41, then one optimizer step.
@@ -86,7 +91,14 @@ class TrainingSession(Session):
     @staticmethod
     def _log_optimizer(description: OptimizerDescription) -> None:
         lines = description.describe()
-        logger.debug("Updating graph optimizer with %s", lines[0])
+        d = description
+        first = d.velocity_accum_type if d.type == "SGD" else d.first_order_type
+        # PopTorch's words: the storage types and the variant follow the values.
+        logger.debug("Updating graph optimizer with %s, accumType=%s, "
+                     "firstOrderMomentumAccumType=%s, secondOrderMomentumAccumType=%s, "
+                     "useTfVariant=%d, maxGradNorm=%s", lines[0], _dtype_name(d.accum_type),
+                     _dtype_name(first), _dtype_name(d.second_order_type),
+                     d.use_tf_variant, d.max_grad_norm)
         for i, line in enumerate(lines[1:]):
             logger.debug("Updating group %d optimizer with %s", i, line)
 
