@@ -1,5 +1,5 @@
 """Hyper-parameter tensors by PopART name (``ipu_param`` of PopTorch's optimizer state
-dict, spec S-56): read from the running description, and written back by
+dict, docs/semantics.md S-56): read from the running description, and written back by
 ``optimizer.load_state_dict``.
 
 PopART keeps each hyper-parameter as a tensor on the device (``learningRate___specific
@@ -130,8 +130,8 @@ class LoadedParams:
     before they were written)."""
 
     def hyper_parameters(self) -> Dict[str, torch.Tensor]:
-        """Hyper-parameter tensors by PopART name (``ipu_param``, S-56); written values
-        are read back as written."""
+        """Hyper-parameter tensors by PopART name (``ipu_param``, docs/semantics.md
+        S-56); written values are read back as written."""
         out = derived_hyper_parameters(self.description, self.names)
         out.update({k: v.clone() for k, v in self._written.items() if k in out})
         return out

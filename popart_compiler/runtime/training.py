@@ -285,9 +285,9 @@ class TrainingSession(Session):
         return self.optimizer.hyper_parameters()
 
     def writeOptimizerParams(self, params: Dict[str, torch.Tensor]) -> None:
-        """Write hyper-parameter tensors by PopART name (``ipu_param``, S-56): the
-        following weight updates use them until :meth:`setOptimizer` sends new values.
-        Unknown names are ignored, missing ones keep their values.
+        """Write hyper-parameter tensors by PopART name (``ipu_param``, docs/semantics.md
+        S-56): the following weight updates use them until :meth:`setOptimizer` sends
+        new values. Unknown names are ignored, missing ones keep their values.
 
         Raises:
             TypeError: a value is not a one-element tensor.
