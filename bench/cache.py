@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time to first result with the executable cache and with exported files (S-61, S-62).
+"""Time to first result with the executable cache and with exported files (docs/semantics.md S-61,
+S-62).
 
 For an MLP (784-512-512-10, micro-batch 32), a small CNN (3×32×32, micro-batch 16) and
 a 6-layer MiniLM-size transformer encoder (hidden 384, 12 heads, FFN 1536, sequence

@@ -115,7 +115,8 @@ def main(argv=None):
     combined = args.batch_size * args.device_iterations
     load_ms = combined * args.sample_ms
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"cores={os.cpu_count()} load average={load} steps/epoch={args.steps} combined batch={combined} "
+    print(f"cores={os.cpu_count()} load average={load} steps/epoch={args.steps} "
+          f"combined batch={combined} "
           f"load/step={load_ms:.1f} ms compute/step={args.compute_ms:.1f} ms "
           f"epochs={args.epochs}")
     print(f"ideal: sync {args.steps * (load_ms + args.compute_ms) / 1000:.2f} s/epoch, "

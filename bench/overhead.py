@@ -280,7 +280,7 @@ def training_per_micro_batch(name: str, device_iterations: int, min_rounds: int,
 def rollback_cost(name: str, device_iterations: int, min_rounds: int,
                   budget_s: float) -> Tuple[Tuple[float, float], Tuple[float, float]]:
     """``(with, without)`` seconds per training call with and without the snapshot
-    that makes a call all-or-nothing (S-73), each as ``(median, minimum)``: two
+    that makes a call all-or-nothing (docs/semantics.md S-73), each as ``(median, minimum)``: two
     executors of the same model, one with the rollback turned off."""
     micro_batch, _ = MODELS[name]
     x, y = make_inputs(name, micro_batch * device_iterations)

@@ -1,4 +1,4 @@
-"""Benchmark: simulated pipeline vs the same model unannotated (spec S-63).
+"""Benchmark: simulated pipeline vs the same model unannotated (docs/semantics.md S-63).
 
 A 4-layer MLP is trained with ``gradientAccumulation(A)`` twice, side by side in one
 run: once without annotations (one stage on one IPU) and once with one

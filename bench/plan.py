@@ -58,6 +58,7 @@ class Row:
     build: Callable[[], Tuple]  # -> (model, inputs of one micro-batch, options, optimizer)
     global_batch: int
     published: Optional[Published] = None
+    inputs_of: Optional[Callable] = None  # samples -> inputs (default: the model's)
 
 
 def _bert_large():
@@ -76,6 +77,30 @@ def _gpt2(hidden, layers, heads, replicas, accumulation):
     return build
 
 
+def _swin_tiny():
+    """Swin-T 224 (float32, AdamW, mb 4, GA 64, 4 replicas, Bow) as
+    ``vision/swin/pytorch`` builds it, without its placement: stages of blocks in
+    nested ``ModuleList``\\ s."""
+    import transformers
+    import validation_models as vm
+    config = transformers.SwinConfig(image_size=224, embed_dim=96, depths=[2, 2, 6, 2],
+                                     num_heads=[3, 6, 12, 24], window_size=7,
+                                     drop_path_rate=0.2, num_labels=1000)
+    with torch.device("meta"):
+        model = vm.ImageClassifier(transformers.SwinForImageClassification(config))
+    options = calibration._options(21, 4, 64, [0.3] * 4, half_partials=False,
+                                   optimizer_off_chip=False, sharded_state=False)
+    adamw = poptorch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    return model, model.example_inputs(4, torch.float32), options, adamw
+
+
+def _swin_inputs(samples):
+    """``samples`` float32 images 224 x 224 and their labels (meta tensors)."""
+    return (torch.zeros(samples, 3, 224, 224, dtype=torch.float32, device="meta"),
+            torch.zeros(samples, dtype=torch.int64, device="meta"))
+
+
+_SWIN = "model.swin.encoder.layers."
 _BERT = "model.bert.encoder.layer."
 _GPT = "model.transformer."
 ROWS = [
@@ -91,6 +116,10 @@ ROWS = [
     Row("GPT-2 medium SL1024", 8, _gpt2(1024, 24, 16, 2, 4096), 4096 * 2,
         Published([_GPT + "wte", _GPT + "wpe"] + [_GPT + f"h.{i}" for i in (3, 6, 9, 12, 16, 20)],
                   "model.lm_head", [0.30] + [0.15] * 7, 4, False)),
+    # configs.yaml swin_tiny_224: layers_per_ipu [2, 3, 5, 2] over the 12 blocks
+    Row("Swin-T 224", 4, _swin_tiny, 4 * 64 * 4,
+        Published(["model.swin.embeddings", _SWIN + "1.blocks.0", _SWIN + "2.blocks.1",
+                   _SWIN + "3.blocks.0"], None, [0.3] * 4, 1, True), _swin_inputs),
 ]
 
 
@@ -150,7 +179,8 @@ def run_rows(rows: List[Row], verify: bool) -> None:
             pub_rate = f"{published.samples_per_second:,.1f}"
             pub_mb = _mb(published.memory_per_ipu) + ("" if published.fits else "*")
             ratio = f"{plan.samples_per_second / published.samples_per_second:.2f}"
-        ok = _verify(model, plan, options, optimizer, model.example_inputs) if verify else "-"
+        ok = _verify(model, plan, options, optimizer, row.inputs_of or model.example_inputs) \
+            if verify else "-"
         print(f"{row.name:<21} {row.ipus:>4} {plan.samples_per_second:>9,.1f} {pub_rate:>9} "
               f"{ratio:>6} {_mb(plan.memory_per_ipu):>8} {pub_mb:>7} "
               f"{str(plan.layers_per_ipu):<26} {seconds:>6.1f} {ok:>8}", flush=True)
@@ -170,6 +200,9 @@ def run_resnet(verify: bool) -> None:
     options = calibration._options(21, 16, 57, [0.16], optimizer_off_chip=False,
                                    sharded_state=False)
     options.broadcastBuffers(False)
+    # Graphcore's recompute_mode "manual" turns recomputation on (RecomputeAll):
+    # PopTorch does not for one IPU, and without it checkpoints change nothing
+    options._Popart.set("autoRecomputation", 4)
     sgd = poptorch.optim.SGD(model.parameters(), lr=2.0, momentum=0.9, weight_decay=1e-4,
                              use_combined_accum=True)
     candidates = [16, 18, 20, 22, 24, 26, 28, 32]
@@ -202,7 +235,7 @@ def run_resnet(verify: bool) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="comma-separated: bert, gpt2, resnet")
+    parser.add_argument("--only", default="", help="comma-separated: bert, gpt2, swin, resnet")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip compiling the applied plans")
     args = parser.parse_args(argv)

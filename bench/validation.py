@@ -125,8 +125,11 @@ def _swin(embed, depths, heads, layers_per_ipu, replicas, accumulation, size=224
                     layer.blocks[j] = blocks[i]
                     i += 1
             model = vm.ImageClassifier(net, size)
-        opts = _options(21, replicas, accumulation, [0.3] * len(layers_per_ipu),
-                        half_partials=False, optimizer_off_chip=False, sharded_state=False)
+        # vision/swin/pytorch/options.py: available memory proportion 0.15 on every IPU,
+        # AutoStage.SameAsIpu, float32 partials, optimizer state on chip without RTS
+        opts = _options(21, replicas, accumulation, [0.15] * len(layers_per_ipu),
+                        half_partials=False, optimizer_off_chip=False, sharded_state=False,
+                        stage="SameAsIpu")
         adamw = poptorch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
         return model, opts, adamw, model.example_inputs(
             micro_batch * accumulation * replicas, torch.float32)
@@ -141,11 +144,16 @@ def _vit_finetune(accumulation: int, micro_batch: int = 17, classes: int = 1000)
             layers = net.vit.layers if hasattr(net.vit, "layers") else net.vit.encoder.layer
             vm.hf_pipelined(layers, [3, 3, 3, 3])
             model = vm.ImageClassifier(net).half()
+        # vision/vit/pytorch args.py / configs.yml: float16 partials, optimizer state on
+        # chip with RTS (enable_rts), separate gradient accumulator and velocity
+        # (use_combined_accum false), device_iterations 8 for ImageNet-1k, 1 for CIFAR-10
+        iterations = 8 if classes == 1000 else 1
         opts = _options(21, 4, accumulation, [0.3] * 4, optimizer_off_chip=False,
-                        sharded_state=False)
+                        sharded_state=True, device_iterations=iterations, stage="SameAsIpu")
         sgd = poptorch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9,
-                                 use_combined_accum=True)
-        return model, opts, sgd, model.example_inputs(micro_batch * accumulation * 4)
+                                 use_combined_accum=False)
+        return model, opts, sgd, model.example_inputs(
+            micro_batch * accumulation * 4 * iterations)
     return build
 
 
@@ -240,6 +248,24 @@ CHECKS = (
     Check("swin-base-1ipu", "Swin", "Swin-B float32 on one IPU with AdamW (weights, "
           "moments: 88 M x 12 bytes)", False, None, "loop",
           "physics: 1.05 GB of weights and optimizer state > 0.94 GB", _impossible_swin),
+    # configurations Graphcore moved to more IPUs or a smaller micro-batch: their
+    # published layout next to the one that did not fit
+    Check("swin-base-384-mb4", "Swin", "Swin-B 384 at the 224 run's micro-batch 4, 8 IPUs",
+          False, None, "loop", f"{EXAMPLES} vision/swin/pytorch/configs/configs.yaml: "
+          "SWIN_BASE_384 moved to micro-batch 1 (BATCH_SIZE 1, GA 512)",
+          _swin(128, [2, 2, 18, 2], [4, 8, 16, 32], [2, 2, 3, 3, 5, 5, 2, 2], 2, 128,
+                size=384, micro_batch=4)),
+    Check("swin-large-fp32", "Swin", "Swin-L 224 fine-tuning, float32, 8 IPUs "
+          "[3,4,4,4,4,3,1,1], mb 1, GA 2048, 2 replicas", True, None, "loop",
+          f"{EXAMPLES} vision/swin/pytorch/configs/configs.yaml "
+          "SWIN_LARGE_224_22K_FINETUNE_1K_FP32_POD16",
+          _swin(192, [2, 2, 18, 2], [6, 12, 24, 48], [3, 4, 4, 4, 4, 3, 1, 1], 2, 2048,
+                micro_batch=1)),
+    Check("swin-large-fp32-mb6", "Swin", "the same at the float16 run's micro-batch 6",
+          False, None, "loop", f"{EXAMPLES} vision/swin/pytorch/configs/configs.yaml: the "
+          "float32 fine-tuning moved from the float16 run's BATCH_SIZE 6 to 1",
+          _swin(192, [2, 2, 18, 2], [6, 12, 24, 48], [3, 4, 4, 4, 4, 3, 1, 1], 2, 683,
+                micro_batch=6)),
     Check("vit-finetune", "ViT", "ViT-B/16 fine-tuning ImageNet-1k, mb 17, GA 30, "
           "4 replicas, SGD", True, 7319, "loop",
           f"{PERF}; {EXAMPLES} vision/vit/pytorch/configs.yml b16_imagenet1k",

@@ -372,14 +372,16 @@ class Clip(nn.Module):
     def forward(self, images, texts):
         m = self.model  # the image encoder first, as Graphcore's model runs it
         image = m.visual_projection(m.vision_model(pixel_values=images).pooler_output)
-        t = m.text_model  # its pooling (an argmax over the ids) as Graphcore's: the EOT
-        hidden = t.embeddings(input_ids=texts)  # token is the last of the context
+        t = m.text_model
+        hidden = t.embeddings(input_ids=texts)
         length = hidden.shape[1]
         causal = torch.full((length, length), -1e4, dtype=hidden.dtype,
                             device=hidden.device).triu(1)[None, None]
         hidden = t.final_layer_norm(t.encoder(inputs_embeds=hidden, attention_mask=causal
                                               ).last_hidden_state)
-        text = m.text_projection(hidden[:, -1])
+        # Graphcore's pooling: the output at the end-of-text token, the largest id
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        text = m.text_projection(hidden[rows, texts.argmax(dim=-1)])
         image = image / image.norm(dim=-1, keepdim=True)
         text = text / text.norm(dim=-1, keepdim=True)
         logits = (m.logit_scale.exp() * text @ image.t()).float()

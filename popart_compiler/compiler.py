@@ -77,11 +77,11 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
         Error: unsupported input dtype or zero-sized tensor; output-mode period
             inconsistent with ``device_iterations``; gradient accumulation in
             inference; training graph without exactly one final, returned loss;
-            the execution strategy's rules (S-60, S-63…S-65, see
+            the execution strategy's rules (docs/semantics.md S-60, S-63…S-65, see
             :func:`~popart_compiler.passes.placement.plan_placement`);
             in-place buffer updates with replicas fed different data while
             ``broadcast_buffers`` is on; unknown anchor; a process id outside
-            ``[0, num_processes)``; overlapped IO against S-66's rules; out of
+            ``[0, num_processes)``; overlapped IO against docs/semantics.md S-66's rules; out of
             memory on an IPU in strict mode (``type == "poplar_out_of_memory"``,
             ``SessionOptions.strict_memory`` without the engine option
             ``debug.allowOutOfMemory``; otherwise a warning, as Poplar's IPU Model).

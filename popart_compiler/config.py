@@ -44,6 +44,12 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPLAR_ENGINE_OPTIONS", "",
              "a JSON object of Poplar engine options (autoReport.*, debug.*)"),
     Variable("POPTORCH_VERIFY", "0", "1: verify the graph after every compiler pass"),
+    Variable("POPTORCH_AUTO_BACKEND", "",
+             "eager or inductor: pin what the auto backend runs; redecide: decide again "
+             "and record; unset: reuse the recorded decision"),
+    Variable("POPTORCH_AUTO_DECISIONS_DIR", "",
+             "where the auto backend records its decisions (default: "
+             "~/.cache/poptorch/auto-decisions)"),
     Variable(TIMEOUT_ENV, "300", "seconds a collective of a multi-process run may wait"),
     Variable("TORCHELASTIC_RUN_ID", "", "set by torchrun: the process was launched"),
     Variable("TORCHELASTIC_USE_AGENT_STORE", "",

@@ -1,7 +1,7 @@
 """Error classes of the compiler and runtime (PopTorch's ``poptorch_core`` errors).
 
 ``poptorch`` re-exports :class:`Error`, :class:`RecoverableError` and
-:class:`UnrecoverableError` unchanged (spec api §3, semantics S-70…S-73).
+:class:`UnrecoverableError` unchanged (docs/api-sections.md api §3, docs/semantics.md S-70…S-73).
 """
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ __all__ = [
 #: Recovery actions a :class:`RecoverableError` may carry.
 RECOVERY_ACTIONS = ("IPU_RESET", "LINK_RESET", "PARTITION_RESET", "FULL_RESET")
 
-#: Messages longer than this many lines are spilled to ``poptorch_error.log`` (S-71).
+#: Messages longer than this many lines are spilled to ``poptorch_error.log``
+#: (docs/semantics.md S-71).
 _MAX_MESSAGE_LINES = 80
 
 
 class Error(Exception):
-    """An error detected by PopTorch or its backend (spec S-70, S-71).
+    """An error detected by PopTorch or its backend (docs/semantics.md S-70, S-71).
 
     Attributes (all ``str``):
         message: the text without context.
@@ -73,10 +74,11 @@ class RecoverableError(Error):
     """A transient device runtime failure that can be retried after ``recovery_action``.
 
     The IPU Model never raises it by itself; it exists so that user code catching it
-    works unchanged (spec api §3).
+    works unchanged (docs/api-sections.md api §3).
     """
 
-    def __init__(self, message: str = "", type: str = "poplar_recoverable_runtime_error",  # noqa: A002
+    def __init__(self, message: str = "",
+                 type: str = "poplar_recoverable_runtime_error",  # noqa: A002
                  location: str = "", recovery_action: str = "IPU_RESET", **kwargs):
         if recovery_action not in RECOVERY_ACTIONS:
             raise ValueError(f"recovery_action must be one of {RECOVERY_ACTIONS}, "
@@ -88,7 +90,8 @@ class RecoverableError(Error):
 class UnrecoverableError(Error):
     """A persistent device runtime failure (the machine needs servicing)."""
 
-    def __init__(self, message: str = "", type: str = "poplar_unrecoverable_runtime_error",  # noqa: A002
+    def __init__(self, message: str = "",
+                 type: str = "poplar_unrecoverable_runtime_error",  # noqa: A002
                  location: str = "", **kwargs):
         super().__init__(message, type, location, **kwargs)
 

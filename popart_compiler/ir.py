@@ -20,7 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 __all__ = ["Graph", "LOSS_OPS", "LOSS_ARITHMETIC_OPS", "IDENTITY_LOSS_OP",
            "register_per_micro_batch_op", "annotation_text", "uses_random_numbers"]
 
-#: ATen ops that mark a loss (spec S-40), by overload packet name.
+#: ATen ops that mark a loss (docs/semantics.md S-40), by overload packet name.
 LOSS_OPS = frozenset({
     "l1_loss", "mse_loss", "cross_entropy_loss", "nll_loss", "nll_loss_nd",
     "nll_loss2d", "nll_loss_forward", "nll_loss2d_forward", "binary_cross_entropy",
@@ -30,11 +30,11 @@ LOSS_OPS = frozenset({
     "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
     "ctc_loss", "gaussian_nll_loss",
 })
-#: Ops after which a loss is still the loss (S-40): scalar arithmetic (``loss * 0.5``,
-#: ``loss / n``, ``KLDivLoss(reduction="batchmean")``'s division by the batch size),
-#: element-wise math (``torch.sqrt(mse)`` for RMSE, ``loss ** 2``), reductions of an
-#: unreduced loss, views and casts. Back-propagation starts from the
-#: value the model returns, so the gradient carries the factor.
+#: Ops after which a loss is still the loss (docs/semantics.md S-40): scalar arithmetic (``loss *
+#: 0.5``, ``loss / n``, ``KLDivLoss(reduction="batchmean")``'s division by the batch size),
+#: element-wise math (``torch.sqrt(mse)`` for RMSE, ``loss ** 2``), reductions of an unreduced loss,
+#: views and casts. Back-propagation starts from the value the model returns, so the gradient
+#: carries the factor.
 LOSS_ARITHMETIC_OPS = frozenset({
     "mul", "div", "true_divide", "add", "sub", "rsub", "neg", "sum", "mean",
     "pow", "sqrt", "rsqrt", "log", "exp", "abs", "square",
@@ -46,7 +46,7 @@ IDENTITY_LOSS_OP = "poptorch::identity_loss"
 
 #: Qualified names of ops with a host side effect (printing, host callbacks): a graph
 #: holding one runs micro-batch by micro-batch, so the effect happens once per
-#: micro-batch and replica (api §8.2, §8.13).
+#: micro-batch and replica (docs/api-sections.md api §8.2, §8.13).
 _PER_MICRO_BATCH_OPS: set = set()
 
 
@@ -170,8 +170,8 @@ class Graph:
     Args:
         program: a ``torch.export.ExportedProgram`` (training IR, the default of
             ``torch.export.export``) whose user inputs and user outputs are flat tensors.
-        blocks: block id → ``Placement`` of the blocks the capture recorded (api §9),
-            in order of first use; empty without annotations.
+        blocks: block id → ``Placement`` of the blocks the capture recorded
+            (docs/api-sections.md api §9), in order of first use; empty without annotations.
         host_functions: Python callables the graph's host ops call (kept alive with
             the graph).
         input_names: the user's name of each user input (``x``, ``batch[0]``), for
@@ -190,7 +190,7 @@ class Graph:
         mutated_buffers / mutated_constants: names written in place by the graph.
         mutated_inputs: indices of user inputs written in place.
         random: whether the graph draws random numbers.
-        loss_nodes: the loss-marker nodes (S-40).
+        loss_nodes: the loss-marker nodes (docs/semantics.md S-40).
 
     The analyses of the module (mutations, random ops, loss markers, user output nodes)
     are computed again by :meth:`refresh`, which the compiler calls after every pass
@@ -297,7 +297,8 @@ class Graph:
 
     def as_text(self) -> str:
         """The program as text: its inputs, then one line per op with its scoped name
-        (S-16), placement and the compiler annotations (api §8), then its outputs."""
+        (docs/semantics.md S-16), placement and the compiler annotations
+        (docs/api-sections.md api §8), then its outputs."""
         names = {node: name for name, node in self.activation_names().items()}
         lines = [f"graph({len(self.parameters)} parameters, {len(self.buffers)} buffers, "
                  f"{len(self.constants)} constants, {self.num_user_inputs} inputs):"]
@@ -323,11 +324,12 @@ class Graph:
                    for n in gm.graph.nodes)
 
     def has_device_work(self) -> bool:
-        """False for trivial graphs that only pass inputs or constants through (S-6)."""
+        """False for trivial graphs that only pass inputs or constants through
+        (docs/semantics.md S-6)."""
         return any(n.op == "call_function" for n in self.module.graph.nodes)
 
     def final_losses(self) -> List[fx.Node]:
-        """Loss markers whose value does not feed another loss marker (S-40)."""
+        """Loss markers whose value does not feed another loss marker (docs/semantics.md S-40)."""
         markers = set(self.loss_nodes)
         finals = []
         for node in self.loss_nodes:
@@ -346,7 +348,7 @@ class Graph:
         return finals
 
     def loss_outputs(self, loss: fx.Node) -> List[int]:
-        """Indices of the user outputs that hold the final loss ``loss`` (S-40).
+        """Indices of the user outputs that hold the final loss ``loss`` (docs/semantics.md S-40).
 
         That is ``loss`` itself if ``forward`` returns it; otherwise every returned
         value computed from ``loss`` through :data:`LOSS_ARITHMETIC_OPS` only (e.g.
@@ -369,7 +371,7 @@ class Graph:
         return sorted(first.values())
 
     def activation_names(self) -> Dict[str, fx.Node]:
-        """``<scope>/<OpType>:<index>`` name of every op (spec S-16).
+        """``<scope>/<OpType>:<index>`` name of every op (docs/semantics.md S-16).
 
         ``<scope>`` is the ``/``-joined sub-module path taken from the node's
         ``nn_module_stack`` with any ``poptorch.NameScope`` recorded in
@@ -422,7 +424,8 @@ def _scope_of(node: fx.Node) -> str:
     return "/".join(out + parts[taken:])
 
 
-#: ``node.meta`` / ``node.meta["custom"]`` keys the IPU compiler reads (api §8).
+#: ``node.meta`` / ``node.meta["custom"]`` keys the IPU compiler reads
+#: (docs/api-sections.md api §8).
 _ANNOTATIONS = ("multi_conv", "attributes", "available_memory_proportion")
 
 

@@ -1,4 +1,4 @@
-"""The backend logger ``poptorch:cpp`` (spec S-90).
+"""The backend logger ``poptorch:cpp`` (docs/semantics.md S-90).
 
 Format ``[HH:MM:SS.mmm] [poptorch:cpp] [<level>] <msg>``; destination from
 ``POPTORCH_LOG_DEST`` (``stderr`` default, ``stdout`` or a file path); level from
@@ -15,7 +15,7 @@ from popart_compiler import config
 
 __all__ = ["logger", "LEVELS", "level_from_name", "set_level"]
 
-#: PopTorch level names → Python logging levels (S-90).
+#: PopTorch level names → Python logging levels (docs/semantics.md S-90).
 LEVELS = {
     "TRACE": logging.DEBUG,
     "TRACE_ALL": logging.DEBUG,

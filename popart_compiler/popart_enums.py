@@ -5,14 +5,19 @@ PopTorch programs pass PopART enum values to ``Options._Popart.set`` as integers
 enum-valued backend options against these classes (:data:`OPTION_ENUMS`), so a value
 accepted by PopART is accepted here and an out-of-range one is refused by name.
 Values follow PopART 3.x's ``sessionoptions.hpp`` (the ``N`` count members are left
-out: ``len(cls)`` is the count).
+out: ``len(cls)`` is the count). Where PopART and PopTorch share a concept the class is
+:mod:`popart_compiler.enums`' (one definition): ``DeviceConnectionType`` is
+``ConnectionType``, ``CommGroupType.Ungrouped`` is ``CommGroupType.NoGrouping``, and
+``VariableRetrievalMode`` has PopTorch's two members (PopART's ``AllReduceReplicas`` is
+not offered).
 """
 from __future__ import annotations
 
 import enum
 from typing import Dict, Type
 
-from popart_compiler.enums import MeanReductionStrategy, ReductionType
+from popart_compiler.enums import (CommGroupType, ConnectionType, MeanReductionStrategy,
+                                   ReductionType, SyncPattern, VariableRetrievalMode)
 
 __all__ = ["ENUMS", "OPTION_ENUMS"]
 
@@ -103,18 +108,6 @@ class VirtualGraphMode(enum.IntEnum):
     ExecutionPhases = 3
 
 
-class DeviceConnectionType(enum.IntEnum):
-    Always = 0
-    OnDemand = 1
-    Never = 2
-
-
-class SyncPattern(enum.IntEnum):
-    Full = 0
-    SinglePipeline = 1
-    ReplicaAndLadder = 2
-
-
 class TensorStorage(enum.IntEnum):
     OnChip = 0
     OffChip = 1
@@ -128,19 +121,6 @@ class TileSet(enum.IntEnum):
 class ReplicatedTensorSharding(enum.IntEnum):
     Off = 0
     On = 1
-
-
-class CommGroupType(enum.IntEnum):
-    All = 0
-    Consecutive = 1
-    Orthogonal = 2
-    Ungrouped = 3
-
-
-class VariableRetrievalMode(enum.IntEnum):
-    OnePerGroup = 0
-    AllReduceReplicas = 1
-    AllReplicas = 2
 
 
 class PatternsLevel(enum.IntEnum):
@@ -159,9 +139,9 @@ ENUMS: Dict[str, Type[enum.IntEnum]] = {
         ExecutionPhaseSchedule, GradientTensorTrackingMethod, Instrumentation,
         IrSerializationFormat, MergeVarUpdateType, RecomputationType,
         SubgraphCopyingStrategy, SyntheticDataMode, VirtualGraphMode,
-        DeviceConnectionType, SyncPattern, TensorStorage, TileSet,
-        ReplicatedTensorSharding, CommGroupType, VariableRetrievalMode, PatternsLevel,
-        ReductionType, MeanReductionStrategy)}
+        SyncPattern, TensorStorage, TileSet, ReplicatedTensorSharding, CommGroupType,
+        VariableRetrievalMode, PatternsLevel, ReductionType, MeanReductionStrategy)}
+ENUMS["DeviceConnectionType"] = ConnectionType
 
 #: The enum-valued backend options (``Options._Popart.set`` keys) and their enum.
 OPTION_ENUMS: Dict[str, Type[enum.IntEnum]] = {

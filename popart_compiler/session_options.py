@@ -2,7 +2,7 @@
 
 ``poptorch`` hands the compiler the flat dictionary built by ``Options.toDict()``;
 :func:`SessionOptions.from_dict` validates the backend keys exactly as PopTorch's
-backend does (spec options.md §4.6: "Unknown <category> option <key>", "Unknown value
+backend does (docs/api-sections.md options §4.6: "Unknown <category> option <key>", "Unknown value
 type <t> for option <key>") and extracts what the compiler and runtime act on.
 """
 from __future__ import annotations
@@ -34,6 +34,16 @@ def _member(cls: Type[_E], value: Any, what: str) -> _E:
     except (TypeError, ValueError):
         raise backend_error(f"Invalid {what} {value!r}: pick one of "
                             f"{', '.join(m.name for m in cls)}.") from None
+
+
+def _output_mode(value: Any) -> OutputMode:
+    """``OutputMode(value)``, refusing ``Default`` (``poptorch`` resolves it when a model
+    is wrapped) with the backend's error."""
+    mode = _member(OutputMode, value, "output mode")
+    if mode is OutputMode.Default:
+        raise backend_error("Invalid output mode Default: it is resolved when a model is "
+                            "wrapped; pick one of Final, EveryN, All, Sum.")
+    return mode
 
 _BOOL_KEYS = frozenset("""
 enableExplicitIR enableInplaceAmbiguityChecking enableLoadAndOffloadRNGState
@@ -129,10 +139,10 @@ def _validate(key: str, value: Any) -> None:
 
 @dataclasses.dataclass
 class Anchor:
-    """An internal tensor to return after every run (S-15).
+    """An internal tensor to return after every run (docs/semantics.md S-15).
 
     Attributes:
-        name: the graph tensor name (S-16), e.g. ``"Gradient___fc.bias"``.
+        name: the graph tensor name (docs/semantics.md S-16), e.g. ``"Gradient___fc.bias"``.
         output_mode: its :class:`~popart_compiler.enums.OutputMode`.
         return_period: the ``EveryN`` period (1 otherwise).
         key: the user's short name (defaults to ``name``).
@@ -143,14 +153,14 @@ class Anchor:
     key: str = ""
 
     def __post_init__(self):
-        self.output_mode = _member(OutputMode, self.output_mode, "output mode")
+        self.output_mode = _output_mode(self.output_mode)
         if not self.key:
             self.key = self.name
 
 
 @dataclasses.dataclass
 class ReplicaGrouping:
-    """A weight that holds different values on different replica groups (S-27).
+    """A weight that holds different values on different replica groups (docs/semantics.md S-27).
 
     Attributes:
         comm_group_type: ``All`` (one group), ``Consecutive`` (replica ``r`` in group
@@ -207,7 +217,8 @@ class ReplicaGrouping:
 
 @dataclasses.dataclass(frozen=True)
 class StrategySettings:
-    """The execution strategy as the compiler sees it (api §9.7, S-63…S-65).
+    """The execution strategy as the compiler sees it (docs/api-sections.md api §9.7,
+    docs/semantics.md S-63…S-65).
 
     Attributes:
         mode: pipelined, sharded or phased.
@@ -234,9 +245,8 @@ class StrategySettings:
                    bool(raw.get("separate_backward_phase", False)))
 
 
-#: The enum-valued fields of :class:`SessionOptions`.
-_ENUM_FIELDS = {"input_group_type": CommGroupType, "output_mode": OutputMode,
-                "reduction_type": ReductionType,
+#: The enum-valued fields of :class:`SessionOptions` (``output_mode``: :func:`_output_mode`).
+_ENUM_FIELDS = {"input_group_type": CommGroupType, "reduction_type": ReductionType,
                 "mean_reduction_strategy": MeanReductionStrategy,
                 "connection_type": ConnectionType}
 
@@ -246,28 +256,27 @@ class SessionOptions:
     """What the compiler and runtime act on. Defaults are PopTorch's.
 
     Attributes:
-        device_iterations: ``D``, device iterations per run (S-10).
+        device_iterations: ``D``, device iterations per run (docs/semantics.md S-10).
         replication_factor: ``R``, local replicas.
-        input_group_size: ``g``, replicas sharing one input stream (S-26).
+        input_group_size: ``g``, replicas sharing one input stream (docs/semantics.md S-26).
         input_group_type: ``CommGroupType`` of the input grouping (``Consecutive`` or
             ``Orthogonal``).
         gradient_accumulation: ``A``, micro-batches per weight update (1 for inference).
         output_mode: ``OutputMode`` of the user outputs.
         output_return_period: the ``EveryN`` period.
-        reduction_type: ``Sum`` or ``Mean`` (S-41).
+        reduction_type: ``Sum`` or ``Mean`` (docs/semantics.md S-41).
         mean_reduction_strategy: ``Running``, ``Post`` or ``PostAndLoss``.
-        broadcast_buffers: S-36.
+        broadcast_buffers: docs/semantics.md S-36.
         random_seed: seed of the device RNG, or ``None`` for an arbitrary one.
-        synthetic_data: feed random inputs, return zero outputs (S-84).
-        fp_exceptions: raise on non-finite results (S-46).
-        auto_loss_scaling: automatic loss scaling (S-57), with its ``als_*`` settings
-            (``automaticLossScalingSettings.updatePeriod`` default 1,
-            ``.thresholdUpperCountProportion`` default 1e-7, ``.binEdgeLocation``
-            default 0.125).
-        replica_groupings: parameter name → :class:`ReplicaGrouping` (S-27).
+        synthetic_data: feed random inputs, return zero outputs (docs/semantics.md S-84).
+        fp_exceptions: raise on non-finite results (docs/semantics.md S-46).
+        auto_loss_scaling: automatic loss scaling (docs/semantics.md S-57), with its ``als_*``
+            settings (``automaticLossScalingSettings.updatePeriod`` default 1,
+            ``.thresholdUpperCountProportion`` default 1e-7, ``.binEdgeLocation`` default 0.125).
+        replica_groupings: parameter name → :class:`ReplicaGrouping` (docs/semantics.md S-27).
         anchors: internal tensors returned after each run.
-        num_processes: processes of a distributed run (S-28); the global replication
-            factor is ``num_processes × replication_factor``.
+        num_processes: processes of a distributed run (docs/semantics.md S-28); the global
+            replication factor is ``num_processes × replication_factor``.
         process_id: this process's index; it owns global replicas
             ``[process_id × R, (process_id + 1) × R)``.
         pipeline_across_processes: each merged pipeline stage runs in its own process
@@ -331,6 +340,7 @@ class SessionOptions:
         compiler's enums."""
         for name, cls in _ENUM_FIELDS.items():
             setattr(self, name, _member(cls, getattr(self, name), name.replace("_", " ")))
+        self.output_mode = _output_mode(self.output_mode)
 
     @property
     def backend_key(self) -> str:
@@ -346,7 +356,7 @@ class SessionOptions:
 
     @property
     def global_replicas(self) -> int:
-        """``R × num_processes``: replicas of all processes (S-28)."""
+        """``R × num_processes``: replicas of all processes (docs/semantics.md S-28)."""
         return self.replication_factor * max(1, self.num_processes)
 
     @property
@@ -356,18 +366,18 @@ class SessionOptions:
 
     @property
     def batch_factor(self) -> int:
-        """``N = D × G × A``: combined batch / micro-batch (S-11)."""
+        """``N = D × G × A``: combined batch / micro-batch (docs/semantics.md S-11)."""
         return self.device_iterations * self.input_groups * self.gradient_accumulation
 
     @property
     def engine_options(self) -> Dict[str, str]:
         """Poplar engine options: ``engineOptions`` merged with
-        ``POPLAR_ENGINE_OPTIONS`` (the environment wins, options.md §3 / §8)."""
+        ``POPLAR_ENGINE_OPTIONS`` (the environment wins, docs/api-sections.md options §3 / §8)."""
         return engine_options(self.raw.get("engineOptions"))
 
     def profile_dir(self, training: bool) -> Optional[str]:
         """Where the profile report goes, ``<autoReport.directory>/<model name>``
-        (S-85; the name defaults to ``"training"`` / ``"inference"``), or ``None``
+        (docs/semantics.md S-85; the name defaults to ``"training"`` / ``"inference"``), or ``None``
         unless the engine option ``autoReport.all`` is ``"true"``.
 
         Raises:
@@ -392,7 +402,7 @@ class SessionOptions:
 
         Raises:
             Error: unknown backend option, unsupported value type or an enum value out
-                of range (spec options.md §4.6), or an invalid
+                of range (docs/api-sections.md options §4.6), or an invalid
                 ``POPTORCH_IPU_MODEL_VERSION``.
         """
         for key, value in values.items():
@@ -406,7 +416,8 @@ class SessionOptions:
             raise backend_error("Invalid IPU model version. Valid versions: ipu1, ipu2, ipu21.")
         if int(get("connection_type", 0)) == ConnectionType.Never \
                 and get("ipu_version") is not None:
-            # useOfflineIpuTarget(ipu_version): 1 Mk1, 2 Mk2, 21 Bow (options.md §3)
+            # useOfflineIpuTarget(ipu_version): 1 Mk1, 2 Mk2, 21 Bow
+            # (docs/api-sections.md options §3)
             version = {1: "ipu1", 2: "ipu2", 21: "ipu21"}.get(int(get("ipu_version")),
                                                              version)
         opts = cls(
@@ -415,7 +426,7 @@ class SessionOptions:
             input_group_size=int(get("input_group_size", 1)),
             input_group_type=_member(CommGroupType, get("input_cgt", 1), "input group type"),
             gradient_accumulation=int(get("gradient_accumulation", 1)),
-            output_mode=_member(OutputMode, get("output_mode", 2), "output mode"),
+            output_mode=_output_mode(get("output_mode", 2)),
             output_return_period=int(get("output_return_period", 1)),
             reduction_type=_member(ReductionType, get(
                 "accumulation_and_replication_reduction_type", 1), "reduction type"),

@@ -87,10 +87,10 @@ class Executable:
         vectorized: for stateless inference, the graph over ``vectorized_slots``
             micro-batches at once (a run calls it for each chunk of that many).
         vectorized_slots: micro-batches per call of ``vectorized``.
-        tensor_names: every tensor name of the program (S-16).
+        tensor_names: every tensor name of the program (docs/semantics.md S-16).
         compile_seconds: wall-clock time of the compilation.
-        placement: where each op runs (IPU, pipeline stage, phase; api §9); every
-            node of ``module`` carries ``node.meta["placement"]``.
+        placement: where each op runs (IPU, pipeline stage, phase; docs/api-sections.md api §9);
+            every node of ``module`` carries ``node.meta["placement"]``.
         stages: the program split by pipeline stage when it has several (run with
             the stage schedule, :mod:`popart_compiler.runtime.schedule`), else ``None``.
         runner: what runs one micro-batch: ``module`` itself on the eager backend, an
@@ -144,7 +144,7 @@ class Executable:
     def placement_summary(self, backward: bool = True) -> str:
         """The placement as a readable table: one row per (IPU, stage, phase) with the
         forward op count, the backward op count (training), and the number and bytes
-        of the parameters updated there (spec api §9).
+        of the parameters updated there (docs/api-sections.md api §9).
 
         Args:
             backward: training only: count the backward ops in the joint

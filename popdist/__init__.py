@@ -1,6 +1,6 @@
 """PopDist on ``torch.distributed``: the parts of Graphcore's PopDist API that PopTorch
 scripts use, for processes started by ``poprun`` (:mod:`popdist.poprun`) or
-``torchrun`` (spec S-28).
+``torchrun`` (docs/semantics.md S-28).
 
 Each process ("instance") drives ``getNumLocalReplicas()`` replicas; the global
 replicas of instance ``i`` are ``[getReplicaIndexOffset(), getReplicaIndexOffset() +

@@ -1,9 +1,9 @@
 """PopTorch 3.x on a simulated IPU Model built from PyTorch's own compiler stack.
 
-``import poptorch`` gives the PopTorch 3.4 public API (spec api §1): wrap a module with
-:func:`trainingModel` or :func:`inferenceModel`, configure with :class:`Options`, feed
-it with :class:`DataLoader`. Programs run unchanged on any machine: the "device" is an
-IPU Model that executes the captured graph with PyTorch kernels.
+``import poptorch`` gives the PopTorch 3.4 public API (docs/api-sections.md api §1): wrap a module
+with :func:`trainingModel` or :func:`inferenceModel`, configure with :class:`Options`, feed it with
+:class:`DataLoader`. Programs run unchanged on any machine: the "device" is an IPU Model that
+executes the captured graph with PyTorch kernels.
 """
 import faulthandler as _faulthandler
 
@@ -20,13 +20,15 @@ _config.set_process_defaults()
 from poptorch import enums  # noqa: E402
 from poptorch.enums import *  # noqa: E402,F401,F403
 from poptorch._logging import logger, setLogLevel  # noqa: E402,F401
-from poptorch._capture.custom_parsers import ICustomArgParser, registerCustomArgParser  # noqa: E402,F401
+from poptorch._capture.custom_parsers import (  # noqa: E402,F401
+    ICustomArgParser, registerCustomArgParser)
 from poptorch._impl import isRunningOnIpu  # noqa: E402,F401
 from poptorch._options.execution_strategy import *  # noqa: E402,F401,F403
 from poptorch.options import *  # noqa: E402,F401,F403
 from poptorch.ops import *  # noqa: E402,F401,F403
 from poptorch._ops.printing import *  # noqa: E402,F401,F403
-from poptorch._capture.capture import registerPreCompileHook, registerPostCompileHook  # noqa: E402,F401
+from poptorch._capture.capture import (  # noqa: E402,F401
+    registerPostCompileHook, registerPreCompileHook)
 from poptorch._executor import wrapping as _wrapping  # noqa: E402
 from poptorch._executor.executor import PoplarExecutor  # noqa: E402
 from poptorch._files import export as _export  # noqa: E402
@@ -40,19 +42,20 @@ from poptorch import options, ops  # noqa: E402,F401
 
 def trainingModel(model: _torch.nn.Module, options: "Options" = None,
                   optimizer: _torch.optim.Optimizer = None) -> PoplarExecutor:
-    """Wrap ``model`` for training on the IPU (spec api §2.1).
+    """Wrap ``model`` for training on the IPU (docs/api-sections.md api §2.1).
 
     Args:
         model: a ``torch.nn.Module`` or an existing :class:`PoplarExecutor` (its user
-            model is used). Its ``forward`` must return the loss (S-40).
+            model is used). Its ``forward`` must return the loss (docs/semantics.md S-40).
         options: :class:`Options` (default: a fresh ``Options()``). The object passed is
             frozen; the executor keeps a clone. Default output mode: ``Final``.
-        optimizer: a supported optimizer (S-50); default ``poptorch.optim.SGD(lr=0.01)``.
+        optimizer: a supported optimizer (docs/semantics.md S-50); default
+            ``poptorch.optim.SGD(lr=0.01)``.
 
     Returns:
         A :class:`PoplarExecutor`; nothing is compiled until the first call or
         ``compile()``. The model is instrumented so that reading its weights on the host
-        pulls the trained values from the device (api §6).
+        pulls the trained values from the device (docs/api-sections.md api §6).
 
     Raises:
         RuntimeError: the model is already wrapped by a live training executor.
@@ -64,7 +67,7 @@ def trainingModel(model: _torch.nn.Module, options: "Options" = None,
 
 
 def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> PoplarExecutor:
-    """Wrap ``model`` for inference on the IPU (spec api §2.2).
+    """Wrap ``model`` for inference on the IPU (docs/api-sections.md api §2.2).
 
     Args:
         model: a ``torch.nn.Module`` or an existing :class:`PoplarExecutor`.
@@ -83,11 +86,10 @@ def inferenceModel(model: _torch.nn.Module, options: "Options" = None) -> Poplar
 def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
          ) -> PoplarExecutor:
     """Rebuild a model saved with ``PoplarExecutor.save()`` /
-    ``compileAndExport(..., export_model=True)`` and load its executable (spec api
-    §2.3, S-62): options (with ``ConnectionType.Never`` and the offline IPU version
-    removed, then ``edit_opts_fn(options)``), model weights, optimizer with its state,
-    executable and RNG state. A loaded training model continues exactly where the
-    saved one stopped.
+    ``compileAndExport(..., export_model=True)`` and load its executable (docs/api-sections.md api
+    §2.3, docs/semantics.md S-62): options (with ``ConnectionType.Never`` and the offline IPU
+    version removed, then ``edit_opts_fn(options)``), model weights, optimizer with its state,
+    executable and RNG state. A loaded training model continues exactly where the saved one stopped.
 
     Args:
         filename: the file (format in ``docs/executables.md``).
@@ -101,7 +103,7 @@ def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
 
     Returns:
         A compiled :class:`PoplarExecutor`. Exported models are not connected to
-        other wrappers: move weights between them explicitly (S-62).
+        other wrappers: move weights between them explicitly (docs/semantics.md S-62).
 
     Raises:
         poptorch.Error: unreadable, truncated or corrupted file, another format
@@ -114,8 +116,8 @@ def load(filename: str, edit_opts_fn=None, *, unpickle_model: bool = False
 
 
 def importPoptorchMetadataFromFile(filename: str) -> bytes:
-    """The metadata blob (``metadata.json``, UTF-8 JSON) of an exported file (spec api
-    §2.13).
+    """The metadata blob (``metadata.json``, UTF-8 JSON) of an exported file
+    (docs/api-sections.md api §2.13).
 
     Raises:
         poptorch.Error: not an executable file, or no metadata in it.
@@ -128,7 +130,7 @@ _ARCH_VERSIONS = {"ipu1": 1, "ipu2": 2, "ipu21": 21}
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
-    """Whether physical IPUs are present (spec api §2.5).
+    """Whether physical IPUs are present (docs/api-sections.md api §2.5).
 
     Always ``False`` by default: the IPU Model is the device. Frameworks that refuse to
     start without hardware (lightning-graphcore's ``IPUAccelerator``) can be run on the
@@ -145,7 +147,7 @@ def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
 
 
 def ipuHardwareVersion() -> int:
-    """The IPU architecture version of the hardware (spec api §2.6).
+    """The IPU architecture version of the hardware (docs/api-sections.md api §2.6).
 
     With ``POPTORCH_IPU_MODEL_AS_HARDWARE=1``: the IPU Model's version
     (``POPTORCH_IPU_MODEL_VERSION``: 1 for ``ipu1``, 2 for ``ipu2``, the default, 21

@@ -1,7 +1,7 @@
-"""Every environment variable the ``poptorch`` layer reads, in one place (spec options
-§8). The compiler's own (``POPTORCH_LOG_LEVEL``, ``POPTORCH_IPU_MODEL*``,
-``POPLAR_ENGINE_OPTIONS``, ``POPTORCH_VERIFY``, the distributed timeout, torchrun's
-variables) are declared in :mod:`popart_compiler.config` and read through it.
+"""Every environment variable the ``poptorch`` layer reads, in one place
+(docs/api-sections.md options §8). The compiler's own (``POPTORCH_LOG_LEVEL``,
+``POPTORCH_IPU_MODEL*``, ``POPLAR_ENGINE_OPTIONS``, ``POPTORCH_VERIFY``, the distributed timeout,
+torchrun's variables) are declared in :mod:`popart_compiler.config` and read through it.
 
 Variables are read when they are needed (an ``Options()`` reads the defaults when it is
 created), so a program may set them before wrapping a model.
@@ -14,10 +14,10 @@ from typing import Dict
 from popart_compiler import config as compiler_config
 from popart_compiler.config import Variable
 
-__all__ = ["VARIABLES", "set_process_defaults", "text", "flag", "raw", "cache_dir", "default_options",
-           "execution_device", "compiler", "ipu_model_as_hardware", "ipu_model_version",
-           "pipeline_across_processes",
-           "proto_export", "engine_options_text", "log_level"]
+__all__ = ["VARIABLES", "set_process_defaults", "text", "flag", "raw", "cache_dir",
+           "default_options", "execution_device", "compiler", "ipu_model_as_hardware",
+           "ipu_model_version", "pipeline_across_processes", "proto_export",
+           "engine_options_text", "log_level"]
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_CACHE_DIR", "", "executable cache directory of every Options()"),
@@ -26,7 +26,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_DEFAULT_OPTIONS", "{}",
              "JSON object of option values applied to every Options()"),
     Variable("POPTORCH_EXECUTION_DEVICE", "cpu", "cpu or cuda: where kernels run"),
-    Variable("POPTORCH_COMPILER", "eager", "eager, inductor or auto: the backend"),
+    Variable("POPTORCH_COMPILER", "auto", "auto, eager or inductor: the backend of "
+             "every Options() (auto: the faster of the two, recorded per program)"),
     Variable("POPTORCH_IPU_MODEL_AS_HARDWARE", "0",
              "1: ipuHardwareIsAvailable() reports the IPU Model's IPUs"),
     Variable("POPTORCH_EXPORT_PROTO_FILE", "",

@@ -17,7 +17,7 @@ _state = threading.local()
 def isRunningOnIpu() -> bool:
     """``True`` only while the model's ``forward`` runs in the device context.
 
-    In PopTorch (and here) that is the one-time capture at compilation (S-1, S-4);
+    In PopTorch (and here) that is the one-time capture at compilation (docs/semantics.md S-1, S-4);
     ``False`` everywhere else, including when the model is called directly on the CPU
     and in every other thread than the capturing one.
     """

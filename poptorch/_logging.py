@@ -1,4 +1,5 @@
-"""The ``poptorch::python`` logger and :func:`setLogLevel` (spec api §2.7, S-90)."""
+"""The ``poptorch::python`` logger and :func:`setLogLevel` (docs/api-sections.md api §2.7,
+docs/semantics.md S-90)."""
 from __future__ import annotations
 
 from typing import Union

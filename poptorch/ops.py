@@ -1,4 +1,4 @@
-"""Device-side ops usable inside a wrapped model's ``forward`` (spec api §8).
+"""Device-side ops usable inside a wrapped model's ``forward`` (docs/api-sections.md api §8).
 
 This module holds the loss marker and the control-flow ops; the other ops live in
 modules of ``poptorch/_ops/`` and are re-exported here: ``compiler_hints``
@@ -70,7 +70,7 @@ _identity_loss.register_autograd(_identity_loss_backward, setup_context=_identit
 
 
 def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Mark ``x`` as (part of) the loss to back-propagate from (S-40, S-42).
+    """Mark ``x`` as (part of) the loss to back-propagate from (docs/semantics.md S-40, S-42).
 
     Args:
         x: any tensor.
@@ -97,7 +97,7 @@ def _as_list(value) -> List[torch.Tensor]:
 
 def cond(condition: torch.Tensor, then_body: Callable, then_inps: List[torch.Tensor],
          else_body: Callable, else_inps: List[torch.Tensor]) -> List[torch.Tensor]:
-    """On-device if/else (spec api §8.4), captured with ``torch.cond``.
+    """On-device if/else (docs/api-sections.md api §8.4), captured with ``torch.cond``.
 
     Args:
         condition: single-element boolean tensor.
@@ -164,7 +164,7 @@ def _check_tensor_list(name: str, values) -> None:
 
 def for_loop(count: int, body: Callable, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
     """Run ``body`` ``count`` times on the device, each iteration's outputs feeding the
-    next iteration's inputs (api §8.3).
+    next iteration's inputs (docs/api-sections.md api §8.3).
 
     The loop is unrolled into the captured graph (``count`` is a compile-time
     constant). ``body`` may use tensors of the enclosing scope and module parameters.
@@ -177,7 +177,7 @@ def for_loop(count: int, body: Callable, inputs: List[torch.Tensor]) -> List[tor
 
     Returns:
         A list with the last iteration's outputs. Outside a wrapped model ``body`` runs
-        once, as PopTorch does on the CPU (S-4).
+        once, as PopTorch does on the CPU (docs/semantics.md S-4).
 
     Raises:
         ValueError: ``inputs`` not a list, or holding a non-tensor.
@@ -200,7 +200,7 @@ def for_loop(count: int, body: Callable, inputs: List[torch.Tensor]) -> List[tor
 
 
 def nop(tensor: torch.Tensor) -> torch.Tensor:
-    """Identity that the compiler never removes (a debugging aid, api §8.5).
+    """Identity that the compiler never removes (a debugging aid, docs/api-sections.md api §8.5).
 
     Returns:
         A tensor equal to ``tensor`` (``tensor`` itself outside a wrapped model).

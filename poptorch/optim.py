@@ -1,4 +1,4 @@
-"""PopTorch optimizers (spec api §10, semantics S-50…S-58).
+"""PopTorch optimizers (docs/api-sections.md api §10, docs/semantics.md S-50…S-58).
 
 Each class subclasses both the PopTorch :class:`Optimizer` mixin and the corresponding
 ``torch.optim`` class (``LAMB`` subclasses ``torch.optim.Optimizer``). The device runs
@@ -29,7 +29,7 @@ def _check_accum_type(dtype) -> None:
 
 class VariableAttributes:
     """Which hyper-parameters are compiled as variables (changeable by ``setOptimizer``)
-    rather than constants (S-52).
+    rather than constants (docs/semantics.md S-52).
 
     Args:
         variable_attributes: names that start as variables.
@@ -69,7 +69,7 @@ class VariableAttributes:
 
 class Optimizer:
     """Mixin of every PopTorch optimizer: ``loss_scaling``, ``variable_attrs``,
-    accumulation types and the device optimizer state (S-56).
+    accumulation types and the device optimizer state (docs/semantics.md S-56).
 
     ``state_dict()`` returns torch's ``{"state", "param_groups"}`` plus ``"ipu_state"``
     and ``"ipu_param"`` (``None`` before compilation; the live device state once
@@ -97,7 +97,7 @@ class Optimizer:
     # -- device state ---------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's state dict plus ``ipu_state`` / ``ipu_param`` (S-56)."""
+        """torch's state dict plus ``ipu_state`` / ``ipu_param`` (docs/semantics.md S-56)."""
         if self._device is not None:
             self._device.sync_state()
         result = super().state_dict()  # type: ignore[misc]
@@ -107,11 +107,11 @@ class Optimizer:
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load torch's part (so LR schedulers work), then store the IPU state; it is
-        written to the device before the next run (S-56).
+        written to the device before the next run (docs/semantics.md S-56).
 
         When the optimizer belongs to a compiled training model, the state is checked
         against the device first (names, shapes, dtypes, and the hyper-parameters of
-        the loaded param groups against the compiled optimizer, S-52).
+        the loaded param groups against the compiled optimizer, docs/semantics.md S-52).
 
         Raises:
             RuntimeError: "Cannot load optimizer state dictionary because it is empty."
@@ -277,7 +277,7 @@ def _maybe(kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class SGD(Optimizer, torch.optim.SGD):
-    """Stochastic gradient descent with PopTorch's attributes (api §10.2).
+    """Stochastic gradient descent with PopTorch's attributes (docs/api-sections.md api §10.2).
 
     Args:
         params: iterable of parameters or param-group dicts.
@@ -329,7 +329,8 @@ class SGD(Optimizer, torch.optim.SGD):
 
 
 class Adam(Optimizer, torch.optim.Adam):
-    """Adam with PopTorch's attributes (api §10.3); ``amsgrad=True`` is rejected when
+    """Adam with PopTorch's attributes (docs/api-sections.md api §10.3); ``amsgrad=True`` is
+    rejected when
     the optimizer is given to a model. Defaults: lr 1e-3, betas (0.9, 0.999),
     eps 1e-8, weight_decay 0 (L2), loss_scaling 1.0, accumulation types float32,
     max_grad_norm ``inf``.
@@ -358,9 +359,9 @@ class Adam(Optimizer, torch.optim.Adam):
 
 
 class AdamW(Optimizer, torch.optim.AdamW):
-    """AdamW with PopTorch's attributes (api §10.4): decoupled weight decay (default
-    1e-2); ``bias_correction`` (default True) — the device applies bias correction even
-    when it is False, like PopTorch (S-54).
+    """AdamW with PopTorch's attributes (docs/api-sections.md api §10.4): decoupled weight decay
+    (default 1e-2); ``bias_correction`` (default True) — the device applies bias correction even
+    when it is False, like PopTorch (docs/semantics.md S-54).
     """
 
 
@@ -388,8 +389,8 @@ class AdamW(Optimizer, torch.optim.AdamW):
 
 
 class RMSprop(Optimizer, torch.optim.RMSprop):
-    """RMSprop with PopTorch's attributes (api §10.5). Defaults: lr 1e-2, alpha 0.99,
-    eps 1e-8, weight_decay 0, momentum 0, centered False, ``use_tf_variant`` False."""
+    """RMSprop with PopTorch's attributes (docs/api-sections.md api §10.5). Defaults: lr 1e-2, alpha
+    0.99, eps 1e-8, weight_decay 0, momentum 0, centered False, ``use_tf_variant`` False."""
 
 
     def __init__(self, params: Iterable, lr: Optional[float] = None,
@@ -414,8 +415,8 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
 
 
 class LAMB(Optimizer, torch.optim.Optimizer):
-    """LAMB (api §10.6, update rule of S-54). Defaults: lr 1e-3, betas (0.9, 0.999),
-    eps 1e-8, weight_decay 1e-2, bias_correction True, loss_scaling 1.0,
+    """LAMB (docs/api-sections.md api §10.6, update rule of docs/semantics.md S-54). Defaults: lr
+    1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2, bias_correction True, loss_scaling 1.0,
     max_weight_norm 65500 (``None`` also gives 65500), accumulation types float32.
 
     ``step()`` runs the same algorithm on the host, so the optimizer also works on the

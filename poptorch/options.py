@@ -1,10 +1,11 @@
-"""``poptorch.Options``: the top-level options (spec options.md, api §2.x, S-10…S-95).
+"""``poptorch.Options``: the top-level options (docs/api-sections.md options §1–§9,
+docs/api-sections.md api §2.x, docs/semantics.md S-10…S-95).
 
 Public names: :class:`Options`, :class:`TensorLocationSettings`, :class:`ConfigFileError`.
-Behaviour follows PopTorch 3.x. The storage (:class:`OptionsDict`, options §1) is in
-``_options/dict.py``; the sub-groups (``Training``, ``Precision``, ``TensorLocations``,
-``Distributed``, ``Jit``, ``_Popart``) in ``_options/groups.py``; ``loadFromFile`` /
-``from_json`` in ``_options/loading.py``; the removed 2.4 names in ``_options/deprecated.py``.
+Behaviour follows PopTorch 3.x. The storage (:class:`OptionsDict`, docs/api-sections.md options §1)
+is in ``_options/dict.py``; the sub-groups (``Training``, ``Precision``, ``TensorLocations``,
+``Distributed``, ``Jit``, ``_Popart``) in ``_options/groups.py``; ``loadFromFile`` / ``from_json``
+in ``_options/loading.py``; the removed 2.4 names in ``_options/deprecated.py``.
 
 For the executor: ``opts._freeze()`` / ``opts._unfreeze()`` (the options and all their
 sub-groups), ``opts._is_frozen``; ``opts.clone()`` is an unfrozen deep copy; private flags
@@ -42,9 +43,9 @@ _UINT64_MAX = 2**64 - 1
 
 class Options(DeprecatedAnchorMode, OptionsDict):
     """Configuration of ``trainingModel``, ``inferenceModel`` and ``DataLoader``
-    (spec options.md). Behaviour follows PopTorch 3.x.
+    (docs/api-sections.md options §1–§9). Behaviour follows PopTorch 3.x.
 
-    Construction order (options §2): sub-groups with their defaults
+    Construction order (docs/api-sections.md options §2): sub-groups with their defaults
     (``Distributed`` reads ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``),
     execution strategy ``PipelinedExecution()``, private flags, top-level defaults,
     ``POPTORCH_CACHE_DIR`` (``enableExecutableCaching``), then
@@ -119,27 +120,29 @@ class Options(DeprecatedAnchorMode, OptionsDict):
     # -- sub-groups --------------------------------------------------------------
     @property
     def Training(self) -> _TrainingOptions:
-        """Training options (:class:`_TrainingOptions`, options §4.1)."""
+        """Training options (:class:`_TrainingOptions`, docs/api-sections.md options §4.1)."""
         return self._training
 
     @property
     def Precision(self) -> _PrecisionOptions:
-        """Precision options (:class:`_PrecisionOptions`, options §4.2)."""
+        """Precision options (:class:`_PrecisionOptions`, docs/api-sections.md options §4.2)."""
         return self._precision
 
     @property
     def TensorLocations(self) -> _TensorLocationOptions:
-        """Tensor location options (:class:`_TensorLocationOptions`, options §4.3)."""
+        """Tensor location options (:class:`_TensorLocationOptions`,
+        docs/api-sections.md options §4.3)."""
         return self._tensor_locations
 
     @property
     def Distributed(self) -> _DistributedOptions:
-        """Multi-process options (:class:`_DistributedOptions`, options §4.4)."""
+        """Multi-process options (:class:`_DistributedOptions`,
+        docs/api-sections.md options §4.4)."""
         return self._distributed
 
     @property
     def Jit(self) -> _JitOptions:
-        """Deprecated tracing options (:class:`_JitOptions`, options §4.5)."""
+        """Deprecated tracing options (:class:`_JitOptions`, docs/api-sections.md options §4.5)."""
         return self._jit
 
     @property
@@ -150,7 +153,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     @property
     def _Popart(self) -> _PopartOptions:
-        """Advanced backend options (:class:`_PopartOptions`, options §4.6)."""
+        """Advanced backend options (:class:`_PopartOptions`, docs/api-sections.md options §4.6)."""
         return self._popart
 
     def _groups(self):
@@ -200,7 +203,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
     # -- top-level setters ---------------------------------------------------------
     def deviceIterations(self, device_iterations: int):
         """Batches processed per call (``int`` ≥ 1, default 1, key
-        ``device_iterations``). Returns self. S-10.
+        ``device_iterations``). Returns self. docs/semantics.md S-10.
 
         Raises:
             AssertionError: not an int.
@@ -210,7 +213,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     def replicationFactor(self, replication_factor: int):
         """Local replicas per process (``int`` ≥ 1, default 1, key
-        ``replication_factor``). Returns self. S-25.
+        ``replication_factor``). Returns self. docs/semantics.md S-25.
 
         Raises:
             AssertionError: not an int.
@@ -222,7 +225,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
                              input_group_type: enums.CommGroupType):
         """Replicas that receive the same input (keys ``input_group_size: int = 1``,
         ``input_cgt: CommGroupType = Consecutive``). ``NoGrouping`` forces size 1 and
-        ``Consecutive``. Call ``replicationFactor`` first. Returns self. S-26.
+        ``Consecutive``. Call ``replicationFactor`` first. Returns self. docs/semantics.md S-26.
 
         Raises:
             ValueError: ``All``; size greater than the replication factor; the
@@ -251,7 +254,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     def broadcastBuffers(self, broadcast_buffers: bool = True):
         """Broadcast buffers from replica 0 (``bool``, default True, key
-        ``broadcast_buffers``). Returns self. S-36. ``AssertionError`` unless a
+        ``broadcast_buffers``). Returns self. docs/semantics.md S-36. ``AssertionError`` unless a
         bool."""
         return self.set(broadcast_buffers=broadcast_buffers)
 
@@ -260,7 +263,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
         """What each output returns (key ``output_mode``, stored as the enum's
         integer value, default 4 = ``OutputMode.Default``; key
         ``output_return_period = output_return_period or 1``). A period given with
-        a mode other than ``EveryN`` is ignored (info log). Returns self. S-12.
+        a mode other than ``EveryN`` is ignored (info log). Returns self. docs/semantics.md S-12.
 
         Raises:
             AssertionError: ``output_mode`` not an ``OutputMode``; "EveryN anchor
@@ -288,10 +291,9 @@ class Options(DeprecatedAnchorMode, OptionsDict):
                      output_mode: Optional[enums.OutputMode] = None,
                      output_return_period: int = 1) -> None:
         """Make the internal tensor ``long_name`` retrievable as ``short_name``
-        (S-15). Stored in ``anchored_tensors[short_name] = [long_name, output_mode is
-        None, output_mode, period]``; the period is forced to 1 unless the mode is
-        ``EveryN``; ``None`` inherits the model's mode at wrap time. Not blocked by
-        freezing. Returns ``None``.
+        (docs/semantics.md S-15). Stored in ``anchored_tensors[short_name] = [long_name, output_mode
+        is None, output_mode, period]``; the period is forced to 1 unless the mode is ``EveryN``;
+        ``None`` inherits the model's mode at wrap time. Not blocked by freezing. Returns ``None``.
 
         Raises:
             AssertionError: names not strings; mode not an ``OutputMode``; ``EveryN``
@@ -315,7 +317,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     def randomSeed(self, random_seed: int):
         """Seed of the device RNG (key ``random_seed``, created); also calls
-        ``torch.manual_seed(random_seed)`` on the host. Returns self. S-95.
+        ``torch.manual_seed(random_seed)`` on the host. Returns self. docs/semantics.md S-95.
 
         Raises:
             AssertionError: not an int.
@@ -334,13 +336,13 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True):
         """Round the number of IPUs up to a power of two on hardware (``bool``,
-        default False, key ``auto_round_num_ipus``). Returns self. S-64.
+        default False, key ``auto_round_num_ipus``). Returns self. docs/semantics.md S-64.
         ``AssertionError`` unless a bool."""
         return self.set(auto_round_num_ipus=auto_round_num_ipus)
 
     def setExecutionStrategy(self, strategy):
         """Set the execution strategy (private ``_execution_strategy``; default
-        ``PipelinedExecution()``). Returns self. S-60.
+        ``PipelinedExecution()``). Returns self. docs/semantics.md S-60.
 
         Raises:
             AssertionError: unless a ``PipelinedExecution``, ``ShardedExecution``,
@@ -405,7 +407,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
     def enableExecutableCaching(self, path: Optional[str]):
         """Cache executables in ``path`` (``_Popart`` ``cachePath`` and
         ``enableEngineCaching=True``); ``None`` sets ``enableEngineCaching=False``.
-        Returns self. S-61. ``AssertionError`` unless a str, path or None."""
+        Returns self. docs/semantics.md S-61. ``AssertionError`` unless a str, path or None."""
         check_type("enableExecutableCaching", path, (str, os.PathLike, type(None)))
         if path is None:
             self._popart.set("enableEngineCaching", False)
@@ -416,7 +418,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     def useIpuModel(self, use_model: bool):
         """Use the IPU Model (``True``) or request hardware (key ``use_model``,
-        created; overrides ``POPTORCH_IPU_MODEL``). Returns self. S-82.
+        created; overrides ``POPTORCH_IPU_MODEL``). Returns self. docs/semantics.md S-82.
         ``AssertionError`` unless a bool."""
         check_bool("useIpuModel", use_model)
         return self.createOrSet(use_model=use_model)
@@ -439,7 +441,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
     def connectionType(self, connection_type: enums.ConnectionType):
         """When to attach the device (key ``connection_type``, stored as int,
         default 0 = ``Always``). Returns self. ``AssertionError`` unless a
-        ``ConnectionType``. S-80."""
+        ``ConnectionType``. docs/semantics.md S-80."""
         if not isinstance(connection_type, enums.ConnectionType):
             raise AssertionError("connection_type must be a poptorch.ConnectionType, got "
                                  f"{type(connection_type)}")
@@ -456,7 +458,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     def useIpuId(self, ipu_id: int):
         """Use this IPU id (key ``ipu_id``, created; hardware only). Returns self.
-        ``AssertionError`` if not an int; ``ValueError`` if negative. S-83."""
+        ``AssertionError`` if not an int; ``ValueError`` if negative. docs/semantics.md S-83."""
         if not isinstance(ipu_id, int) or isinstance(ipu_id, bool):
             raise AssertionError(f"ipu_id must be an integer, got {type(ipu_id)}")
         check_int("useIpuId", ipu_id, 0)
@@ -465,7 +467,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
     def useOfflineIpuTarget(self, ipu_version: int = 2):
         """Compile for an IPU without attaching (``connection_type = Never``, key
         ``ipu_version`` created: 1 = Mk1, 2 = Mk2, 21 = Mk2 with FP8). Returns self.
-        S-81. ``ValueError`` for another version (``AssertionError`` if not an
+        docs/semantics.md S-81. ``ValueError`` for another version (``AssertionError`` if not an
         int)."""
         check_type("useOfflineIpuTarget", ipu_version, int)
         if ipu_version not in (1, 2, 21):
@@ -483,7 +485,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     def enableSyntheticData(self, enabled: bool):
         """Backend ``syntheticDataMode`` = 2 if enabled else 0 (no host I/O). Returns
-        self. S-84. ``AssertionError`` unless a bool."""
+        self. docs/semantics.md S-84. ``AssertionError`` unless a bool."""
         check_bool("enableSyntheticData", enabled)
         self._popart.set("syntheticDataMode", 2 if enabled else 0)
         return self
@@ -499,7 +501,8 @@ class Options(DeprecatedAnchorMode, OptionsDict):
         """Merge ``debug.allowOutOfMemory="true"``, ``autoReport.directory=<dir or
         ".">`` and ``autoReport.all="true"`` into the backend ``engineOptions``.
         Warns if ``POPLAR_ENGINE_OPTIONS`` already sets one of them (the environment
-        wins). Returns self. S-85. ``AssertionError`` unless a str, path or None."""
+        wins). Returns self. docs/semantics.md S-85. ``AssertionError`` unless a str, path or
+        None."""
         check_type("enableProfiling", profile_dir, (str, os.PathLike, type(None)))
         env = _config.engine_options_text()
         for key in ("debug.allowOutOfMemory", "autoReport.directory", "autoReport.all"):
@@ -518,7 +521,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     def disableModuleNamescope(self):
         """Stop prefixing op names with ``module/submodule/`` (private
-        ``_module_namescope_enabled = False``). Returns self. S-16.
+        ``_module_namescope_enabled = False``). Returns self. docs/semantics.md S-16.
         ``AttributeError`` when frozen."""
         self._module_namescope_enabled = False
         return self
@@ -541,7 +544,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
     def relaxOptimizerAttributesChecks(self, relax: bool = True):
         """Turn warnings about unexpected optimizer attributes into debug messages
         (private ``_relax_optimizer_attributes_checks``, default False). Returns self.
-        S-53. ``AttributeError`` when frozen; ``AssertionError`` unless a bool."""
+        docs/semantics.md S-53. ``AttributeError`` when frozen; ``AssertionError`` unless a bool."""
         check_bool("relaxOptimizerAttributesChecks", relax)
         self._relax_optimizer_attributes_checks = relax
         return self
@@ -567,11 +570,10 @@ class Options(DeprecatedAnchorMode, OptionsDict):
         return copy.deepcopy(self)
 
     def toDict(self) -> dict:
-        """The flat dictionary handed to the backend (options §7.1): the execution
-        strategy's values, ``_Popart`` options, top-level, ``Training``,
-        ``Distributed`` and ``TensorLocations`` values, plus
-        ``compilation_progress_bar_fn`` (callable ``(progress, total)``) when the
-        progress bar is enabled.
+        """The flat dictionary handed to the backend (docs/api-sections.md options §7.1): the
+        execution strategy's values, ``_Popart`` options, top-level, ``Training``, ``Distributed``
+        and ``TensorLocations`` values, plus ``compilation_progress_bar_fn`` (callable ``(progress,
+        total)``) when the progress bar is enabled.
 
         Raises:
             AssertionError: "An output mode must be picked before serialisation";

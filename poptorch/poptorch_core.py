@@ -1,4 +1,4 @@
-"""The backend module of PopTorch (spec api §3): its error classes and the few
+"""The backend module of PopTorch (docs/api-sections.md api §3): its error classes and the few
 functions PopTorch's clients and tests call (``isCompilingWithDispatcher``,
 ``TestErrorType``, ``_throwTestError``, ``_validateOptions``).
 

@@ -1,4 +1,4 @@
-"""Helpers for tests (spec api §11.2). Not imported by ``import poptorch``."""
+"""Helpers for tests (docs/api-sections.md api §11.2). Not imported by ``import poptorch``."""
 import torch
 
 __all__ = ["allclose"]

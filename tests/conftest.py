@@ -8,12 +8,21 @@ overrides it.
 Every compiler pass is followed by the graph verifier (``POPTORCH_VERIFY=1``, see
 ``popart_compiler/verify.py``) unless the variable is set otherwise.
 
+The suite runs the ``eager`` backend unless a test asks for another
+(``POPTORCH_COMPILER=eager`` unless the variable is set otherwise: ``auto``, the default
+of ``poptorch.Options()``, would let TorchInductor compile every program that turns hot,
+and compilations take seconds each on a small machine); ``POPTORCH_COMPILER=auto pytest``
+runs the suite under the default. Each test records the ``auto`` backend's decisions in
+its own directory (``POPTORCH_AUTO_DECISIONS_DIR``), so that no test reuses another's
+decision or the user's.
+
 Every test can ``import models`` (``tests/models.py``, the shared tiny models): pytest
 runs with ``--import-mode=importlib``, which leaves ``sys.path`` untouched, so the module
 is loaded here by its path. ``tests/`` itself is never put on ``sys.path``: its folders
 ``poptorch/`` and ``popart_compiler/`` would shadow the packages of the same names where
 the repository root is not on the path (a plain ``pytest`` with an editable install).
 """
+import hashlib
 import importlib.util
 import os
 import signal
@@ -24,6 +33,7 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("POPTORCH_TEST_THREADS", "1") or "1"))
 os.environ.setdefault("POPTORCH_VERIFY", "1")
+os.environ.setdefault("POPTORCH_COMPILER", "eager")
 
 
 def _load_module(name, relative_path):
@@ -44,6 +54,15 @@ _load_module("processes", os.path.join("poptorch", "processes.py"))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _auto_decisions(request, tmp_path_factory, monkeypatch):
+    """A decision store of the test's own (created only if the test records one)."""
+    name = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    where = tmp_path_factory.getbasetemp() / "auto-decisions" / name
+    monkeypatch.setenv("POPTORCH_AUTO_DECISIONS_DIR", str(where))
     yield
 
 

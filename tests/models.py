@@ -97,10 +97,10 @@ def reference_training(model: nn.Module, optimizer, x, t, d: int, a: int, r: int
                        reduction: str = "mean", clip: float = None):
     """What a PopTorch training call computes, in plain PyTorch.
 
-    Per device iteration (``d``), ``a × r`` micro-batches in PopTorch's order (S-13:
-    accumulation step, then replica), each loss divided by ``a × r`` for the ``"mean"``
-    reduction (S-41), the gradients clipped to the global norm ``clip`` if given, then
-    one ``optimizer.step()``.
+    Per device iteration (``d``), ``a × r`` micro-batches in PopTorch's order
+    (docs/semantics.md S-13: accumulation step, then replica), each loss divided by ``a × r`` for
+    the ``"mean"`` reduction (docs/semantics.md S-41), the gradients clipped to the global norm
+    ``clip`` if given, then one ``optimizer.step()``.
 
     Args:
         model: returns ``(out, loss)`` for ``model(x, t)``.

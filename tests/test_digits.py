@@ -1,8 +1,8 @@
 """Tests of ``examples/digits.py``.
 
 * PopTorch training (deviceIterations × gradientAccumulation, Mean reduction, Adam) must
-  give the same weights as a plain PyTorch loop over the same micro-batches (S-10, S-13,
-  S-41, S-43, S-54).
+  give the same weights as a plain PyTorch loop over the same micro-batches (docs/semantics.md S-10,
+  S-13, S-41, S-43, S-54).
 * The example's command-line path trains to a reasonable accuracy.
 """
 import copy
@@ -78,12 +78,12 @@ def _reference_training(model, batches, lr, micro_batch, device_iterations,
 
     Each combined batch is split into device_iterations × gradientAccumulation
     micro-batches; row block ``d × A + a`` is micro-batch ``a`` of device iteration
-    ``d`` (S-13). Each device iteration is one optimizer step on the mean of its ``A``
-    micro-batch gradients (Mean reduction, S-41): the gradients are summed by
-    ``backward`` and divided by ``A`` before the step.
+    ``d`` (docs/semantics.md S-13). Each device iteration is one optimizer step on the mean of its
+    ``A`` micro-batch gradients (Mean reduction, docs/semantics.md S-41): the gradients are summed
+    by ``backward`` and divided by ``A`` before the step.
 
     Returns:
-        The loss of every micro-batch, in order (weights before each step, S-43).
+        The loss of every micro-batch, in order (weights before each step, docs/semantics.md S-43).
     """
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()

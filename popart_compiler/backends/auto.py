@@ -6,8 +6,9 @@ Policy, per compiled program (one session):
 1. Every call runs on the eager backend until the program has proven hot: at least
    :attr:`AutoPolicy.hot_calls` calls (3) *and* at least :attr:`AutoPolicy.hot_seconds`
    (1 s) spent in all of them, by the policy's clock; a program whose calls never add
-   up to 1 s never compiles. The first result is never later than the eager backend's, and a program that
-   runs briefly never pays for Inductor (a compilation takes seconds).
+   up to 1 s never compiles. The first result is never later than the eager
+   backend's, and a program that runs briefly never pays for Inductor (a compilation
+   takes seconds).
 2. Then TorchInductor compiles the program in a background thread (holding
    :data:`~popart_compiler.backends.tracing.TRACE_LOCK`, as every compilation does;
    running does not) while calls keep running on the eager backend. A compilation
@@ -26,6 +27,11 @@ Policy, per compiled program (one session):
 4. Any Inductor failure (compiling, or a call raising) logs one warning and keeps the
    eager backend for good; a call that failed on Inductor is run again on the eager
    backend (the session has rolled the device state back first).
+
+5. The decision is recorded per machine (:mod:`.decisions`, issue 30): a later session
+   of the same program (another run of the script) is given it as ``start`` and runs
+   that backend from its first call, without timing; ``POPTORCH_AUTO_BACKEND`` pins it
+   or makes the session decide again.
 
 Backends switch only between calls (a call is one ``session.run``: every device
 iteration, its optimizer steps and weight updates), and both read and write the same
@@ -138,10 +144,19 @@ class AutoChooser:
             background thread unless the policy is synchronous); raises on failure.
         device: the execution device (``"cpu"`` / ``"cuda"``), for the default clock.
         settings: the policy (default: :data:`POLICY` at construction).
+        start: the backend to run from the first call, without timing (a decision
+            recorded by an earlier run or pinned: :mod:`.decisions`); ``"inductor"``
+            compiles before the first call, in the calling thread. ``None`` (default):
+            decide by the policy.
+        on_decide: ``on_decide(backend, why)``, called once when this session decides
+            (by timing, or an Inductor failure): records the decision.
+        source: where ``start`` came from, for the log.
     """
 
     def __init__(self, eager: Lowering, compile_inductor: Callable[[], Lowering],
-                 device: str = "cpu", settings: Optional[AutoPolicy] = None):
+                 device: str = "cpu", settings: Optional[AutoPolicy] = None,
+                 start: Optional[str] = None,
+                 on_decide: Optional[Callable[[str, str], None]] = None, source: str = ""):
         self.policy = settings if settings is not None else POLICY
         self._clock = self.policy.clock or (
             time.thread_time if device == "cpu" and torch.get_num_threads() == 1
@@ -156,6 +171,12 @@ class AutoChooser:
         self._times = {"eager": [], "inductor": []}  # type: dict
         #: the backend kept for good (``None`` while undecided)
         self.chosen: Optional[str] = None
+        self._on_decide = on_decide
+        self._start = start
+        self._source = source
+        if start == "eager":
+            self.chosen = "eager"
+            logger.info("Backend auto: running eager (%s)", source)
 
     @property
     def compiling(self) -> bool:
@@ -192,6 +213,8 @@ class AutoChooser:
     def _pick(self) -> Lowering:
         if self.chosen is not None:
             return self._inductor if self.chosen == "inductor" else self.eager
+        if self._start == "inductor":
+            return self._start_on_inductor()
         if self._thread is None and self._inductor is None:
             if self._calls >= max(1, self.policy.hot_calls) and \
                     self._spent >= self.policy.hot_seconds:  # the first call: eager
@@ -229,11 +252,25 @@ class AutoChooser:
                          f"fastest call {compiled:.4g} s on inductor against "
                          f"{eager:.4g} s on eager")
 
+    def _start_on_inductor(self) -> Lowering:
+        """The first call of a session whose backend is known to be Inductor: compile
+        now, in the calling thread, and run every call on it (eager if it fails)."""
+        logger.info("Backend auto: compiling with TorchInductor before the first call "
+                    "(%s)", self._source)
+        self._start = None
+        self._build()
+        if self._inductor is None:  # failed: _fail kept eager
+            return self.eager
+        self.chosen = "inductor"
+        return self._inductor
+
     def _decide(self, name: str, why: str) -> None:
         self.chosen = name
         if name == "eager":
             self._inductor = None  # free the compiled kernels
         logger.info("Backend auto: keeping %s (%s)", name, why)
+        if self._on_decide is not None:
+            self._on_decide(name, why)
 
     def _fail(self, why: str) -> None:
         logger.warning("Backend auto: TorchInductor failed (%s); this program keeps "

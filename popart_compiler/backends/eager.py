@@ -1,4 +1,4 @@
-"""Floating-point exceptions on the IPU Model (S-46): a graph interpreted op by op
+"""Floating-point exceptions on the IPU Model (docs/semantics.md S-46): a graph interpreted op by op
 that stops at the first op producing a NaN or an infinity it was not given."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ __all__ = ["FloatingPointChecker"]
 
 class FloatingPointChecker(fx.Interpreter):
     """Runs a graph op by op and raises ``Error`` on a floating-point exception
-    (S-46): an op whose floating-point result holds a NaN although none of its inputs
-    did (invalid operation: ``inf − inf``, ``0 × inf``, ``sqrt(-1)``, ``0/0``), or an
-    infinity although all its inputs were finite (overflow, division by zero,
-    ``log(0)``), or a comparison reading a NaN."""
+    (docs/semantics.md S-46): an op whose floating-point result holds a NaN although none of its
+    inputs did (invalid operation: ``inf − inf``, ``0 × inf``, ``sqrt(-1)``, ``0/0``), or an
+    infinity although all its inputs were finite (overflow, division by zero, ``log(0)``), or a
+    comparison reading a NaN."""
 
     _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "equal", "isclose"})
 

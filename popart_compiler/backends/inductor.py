@@ -24,7 +24,7 @@ Inductor's own reductions (a float16 ``log_softmax``) can differ by 1–2 ulps.
 
 Random ops keep the device RNG's semantics: Inductor is told to call PyTorch's random
 kernels (``fallback_random``) so they draw from the generator the session swaps in
-(S-95) and match the eager backend.
+(docs/semantics.md S-95) and match the eager backend.
 """
 from __future__ import annotations
 

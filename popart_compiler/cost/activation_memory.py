@@ -30,13 +30,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, FrozenSet, List, Sequence, Tuple
 
-__all__ = ["StageMemory", "stage_memory", "one_stage", "stage_input", "owners",
-           "recomputation_active", "kept_for_backward", "RECOMPUTE_NONE", "RECOMPUTE_STANDARD", "RECOMPUTE_NORM_ONLY",
-           "RECOMPUTE_PIPELINE", "RECOMPUTE_ALL"]
+from popart_compiler.popart_enums import RecomputationType
 
-#: ``autoRecomputation`` values (PopART ``RecomputationType``).
+__all__ = ["StageMemory", "stage_memory", "one_stage", "stage_input", "owners",
+           "recomputation_active", "kept_for_backward", "RECOMPUTE_NONE",
+           "RECOMPUTE_STANDARD", "RECOMPUTE_NORM_ONLY", "RECOMPUTE_PIPELINE",
+           "RECOMPUTE_ALL"]
+
+#: The ``autoRecomputation`` members (PopART's ``RecomputationType``, in value order).
 RECOMPUTE_NONE, RECOMPUTE_STANDARD, RECOMPUTE_NORM_ONLY, RECOMPUTE_PIPELINE, \
-    RECOMPUTE_ALL = range(5)
+    RECOMPUTE_ALL = RecomputationType
 
 
 @dataclasses.dataclass

@@ -5,8 +5,9 @@ placement), :mod:`.memory_model` (bytes per IPU by category, out-of-memory) and
 :mod:`.cycle_model` (per-op cycles, pipeline schedule, samples per second). It reads
 only shapes (``node.meta["val"]``), so it is cheap for large models captured on the
 ``meta`` device. The compiler calls it for every program and raises the
-out-of-memory report (:func:`check`: a warning, or an error in strict mode); ``PoplarExecutor.cycleCount()`` and
-``estimatedThroughput()`` read the result (api §5.17, S-85).
+out-of-memory report (:func:`check`: a warning, or an error in strict mode);
+``PoplarExecutor.cycleCount()`` and ``estimatedThroughput()`` read the result
+(docs/api-sections.md api §5.17, docs/semantics.md S-85).
 """
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from popart_compiler.cost.activation_memory import RECOMPUTE_PIPELINE
 from popart_compiler.cost.cycle_model import CycleEstimate, CycleSettings, estimate_cycles
 from popart_compiler.cost.host_model import HostSettings, HostTime, host_time
 from popart_compiler.cost.ipu_model import IpuTarget
-from popart_compiler.enums import OutputMode
+from popart_compiler.enums import ExecutionMode, OutputMode
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
 from popart_compiler.errors import backend_error
@@ -29,6 +29,7 @@ from popart_compiler.cost.memory_report import memory_problem
 from popart_compiler.cost.op_costs import ProgramCosts, collect
 from popart_compiler.implicit_defaults import (ImplicitDefault, ProgramFacts, implicit_defaults,
                                                with_defaults)
+from popart_compiler.popart_enums import RecomputationType
 from popart_compiler.session_options import SessionOptions
 
 __all__ = ["IpuEstimate", "estimate", "estimate_costs", "estimate_with", "memory_settings",
@@ -118,9 +119,9 @@ class IpuEstimate:
 
 def _optimizer_state(optimizer, accumulating: bool) -> Tuple[float, int]:
     """``(state bytes per trainable element, state tensors in the parameter's dtype)``
-    (S-54 dtypes). The combined SGD variant keeps one tensor, PopART's velocity, in the
-    parameter's dtype whenever it has momentum or accumulates (it is also the
-    gradient accumulator)."""
+    (docs/semantics.md S-54 dtypes). The combined SGD variant keeps one tensor, PopART's velocity,
+    in the parameter's dtype whenever it has momentum or accumulates (it is also the gradient
+    accumulator)."""
     if optimizer is None:
         return 0.0, 0
     size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
@@ -145,15 +146,15 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
                     ) -> MemorySettings:
     """The :class:`MemorySettings` of these session options and optimizer.
 
-    Reads ``autoRecomputation`` and ``explicitRecomputation``, ``execution_mode`` and
-    ``enablePipelining`` (pipelined unless sharded or phased),
-    ``enableLoadAndOffloadRNGState``, the four ``location_*`` dictionaries (options.md
-    §4.3),
-    ``available_memory_proportion`` and the partials types
-    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``). The compiler
-    hands it the options with PopTorch's implicit defaults added
-    (:mod:`popart_compiler.implicit_defaults`: ``autoRecomputation = Pipeline`` for a
-    pipeline over several IPUs, off-chip locations for phased execution, ...).
+    Reads ``autoRecomputation`` (a ``RecomputationType``) and ``explicitRecomputation``,
+    the execution strategy's mode (``options.strategy.mode``) and ``enablePipelining``
+    (pipelined unless sharded or phased),
+    ``enableLoadAndOffloadRNGState``, the four ``location_*`` dictionaries
+    (docs/api-sections.md options §4.3), ``available_memory_proportion`` and the partials types
+    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``). The compiler hands it the
+    options with PopTorch's implicit defaults added (:mod:`popart_compiler.implicit_defaults`:
+    ``autoRecomputation = Pipeline`` for a pipeline over several IPUs, off-chip locations for phased
+    execution, ...).
     """
     raw = options.raw
     accumulating = training and options.gradient_accumulation > 1
@@ -173,9 +174,10 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
         replicas=options.replication_factor,
         # unset: PopTorch's default, Pipeline, which acts in a pipeline of several
         # IPUs only (implicit_defaults.py; activation_memory.recomputation_active)
-        auto_recomputation=int(raw.get("autoRecomputation", RECOMPUTE_PIPELINE)),
+        auto_recomputation=RecomputationType(int(raw.get(
+            "autoRecomputation", RecomputationType.Pipeline))),
         explicit_recomputation=bool(raw.get("explicitRecomputation", False)),
-        pipelined=int(raw.get("execution_mode", 0)) == 0 and
+        pipelined=options.strategy.mode is ExecutionMode.Pipelined and
         bool(raw.get("enablePipelining", True)),
         rng_state=bool(raw.get("enableLoadAndOffloadRNGState", True)),  # PopTorch's
         weight=Location.from_dict(raw.get("location_weight")),
@@ -226,7 +228,7 @@ def cycle_settings(settings: MemorySettings, options: SessionOptions, training: 
         device_iterations=options.device_iterations,
         optimizer=optimizer.type if optimizer is not None else "SGD",
         io_tiles=int(options.raw.get("numIOTiles", 0) or 0),
-        synthetic=options.synthetic_data, output_mode=int(options.output_mode),
+        synthetic=options.synthetic_data, output_mode=options.output_mode,
         output_return_period=options.output_return_period,
         accumulation=options.gradient_accumulation if training else 1)
 
@@ -265,7 +267,7 @@ def _host_of(costs: ProgramCosts, settings: MemorySettings, cycles: CycleSetting
         micro_batches=cycles.accumulation, device_iterations=cycles.device_iterations,
         replicas=settings.replicas, ipus_per_replica=costs.num_ipus,
         input_bytes=costs.input_bytes, output_bytes=costs.output_bytes,
-        output_mode=OutputMode(cycles.output_mode),
+        output_mode=cycles.output_mode,
         output_return_period=cycles.output_return_period, synthetic=cycles.synthetic)
 
 
@@ -327,7 +329,7 @@ def check(result: IpuEstimate, strict: bool = False, allow_out_of_memory: bool =
 
     Raises:
         Error: ``type == "poplar_out_of_memory"`` (see
-            :func:`~popart_compiler.memory_model.memory_problem`), in strict mode only.
+            :func:`~popart_compiler.cost.memory_report.memory_problem`), in strict mode only.
     """
     problem = memory_problem(result.memory, result.target, result.settings,
                              result.micro_batch)

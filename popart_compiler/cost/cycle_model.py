@@ -47,6 +47,7 @@ from popart_compiler.cost.op_classes import (COMPUTE_SET_CYCLES, UPDATE_COMPUTE_
                                              compute_sets)
 from popart_compiler.cost.op_costs import OpCost, ProgramCosts
 from popart_compiler.cost.op_plans import exchange_bytes_per_cycle, op_plans
+from popart_compiler.enums import OutputMode
 
 __all__ = ["CycleSettings", "Stage", "PipelineCycle", "CycleEstimate", "estimate_cycles",
            "pipeline_schedule", "pipeline_stages", "schedule_cycles", "op_forward_cycles",
@@ -75,8 +76,9 @@ class CycleSettings:
         io_tiles: ``numIOTiles`` (overlaps host I/O with compute when > 0).
         synthetic: ``enableSyntheticData``: no stream copies from the host.
         ipus_per_replica: IPUs of one replica (the all-reduce's ring).
-        output_mode / output_return_period: the user outputs' ``OutputMode`` (an int)
-            and ``EveryN`` period (the host time of a call, :mod:`.host_model`).
+        output_mode / output_return_period: the user outputs' ``OutputMode`` (an
+            integer is converted) and ``EveryN`` period (the host time of a call,
+            :mod:`.host_model`).
         accumulation: micro-batches per device iteration and replica (training:
             ``gradientAccumulation``; 1 in inference).
     """
@@ -88,9 +90,12 @@ class CycleSettings:
     io_tiles: int = 0
     synthetic: bool = False
     ipus_per_replica: int = 1
-    output_mode: int = 2
+    output_mode: OutputMode = OutputMode.All
     output_return_period: int = 1
     accumulation: int = 1
+
+    def __post_init__(self):
+        self.output_mode = OutputMode(self.output_mode)
 
 
 @dataclasses.dataclass
@@ -321,7 +326,8 @@ def weight_update_cycles(w, target: IpuTarget, settings: CycleSettings) -> float
 #: several machines runs at the pace of those). GCL runs two rings in opposite
 #: directions, each with half the data, so both directions of the links carry it.
 RING_LINKS = 2
-#: IPU-Links per IPU: the spec's bandwidth is that of all of them, both directions.
+#: IPU-Links per IPU: the published bandwidth (docs/ipu-hardware.md) is that of all of
+#: them, both directions.
 LINKS_PER_IPU = 10
 
 

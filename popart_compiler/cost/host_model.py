@@ -124,7 +124,7 @@ class HostTime:
 
 
 def _returned_micro_batches(s: HostSettings) -> int:
-    """Micro-batches of outputs a call returns per replica (S-12)."""
+    """Micro-batches of outputs a call returns per replica (docs/semantics.md S-12)."""
     per_call = s.micro_batches * s.device_iterations
     if s.output_mode is OutputMode.All:
         return per_call

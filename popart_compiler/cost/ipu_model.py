@@ -1,5 +1,5 @@
 """The IPU Model's targets: the public figures of each IPU version (GC2, GC200, Bow) that
-the memory and cycle estimates are built from (``shared/spec/ipu-hardware.md``; which
+the memory and cycle estimates are built from (``shared/docs/ipu-hardware.md``; which
 figures are published, estimated or fitted is said beside each). The simulated device
 is :mod:`popart_compiler.runtime.device`.
 """
@@ -11,10 +11,11 @@ from popart_compiler.errors import backend_error
 
 __all__ = ["IpuTarget", "TARGETS", "MAX_IPUS", "SMALL_IPU_TILES", "target_for"]
 
-#: Tiles per IPU of the small IPU Model (``POPTORCH_SMALL_IPU_MODEL``, options.md §8).
+#: Tiles per IPU of the small IPU Model (``POPTORCH_SMALL_IPU_MODEL``,
+#: docs/api-sections.md options §8).
 SMALL_IPU_TILES = 4
 
-#: Largest number of IPUs one process may request (S-64).
+#: Largest number of IPUs one process may request (docs/semantics.md S-64).
 MAX_IPUS = 64
 
 
@@ -38,14 +39,14 @@ class IpuTarget:
             convolution test tool derives the float-partials units this way): half
             the float16 rate on GC200 / Bow, the same rate on GC2.
         exchange_bytes_per_s: all-to-all exchange bandwidth inside one IPU (GC200's
-            ≈ 8 TB/s, about 4 bytes per tile per cycle; the spec has no GC2 / Bow
+            ≈ 8 TB/s, about 4 bytes per tile per cycle; no published GC2 / Bow
             figure: Bow, the same tile design at a higher clock, is assumed to move
             the same bytes per cycle, 8 TB/s × 1.85 / 1.33; GC2 uses 8 TB/s).
         ipu_link_bytes_per_s: IPU-Link bandwidth of one IPU, all links together
             (GC200: 320 GB/s; Bow: 10 links × 512 Gb/s; GC2: GC200's, unverified).
         host_link_bytes_per_s: host link (PCIe Gen4 x16, 64 GB/s).
         streaming_bytes_per_s: streaming-memory (off-chip DRAM) bandwidth per IPU.
-            Not in the spec: 20 GB/s is our assumption (DDR4 behind the gateway).
+            No published figure: 20 GB/s is our assumption (DDR4 behind the gateway).
         streaming_memory_bytes: streaming memory per IPU (448 GB per IPU-M2000 and
             256 GB per Bow-2000, 4 IPUs each; GC2 cards have none).
     """
@@ -80,7 +81,8 @@ TARGETS = {
 
 
 def target_for(version: str = "ipu2", small: bool = False) -> IpuTarget:
-    """The target of ``POPTORCH_IPU_MODEL_VERSION`` / ``useOfflineIpuTarget`` (S-82).
+    """The target of ``POPTORCH_IPU_MODEL_VERSION`` / ``useOfflineIpuTarget``
+    (docs/semantics.md S-82).
 
     Args:
         version: ``"ipu1"``, ``"ipu2"`` or ``"ipu21"``.

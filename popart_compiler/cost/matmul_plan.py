@@ -11,7 +11,7 @@ fastest one whose temporary memory per tile fits in the available memory proport
 when none fits, the product is split serially (more passes), as poplin does. Nothing
 in it is fitted to a model: the figures are the IPU's.
 
-Figures (public; see ``shared/spec/ipu-hardware.md`` and the poplibs sources):
+Figures (public; see ``shared/docs/ipu-hardware.md`` and the poplibs sources):
 
 * AMP rate (the caller's ``macs_per_cycle``, :func:`.op_plans.macs_per_cycle`): the
   spec's peak float16 and float32 FLOP/s divided by tiles × clock: 64 half or 16
@@ -20,7 +20,7 @@ Figures (public; see ``shared/spec/ipu-hardware.md`` and the poplibs sources):
 * AMP block: :data:`AMP_DEPTH` input channels (16 half, 8 float) by ``rate × 4 /
   depth`` output channels, 4 cycles per output row (poplibs' AMP vertices); weights
   of a block are loaded through the tile's 64-bit load path (8 bytes per cycle).
-* 6 worker threads per tile (spec): rows are shared between them, so a tile's rows
+* 6 worker threads per tile (docs/ipu-hardware.md): rows are shared between them, so a tile's rows
   are padded to a multiple of 6.
 * Exchange (the caller's ``exchange_bytes_per_cycle``): GC200's 8 TB/s over 1472
   tiles at 1.33 GHz, about 4 bytes per tile per cycle, of which a product achieves

@@ -3,10 +3,10 @@
 A linear layer, ``mm`` / ``addmm`` / ``matmul`` / ``bmm`` / ``baddbmm``, a
 convolution (``convolution``, ``conv1d`` … ``conv3d``), attention
 (``scaled_dot_product_attention``: two batched products) and the
-``serialized_matmul`` steering op (api §8: the product split into ``factor`` serial
-slices along the rows, the depth or the columns) become one or more
-:class:`Product`\\ s read from the fake tensors of ``node.meta["val"]``. Backward
-products follow from the forward ones (:func:`backward_problems`).
+``serialized_matmul`` steering op (docs/api-sections.md api §8: the product split into ``factor``
+serial slices along the rows, the depth or the columns) become one or more :class:`Product`\\ s read
+from the fake tensors of ``node.meta["val"]``. Backward products follow from the forward ones
+(:func:`backward_problems`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from popart_compiler.cost.matmul_plan import MatmulProblem
 
 __all__ = ["Product", "products", "backward_problems"]
 
-#: ``serialized_matmul`` mode → the dimension its factor splits (api §8).
+#: ``serialized_matmul`` mode → the dimension its factor splits (docs/api-sections.md api §8).
 _SERIAL_DIM = {"InputChannels": "rows", "ReducingDim": "depth", "OutputChannels": "cols"}
 
 

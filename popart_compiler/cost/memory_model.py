@@ -9,7 +9,7 @@ sharding, ``A`` = gradient accumulation):
   is used.
 * **optimizer state**: per trainable element, the optimizer's state tensors
   (SGD velocity, Adam / LAMB first and second moments, RMSprop accumulators) at their
-  accumulation dtypes (S-54); the combined SGD variant keeps one tensor, the
+  accumulation dtypes (docs/semantics.md S-54); the combined SGD variant keeps one tensor, the
   velocity, in the parameter's dtype (it is also the gradient accumulator). Off chip:
   one tensor's worth streams in for its update; the update runs after the pipeline
   has drained, so that buffer reuses the memory of the backward pass's transients
@@ -49,6 +49,7 @@ from popart_compiler.cost.activation_memory import RECOMPUTE_NONE, stage_memory
 from popart_compiler.cost.ipu_model import IpuTarget
 from popart_compiler.cost.op_costs import ProgramCosts
 from popart_compiler.cost.op_plans import DEFAULT_AVAILABLE_MEMORY, op_plans
+from popart_compiler.popart_enums import RecomputationType
 
 __all__ = ["MemorySettings", "Location", "IpuMemory", "IpuParts", "estimate_memory",
            "ipu_parts", "with_stages", "finish", "inference_peak",
@@ -72,7 +73,8 @@ CATEGORIES = ("weights", "optimizer state", "gradient accumulators", "gradients"
 
 @dataclasses.dataclass
 class Location:
-    """A ``TensorLocationSettings`` (options.md §4.3) as the memory model applies it."""
+    """A ``TensorLocationSettings`` (docs/api-sections.md options §4.3) as the memory model applies
+    it."""
     on_chip: bool = True
     sharded: bool = False
     min_off_chip: int = 0
@@ -107,7 +109,8 @@ class MemorySettings:
         accumulator_bytes: gradient-accumulator bytes per trainable element (0 when
             ``gradientAccumulation`` is 1, and for the combined SGD variant).
         replicas: replication factor (for replicated tensor sharding).
-        auto_recomputation: PopART ``RecomputationType`` value.
+        auto_recomputation: the ``autoRecomputation`` option (PopART's
+            ``RecomputationType``; an integer is converted).
         explicit_recomputation: ``explicitRecomputation``.
         rng_state: ``enableLoadAndOffloadRNGState`` (PopTorch's default): each tile
             keeps a copy of its workers' RNG state (:data:`RNG_STATE_BYTES_PER_TILE`).
@@ -123,7 +126,7 @@ class MemorySettings:
     optimizer_param_tensors: int = 0
     accumulator_bytes: float = 0.0
     replicas: int = 1
-    auto_recomputation: int = RECOMPUTE_NONE
+    auto_recomputation: RecomputationType = RECOMPUTE_NONE
     explicit_recomputation: bool = False
     rng_state: bool = False
     pipelined: bool = True
@@ -134,6 +137,9 @@ class MemorySettings:
     available_memory: Dict[int, float] = dataclasses.field(default_factory=dict)
     half_partials: bool = False
     conv_half_partials: bool = False
+
+    def __post_init__(self):
+        self.auto_recomputation = RecomputationType(int(self.auto_recomputation))
 
     def optimizer_bytes_of(self, itemsize: int) -> float:
         """Optimizer-state bytes per element of a parameter of ``itemsize`` bytes."""

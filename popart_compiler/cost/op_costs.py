@@ -7,7 +7,7 @@ computed from ``nn_module_stack``), the bytes it produces and reads (from the fa
 tensors in ``node.meta["val"]``), its FLOPs (``torch.utils.flop_counter`` evaluated on
 ``meta`` tensors: no kernel runs at full size), and the IPU-compiler steering ops
 around it (``recomputation_checkpoint``, ``set_available_memory``,
-``serialized_matmul``, matched by op name; api §8).
+``serialized_matmul``, matched by op name; docs/api-sections.md api §8).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from popart_compiler.cost.matmul_shapes import Product, products
 __all__ = ["OpCost", "WeightCost", "ProgramCosts", "collect", "steering_op",
            "layer_placement", "merge_stages", "with_serialization"]
 
-#: Steering ops (api §8) by op name; any namespace (``poptorch::<name>``).
+#: Steering ops (docs/api-sections.md api §8) by op name; any namespace (``poptorch::<name>``).
 CHECKPOINT_OP = "recomputation_checkpoint"
 AVAILABLE_MEMORY_OP = "set_available_memory"
 SERIALIZED_MATMUL_OP = "serialized_matmul"

@@ -57,7 +57,7 @@ AMP_PIPELINE_DEPTH = 4
 
 
 def macs_per_cycle(target: IpuTarget, half: bool, half_partials: bool = True) -> float:
-    """AMP multiply-accumulates per tile per cycle: the spec's peak FLOP/s over tiles ×
+    """AMP multiply-accumulates per tile per cycle: the published peak FLOP/s over tiles ×
     clock × 2 (64 half / 16 float on GC200 and Bow); float32 partials of float16
     inputs run on ``min(amp_units, AMP_PIPELINE_DEPTH × 2)`` of the ``amp_units``
     units (32 on GC200 and Bow, unchanged on GC2)."""

@@ -1,4 +1,5 @@
-"""The profile report of the IPU Model (S-85): ``profile.json`` and ``profile.html``.
+"""The profile report of the IPU Model (docs/semantics.md S-85): ``profile.json`` and
+``profile.html``.
 
 Written at compile time into ``<autoReport.directory>/<model name>/`` when the Poplar
 engine option ``autoReport.all`` is ``"true"`` (``Options.enableProfiling(dir)`` or
@@ -7,7 +8,8 @@ engine option ``autoReport.all`` is ``"true"`` (``Options.enableProfiling(dir)``
 self-contained page (inline CSS and SVG, no script, no network) showing the memory of
 each IPU by category, the pipeline timeline (forward work green, backward red; the
 stage that runs the last forward stage and the first backward stage in one pipeline
-cycle is drawn in both) and the largest tensors, with the same figures as text; ``profile.pop`` (the file Poplar tools look for) holds the same JSON.
+cycle is drawn in both) and the largest tensors, with the same figures as text;
+``profile.pop`` (the file Poplar tools look for) holds the same JSON.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""What the device knows about an optimizer (spec S-41, S-50…S-58, S-91): the
+"""What the device knows about an optimizer (docs/semantics.md S-41, S-50…S-58, S-91): the
 hyper-parameters of each optimizer type, the accepted accumulation dtypes,
 :class:`OptimizerDescription` (per-group hyper-parameters, loss scaling, variant,
 state dtypes, clipping) with its compile signature (what may not change after
-compilation, S-52) and the wording of a change to that signature. The host side
+compilation, docs/semantics.md S-52) and the wording of a change to that signature. The host side
 (``poptorch.optim``) builds descriptions; :mod:`popart_compiler.optim.device_optimizer` runs them.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ ACCUMULATION_TYPES = (torch.float32, torch.float16)
 #: always fixed at compile time.
 _STRUCTURAL = ("centered",)
 
-#: PopART names of hyper-parameters, used in logs (S-91).
+#: PopART names of hyper-parameters, used in logs (docs/semantics.md S-91).
 _POPART_NAMES = {
     "lr": "LearningRate", "momentum": "Momentum", "dampening": "Dampening",
     "weight_decay": "WeightDecay", "velocity_scaling": "VelocityScaling",
@@ -48,15 +48,15 @@ class OptimizerDescription:
 
     Attributes:
         type: ``"SGD"``, ``"Adam"``, ``"AdamW"``, ``"RMSprop"`` or ``"LAMB"``.
-        defaults: hyper-parameters for parameters in no group (S-55).
+        defaults: hyper-parameters for parameters in no group (docs/semantics.md S-55).
         groups: hyper-parameters of each param group, in order.
         group_of: parameter name → group index (absent: the defaults).
-        constant: names of hyper-parameters compiled as constants (S-52).
-        loss_scaling: global loss scaling (S-51).
+        constant: names of hyper-parameters compiled as constants (docs/semantics.md S-52).
+        loss_scaling: global loss scaling (docs/semantics.md S-51).
         use_combined_accum: SGD combined variant.
         accum_type / velocity_accum_type / first_order_type / second_order_type:
             storage dtypes of the gradient accumulator, SGD velocity, first and second
-            moments (S-54); ``torch.float32`` or ``torch.float16``.
+            moments (docs/semantics.md S-54); ``torch.float32`` or ``torch.float16``.
         max_grad_norm: clip the global gradient norm to this (``inf``: off).
         bias_correction: Adam-family bias correction (LAMB; AdamW always corrects).
         use_tf_variant: TensorFlow-style RMSprop.
@@ -113,7 +113,7 @@ class OptimizerDescription:
         return attr not in self.constant and attr not in _STRUCTURAL
 
     def compile_signature(self) -> Dict[str, Any]:
-        """What may not change after compilation (S-52): type, variant, dtypes,
+        """What may not change after compilation (docs/semantics.md S-52): type, variant, dtypes,
         clipping, which attributes are constant and the values of the constants."""
         sig: Dict[str, Any] = {
             "optimizer type": self.type,
@@ -134,7 +134,7 @@ class OptimizerDescription:
         return sig
 
     def describe(self) -> List[str]:
-        """The lines logged when the optimizer is pushed to the device (S-91):
+        """The lines logged when the optimizer is pushed to the device (docs/semantics.md S-91):
         ``SGD, defaultLearningRate=0.01 (const), ..., lossScaling=1.0 (const)`` and one
         ``learningRate=…`` line per group."""
         def fmt(prefix: str, values: Dict[str, Any]) -> List[str]:

@@ -1,14 +1,14 @@
-"""Optimizers of the simulated device (PopART semantics, spec S-41, S-50…S-58).
+"""Optimizers of the simulated device (PopART semantics, docs/semantics.md S-41, S-50…S-58).
 
 The runtime updates device weights itself; the host optimizer's ``step()`` never runs.
 One weight update of a training session goes through :class:`DeviceOptimizer`:
 
 1. :meth:`DeviceOptimizer.begin_step`;
 2. :meth:`DeviceOptimizer.accumulate` once per micro-batch and replica with the
-   *loss-scaled* gradients of that micro-batch (S-51);
+   *loss-scaled* gradients of that micro-batch (docs/semantics.md S-51);
 3. :meth:`DeviceOptimizer.finish_step`: reduction over accumulation steps and replicas
-   (S-41), removal of the loss scaling, gradient clipping, the update (S-54) and the
-   automatic-loss-scaling rule (S-57).
+   (docs/semantics.md S-41), removal of the loss scaling, gradient clipping, the update
+   (docs/semantics.md S-54) and the automatic-loss-scaling rule (docs/semantics.md S-57).
 
 Precision model (what the IPU Model does):
 
@@ -25,28 +25,29 @@ Precision model (what the IPU Model does):
   on float32 working copies); results are rounded to nearest into the parameters' and
   states' storage dtypes.
 
-The update rule of each optimizer type (S-54) is in :mod:`.updates`; what the device
-knows of an optimizer (:class:`OptimizerDescription`, S-52) in :mod:`.description`; the
+The update rule of each optimizer type (docs/semantics.md S-54) is in :mod:`.updates`; what the
+device knows of an optimizer (:class:`OptimizerDescription`, docs/semantics.md S-52) in
+:mod:`.description`; the
 shared machinery here: state allocation and transfer, accumulation and reduction,
 clipping, loss scaling and the combined SGD variant. State tensors carry PopART's names
-(S-56): ``Accl___<p>`` (SGD velocity), ``Accl1___<p>`` / ``Accl2___<p>`` (Adam / LAMB
-first / second moments; RMSprop mean square / centered mean), ``Accl3___<p>`` (RMSprop
-momentum), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and
-``lossScaleUpdateFactor`` (automatic loss scaling).
+(docs/semantics.md S-56): ``Accl___<p>`` (SGD velocity), ``Accl1___<p>`` / ``Accl2___<p>`` (Adam /
+LAMB first / second moments; RMSprop mean square / centered mean), ``Accl3___<p>`` (RMSprop
+momentum), ``Step___<p>``, ``Accum___<p>`` (gradient accumulator) and ``lossScaleUpdateFactor``
+(automatic loss scaling).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.optim.description import OptimizerDescription, describe_change
-from popart_compiler.optim.updates import UpdateRules, float32_work
 from popart_compiler.optim.loaded_params import LoadedParams
+from popart_compiler.optim.step_settings import StepSettings
+from popart_compiler.optim.updates import UpdateRules, float32_work
 
 __all__ = ["DeviceOptimizer", "StepSettings", "FLOAT16_MAX"]
 
@@ -54,52 +55,6 @@ __all__ = ["DeviceOptimizer", "StepSettings", "FLOAT16_MAX"]
 FLOAT16_MAX = 65504.0
 #: Smallest normal float16 value (lower bound of the automatic loss scale).
 _FLOAT16_MIN_NORMAL = 2.0 ** -14
-
-
-@dataclasses.dataclass
-class StepSettings:
-    """How the gradients of one weight update are combined (S-41, S-27, S-57).
-
-    Attributes:
-        accumulation: ``A``, micro-batches per weight update.
-        replicas: ``R``, local replicas.
-        global_replicas: ``R_total`` (the ``Mean`` divisor is ``A × R_total``).
-        mean: ``ReductionType.Mean`` (else ``Sum``).
-        running: ``MeanReductionStrategy.Running`` (else ``Post``).
-        replica_groups: parameter name → group index of each replica, for
-            replica-grouped weights whose device tensor has a leading group dimension.
-        auto_loss_scaling: automatic loss scaling (S-57).
-        als_update_period: weight updates between two adjustments of the factor.
-        als_threshold: proportion of float16 gradient elements in the top histogram
-            bin above which the factor is halved.
-        als_bin_edge: lower edge of the top bin as a fraction of the float16 maximum.
-        foreach: update all the weights of a group with ``torch._foreach_*`` kernels
-            (the inductor backend) instead of one weight at a time; same arithmetic.
-        all_reduce: in a multi-process run (S-28), sums a list of tensors over the
-            processes (``collectives.ProcessGroup.all_reduce_sum``); called once per
-            weight update with the gradients summed over the local replicas (and the
-            automatic loss scaling statistics). ``None``: a single process.
-        sharing: a pipeline run across processes: each process holds the parameters
-            of its stage, and ``sharing``
-            (:class:`~popart_compiler.runtime.pipeline_mesh.GradientSharing`) sums each
-            parameter's gradient over the processes that hold it (``sum(names,
-            tensors)``), the automatic loss scaling statistics over all processes
-            (``sum_statistics``) and gathers every parameter's gradient norm for
-            clipping (``norms``). Replaces ``all_reduce``.
-    """
-    accumulation: int = 1
-    replicas: int = 1
-    global_replicas: int = 1
-    mean: bool = True
-    running: bool = False
-    replica_groups: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
-    auto_loss_scaling: bool = False
-    als_update_period: int = 1
-    als_threshold: float = 1e-7
-    als_bin_edge: float = 0.125
-    foreach: bool = False
-    all_reduce: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
-    sharing: Any = None
 
 
 class DeviceOptimizer(UpdateRules, LoadedParams):
@@ -180,13 +135,14 @@ class DeviceOptimizer(UpdateRules, LoadedParams):
     @property
     def loss_scale(self) -> float:
         """The effective loss scale of the next weight update: ``loss_scaling`` times
-        ``lossScaleUpdateFactor`` with automatic loss scaling (S-57)."""
+        ``lossScaleUpdateFactor`` with automatic loss scaling (docs/semantics.md S-57)."""
         factor = self.state.get("lossScaleUpdateFactor")
         scale = float(self.description.loss_scaling)
         return scale * float(factor) if factor is not None else scale
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        """Copies of the optimizer-state tensors by PopART name (``ipu_state``, S-56)."""
+        """Copies of the optimizer-state tensors by PopART name (``ipu_state``,
+        docs/semantics.md S-56)."""
         return {k: v.detach().clone() for k, v in self.state.items()}
 
     def check_state(self, state: Any) -> None:
@@ -275,7 +231,7 @@ class DeviceOptimizer(UpdateRules, LoadedParams):
         Raises:
             Error: invalid description, or a change that needs recompilation: optimizer
                 type, variant, accumulation types, clipping, constant values or
-                const/variable status (S-52). The message names what changed.
+                const/variable status (docs/semantics.md S-52). The message names what changed.
         """
         description.validate()
         new = description.compile_signature()
@@ -428,9 +384,9 @@ class DeviceOptimizer(UpdateRules, LoadedParams):
                             ) -> List[Optional[torch.Tensor]]:
         """Sum this update's per-parameter totals (of ``names``, default all), and the
         automatic loss scaling statistics, over the processes of a multi-process run
-        (S-28): one ``all_reduce`` per dtype; in a pipeline across processes, over the
-        processes holding each parameter (:attr:`StepSettings.sharing`). ``None``
-        entries (no gradient) stay ``None``."""
+        (docs/semantics.md S-28): one ``all_reduce`` per dtype; in a pipeline across processes, over
+        the processes holding each parameter (:attr:`StepSettings.sharing`). ``None`` entries (no
+        gradient) stay ``None``."""
         s, start = self.settings, self._step["als_start"]
         if s.sharing is None and s.all_reduce is None:
             return tensors
@@ -547,7 +503,7 @@ class DeviceOptimizer(UpdateRules, LoadedParams):
         return grads
 
     def _adjust_loss_scale(self) -> None:
-        """S-57 rule, every ``als_update_period`` updates: halve the factor if the
+        """docs/semantics.md S-57 rule, every ``als_update_period`` updates: halve the factor if the
         proportion of float16 gradient elements at or above ``als_bin_edge × 65504``
         (or non-finite) exceeds ``als_threshold``, else double it; the effective scale
         stays within ``[2^-14, 65504]``. float32 gradients are not looked at; without

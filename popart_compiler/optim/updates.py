@@ -1,7 +1,7 @@
-"""The update rule of each optimizer type (spec S-54): SGD, Adam, AdamW and RMSprop
+"""The update rule of each optimizer type (docs/semantics.md S-54): SGD, Adam, AdamW and RMSprop
 run ``torch.optim``'s functional implementations (so the updates equal
 ``torch.optim``'s for the same hyper-parameters); LAMB and the TensorFlow RMSprop
-variant follow the formulas of S-54. The arithmetic runs on float32 working copies
+variant follow the formulas of docs/semantics.md S-54. The arithmetic runs on float32 working copies
 that are rounded to nearest into the parameters' and states' storage dtypes.
 
 The rules are a mixin of :class:`~popart_compiler.optim.device_optimizer.DeviceOptimizer`, which
@@ -62,7 +62,7 @@ def _real_corrections(step: torch.Tensor, beta1: float, beta2: float) -> bool:
 class UpdateRules:
     """``step`` and the per-type rules it dispatches to (``_step_<type>``). Uses the
     optimizer's ``description``, ``settings``, ``names``, ``state`` (PopART-named
-    tensors, S-56), ``_started_names``, ``_grouped`` and ``_clip_factor``."""
+    tensors, docs/semantics.md S-56), ``_started_names``, ``_grouped`` and ``_clip_factor``."""
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
              ) -> None:
@@ -93,7 +93,8 @@ class UpdateRules:
         dampening = float(h.get("dampening", 0.0))
         lr = float(h["lr"])
         if momentum == 0.0:
-            # PopART scales the step by (1 - dampening) even without momentum (S-54).
+            # PopART scales the step by (1 - dampening) even without momentum
+            # (docs/semantics.md S-54).
             lr = lr * (1.0 - dampening)
         names = [n for n, _, _ in items]
         bufs = [self.state.get(f"Accl___{n}") if momentum != 0.0 else None for n in names]
@@ -128,7 +129,8 @@ class UpdateRules:
                 float32_work([self.state[f"Accl2___{n}"] for n in names]) as v:
             fn(params, [g for _, _, g in items], m, v, [],
                [self.state[f"Step___{n}"] for n in names],
-               foreach=self.settings.foreach, amsgrad=False, beta1=beta1, beta2=beta2, lr=float(h["lr"]),
+               foreach=self.settings.foreach, amsgrad=False, beta1=beta1, beta2=beta2,
+               lr=float(h["lr"]),
                weight_decay=float(h.get("weight_decay", 0.0)),
                eps=float(h.get("eps", 1e-8)), maximize=False, **extra)
 
@@ -157,7 +159,7 @@ class UpdateRules:
         self._adam_like(h, items, _adam.adam)
 
     def _step_AdamW(self, h, items) -> None:
-        # AdamW always applies bias correction on the device (S-54 quirk).
+        # AdamW always applies bias correction on the device (docs/semantics.md S-54 quirk).
         self._adam_like(h, items, _adamw.adamw)
 
     def _step_RMSprop(self, h, items) -> None:
@@ -207,7 +209,7 @@ class UpdateRules:
 
     def _step_RMSprop_tf(self, h, items) -> None:
         """TensorFlow RMSprop: squared average starting at one, ``eps`` inside the
-        square root, learning rate folded into the momentum buffer (S-54)."""
+        square root, learning rate folded into the momentum buffer (docs/semantics.md S-54)."""
         lr, alpha = float(h["lr"]), float(h.get("alpha", 0.99))
         eps, wd = float(h.get("eps", 1e-8)), float(h.get("weight_decay", 0.0))
         momentum = float(h.get("momentum", 0.0))
@@ -232,7 +234,8 @@ class UpdateRules:
             self.state[f"Step___{n}"].add_(1)
 
     def _step_LAMB(self, h, items) -> None:
-        """LAMB per S-54; the trust ratio of a replica-grouped weight is per group."""
+        """LAMB per docs/semantics.md S-54; the trust ratio of a replica-grouped weight is per
+        group."""
         d = self.description
         beta1, beta2 = (float(b) for b in h.get("betas", (0.9, 0.999)))
         lr, eps = float(h["lr"]), float(h.get("eps", 1e-8))

@@ -1,4 +1,4 @@
-"""Anchors (S-15) and tensor names (S-16).
+"""Anchors (docs/semantics.md S-15) and tensor names (docs/semantics.md S-16).
 
 :func:`resolve_anchors` sorts the requested anchors into state anchors (weights,
 gradients, updated weights, optimizer state, loss scaling: read by the session after
@@ -21,7 +21,7 @@ __all__ = ["resolve_anchors", "name_tensors", "STATE_PREFIXES", "LOSS_SCALING_NA
 
 #: PopART name prefixes of per-parameter state: ``<prefix>___<parameter>``.
 STATE_PREFIXES = ("Gradient", "UpdatedVar", "Accl", "Accl1", "Accl2", "Accum", "Step")
-#: Tensors of automatic loss scaling (S-57).
+#: Tensors of automatic loss scaling (docs/semantics.md S-57).
 LOSS_SCALING_NAMES = ("finalLossScale", "lossScaleUpdateFactor")
 
 
@@ -64,7 +64,7 @@ def resolve_anchors(graph: Graph, c: Compilation) -> PassResult:
 
 def name_tensors(graph: Graph, c: Compilation) -> PassResult:
     """``c.tensor_names``: parameters, buffers, loss scaling, gradients and updated
-    weights of trainable parameters (training), then every activation (S-16)."""
+    weights of trainable parameters (training), then every activation (docs/semantics.md S-16)."""
     names = list(graph.parameters) + list(graph.buffers)
     if c.training and c.options.auto_loss_scaling:
         names += list(LOSS_SCALING_NAMES)

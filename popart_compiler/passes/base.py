@@ -47,7 +47,7 @@ class Compilation:
         activation_anchors: anchors on activations, appended to the graph's outputs
             after the user outputs, in order (``resolve_anchors``).
         state_anchors: anchors on weights, gradients and optimizer state.
-        tensor_names: every tensor name of the program (``name_tensors``, S-16).
+        tensor_names: every tensor name of the program (``name_tensors``, docs/semantics.md S-16).
         placement: the ``PlacementPlan`` (``place``).
         stages: the ``StagedGraph`` of a multi-stage program (``split_stages``).
         vectorized: stateless inference: the graph over ``vectorized_slots``

@@ -13,7 +13,7 @@ from popart_compiler.passes.base import Compilation, PassResult, unchanged
 __all__ = ["UNSUPPORTED_DTYPES", "check_options", "check_inputs", "check_loss",
            "check_buffers", "check_replica_groupings"]
 
-#: dtypes the IPU cannot take as inputs (S-45), with the names PopTorch reports.
+#: dtypes the IPU cannot take as inputs (docs/semantics.md S-45), with the names PopTorch reports.
 UNSUPPORTED_DTYPES = {
     torch.bfloat16: "BFloat16",
     torch.complex64: "ComplexFloat",
@@ -23,7 +23,7 @@ UNSUPPORTED_DTYPES = {
 
 
 def check_options(graph: Graph, c: Compilation) -> PassResult:
-    """Output-mode periods against ``device_iterations`` (S-12), positive batching
+    """Output-mode periods against ``device_iterations`` (docs/semantics.md S-12), positive batching
     factors, no gradient accumulation in inference, a valid distributed process id."""
     options = c.options
     if options.output_mode is OutputMode.EveryN:
@@ -57,8 +57,8 @@ def check_options(graph: Graph, c: Compilation) -> PassResult:
 
 
 def check_inputs(graph: Graph, c: Compilation) -> PassResult:
-    """Input and output dtypes the IPU takes (S-45; complex values only inside the
-    graph); no zero-sized user input or output (S-3)."""
+    """Input and output dtypes the IPU takes (docs/semantics.md S-45; complex values only inside the
+    graph); no zero-sized user input or output (docs/semantics.md S-3)."""
     for node in graph.placeholders:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dtype in UNSUPPORTED_DTYPES:
@@ -84,8 +84,8 @@ def check_inputs(graph: Graph, c: Compilation) -> PassResult:
 
 
 def check_loss(graph: Graph, c: Compilation) -> PassResult:
-    """Training: exactly one final loss, returned once by ``forward`` (S-40); records
-    its output index as ``c.loss_index``."""
+    """Training: exactly one final loss, returned once by ``forward`` (docs/semantics.md S-40);
+    records its output index as ``c.loss_index``."""
     if not c.training:
         return unchanged(graph)
     finals = graph.final_losses()
@@ -118,9 +118,10 @@ def check_loss(graph: Graph, c: Compilation) -> PassResult:
 
 def check_buffers(graph: Graph, c: Compilation) -> PassResult:
     """Buffers written in place while replicas take different data need
-    ``broadcastBuffers(False)`` (S-36)."""
+    ``broadcastBuffers(False)`` (docs/semantics.md S-36)."""
     options = c.options
-    # S-36 compares the local replica count R (replicationFactor, S-28) with the input
+    # docs/semantics.md S-36 compares the local replica count R (replicationFactor,
+    # docs/semantics.md S-28) with the input
     # groups, as PopTorch does under PopRun: each process keeps its own buffers, which
     # may drift apart between processes as they would in PopTorch.
     if (graph.mutated_buffers and options.broadcast_buffers
@@ -134,7 +135,8 @@ def check_buffers(graph: Graph, c: Compilation) -> PassResult:
 
 
 def check_replica_groupings(graph: Graph, c: Compilation) -> PassResult:
-    """Replica-grouped weights are parameters whose grouping fits the replicas (S-27)."""
+    """Replica-grouped weights are parameters whose grouping fits the replicas
+    (docs/semantics.md S-27)."""
     for name, grouping in c.options.replica_groupings.items():
         if name not in graph.parameters:
             raise backend_error(f"Per-replica weight {name} is not a parameter of the "

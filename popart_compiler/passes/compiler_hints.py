@@ -1,6 +1,6 @@
-"""Compiler passes over the ops that steer the IPU compiler (api §8.10, §8.11).
+"""Compiler passes over the ops that steer the IPU compiler (docs/api-sections.md api §8.10, §8.11).
 
-* :func:`check_overlapped_io` applies S-66's rules to ``set_overlap_for_input`` /
+* :func:`check_overlapped_io` applies docs/semantics.md S-66's rules to ``set_overlap_for_input`` /
   ``set_overlap_for_output`` markers whose mode is not ``NoOverlap``.
 * :func:`record_available_memory` copies each ``set_available_memory`` proportion onto
   the node that produced its input (``node.meta["available_memory_proportion"]``), the
@@ -34,7 +34,7 @@ def _nodes(graph: Graph, qualname: str) -> List[fx.Node]:
 
 
 def check_overlapped_io(graph: Graph, c: Compilation) -> PassResult:
-    """Apply S-66 to the overlap markers of ``graph``.
+    """Apply docs/semantics.md S-66 to the overlap markers of ``graph``.
 
     Raises:
         Error: a pipelined strategy, no IO tiles, output mode other than All / Sum, an

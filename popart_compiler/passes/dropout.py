@@ -1,4 +1,4 @@
-"""Dropout in inference sessions (spec S-34).
+"""Dropout in inference sessions (docs/semantics.md S-34).
 
 PopART replaces dropout by an identity whenever the session is an inference session,
 whatever mode the PyTorch module was in when it was captured. :func:`remove_dropout`
@@ -91,5 +91,5 @@ def remove_dropout(gm: fx.GraphModule) -> bool:
 
 
 def remove_inference_dropout(graph: Graph, c: Compilation) -> PassResult:
-    """Inference sessions: :func:`remove_dropout` (PopART's rule, S-34)."""
+    """Inference sessions: :func:`remove_dropout` (PopART's rule, docs/semantics.md S-34)."""
     return PassResult(graph, not c.training and remove_dropout(graph.module))

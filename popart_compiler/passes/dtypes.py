@@ -2,7 +2,7 @@
 
 The IPU has no 64-bit floating point type: ``torch.float64`` in an op's arguments
 becomes ``torch.float32`` (PopTorch's ``[DISPATCHER] Type coerced from Double to
-Float``, S-44). A program compiled for another torch device than the CPU it was
+Float``, docs/semantics.md S-44). A program compiled for another torch device than the CPU it was
 captured on gets that device in its arguments (``torch.zeros(..., device="cpu")``).
 """
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _as_float32(value: Any) -> Any:
 
 
 def demote_float64(graph: Graph, c: Compilation) -> PassResult:
-    """``torch.float64`` → ``torch.float32`` in op arguments (S-44), with PopTorch's
-    warning; the values the ops compute are then described as float32 too
+    """``torch.float64`` → ``torch.float32`` in op arguments (docs/semantics.md S-44), with
+    PopTorch's warning; the values the ops compute are then described as float32 too
     (``meta["val"]``, which the IPU Model's estimate and the user outputs read)."""
     changed = rewrite_args(graph.module, {torch.float64: torch.float32})
     if changed:

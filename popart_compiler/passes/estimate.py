@@ -1,6 +1,6 @@
 """The IPU Model's estimate of a compiled program: memory per IPU and cycles
-(:mod:`popart_compiler.cost`), the profile report when asked for (S-85) and the report
-of a program that does not fit (a warning, as Poplar's IPU Model; the error in strict
+(:mod:`popart_compiler.cost`), the profile report when asked for (docs/semantics.md S-85) and the
+report of a program that does not fit (a warning, as Poplar's IPU Model; the error in strict
 mode)."""
 from __future__ import annotations
 

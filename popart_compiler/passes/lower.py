@@ -3,7 +3,7 @@ and a vectorized call.
 
 * ``eager``: the captured ATen graph runs with PyTorch's eager kernels (the
   ``fx.GraphModule`` itself).
-* checked floating-point exceptions (S-46): an op-by-op interpreter
+* checked floating-point exceptions (docs/semantics.md S-46): an op-by-op interpreter
   (:class:`~popart_compiler.backends.eager.FloatingPointChecker`), whatever the backend.
 * ``inductor``: TorchInductor's compilation of the same graph
   (:mod:`popart_compiler.backends.inductor`), compiled at its first call; on the CPU the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 
-from popart_compiler.backends import inductor
+from popart_compiler.backends import inductor, prepack
 from popart_compiler.backends.auto import Lowering
 from popart_compiler.backends.eager import FloatingPointChecker
 from popart_compiler.ir import Graph
@@ -47,14 +47,14 @@ def lower(graph: Graph, c: Compilation) -> PassResult:
         c.runner, c.stage_runner = graph.module, None
         if o.backend == "auto" and c.stages is None and not graph.runs_per_micro_batch():
             c.alternative = functools.partial(inductor_lowering, graph, o,
-                                              vectorizable_slots(graph, c))
+                                              vectorizable_slots(graph, c), c.training)
         return unchanged(graph)
     random = graph.random
     runner = graph.module
     if o.device == "cpu":
-        runner = inductor.onednn_linear(copy.deepcopy(graph.module))
+        runner = _for_cpu(copy.deepcopy(graph.module), c.training)
         if c.vectorized is not None:
-            inductor.onednn_linear(c.vectorized)
+            _for_cpu(c.vectorized, c.training)
     c.runner = inductor.compile_graph(runner, random=random)
     c.stage_runner = functools.partial(inductor.compile_graph, random=random)
     if c.vectorized is not None:
@@ -62,19 +62,27 @@ def lower(graph: Graph, c: Compilation) -> PassResult:
     return unchanged(graph)
 
 
-def inductor_lowering(graph: Graph, o, slots: int) -> Lowering:
+def _for_cpu(gm, training: bool):
+    """oneDNN linears; in inference, prepacked weights and channels-last convolutions
+    (:mod:`popart_compiler.backends.prepack`)."""
+    inductor.onednn_linear(gm)
+    return gm if training else prepack.prepack_inference(gm)
+
+
+def inductor_lowering(graph: Graph, o, slots: int, training: bool = False) -> Lowering:
     """The inductor backend's lowering of ``graph`` (session options ``o``) for the
     ``auto`` backend: the per-micro-batch graph and, for ``slots`` > 1, the graph
     vectorized over ``slots`` micro-batches, each compiled at its first call (or by
     ``precompile``); on the CPU their linear layers run as oneDNN linears. A signature
     never compiled runs its graph module uncompiled (``compile_on_miss=False``): the
-    ``auto`` backend compiles outside the session's calls only."""
+    ``auto`` backend compiles outside the session's calls only. ``training``: no
+    prepacked weights (they change at every step)."""
     runner = copy.deepcopy(graph.module)
     vectorized = vectorize_program(graph, o, slots) if slots > 1 else None
     if o.device == "cpu":
-        inductor.onednn_linear(runner)
+        _for_cpu(runner, training)
         if vectorized is not None:
-            inductor.onednn_linear(vectorized)
+            _for_cpu(vectorized, training)
     compiled = functools.partial(inductor.compile_graph, random=graph.random,
                                  compile_on_miss=False)
     return Lowering("inductor", compiled(runner),

@@ -1,13 +1,13 @@
-"""Placement of a captured graph on IPUs, pipeline stages and phases (spec api §9,
-S-60, S-63, S-64, S-65).
+"""Placement of a captured graph on IPUs, pipeline stages and phases (docs/api-sections.md api §9,
+docs/semantics.md S-60, S-63, S-64, S-65).
 
 The capture tags every forward op with the block that was active when the op was
 created (``node.meta["custom"][BLOCK_KEY]``: the block id, or ``None`` before the
 first block) or with ``node.meta["custom"][NO_ACTIVE_BLOCK_KEY] = True`` when it was
 created after a ``with Block`` scope ended. The caller also gives the
 :class:`Placement` of each block (derived from the execution strategy at capture
-time, api §9.7). :func:`place_nodes` is the graph → graph pass that turns the tags
-into ``node.meta["placement"]`` on every node; :func:`plan_placement` runs it and the
+time, docs/api-sections.md api §9.7). :func:`place_nodes` is the graph → graph pass that turns the
+tags into ``node.meta["placement"]`` on every node; :func:`plan_placement` runs it and the
 execution-strategy checks and returns a :class:`PlacementPlan`.
 
 Contract with the cost model: every fx node of a compiled graph carries
@@ -17,11 +17,11 @@ Contract with the cost model: every fx node of a compiled graph carries
 Backward and optimizer ops: training runs PyTorch autograd on the forward graph, so
 there is no backward graph to execute. Their placement is derived the way PopART
 places them: the backward of an op runs on the op's IPU, in the mirrored pipeline
-stage (``2(S-1) - s`` for ``S`` stages: the last forward stage also runs the first
-backward stage, S-63) and in the mirrored phase (S-65); a parameter's optimizer
-update runs where its gradient is complete (the backward placement of the
-parameter). :func:`place_joint_graph` applies this to the joint forward/backward
-graph built for reports.
+stage (``2(docs/semantics.md S-1) - s`` for ``S`` stages: the last forward stage also runs the first
+backward stage, docs/semantics.md S-63) and in the mirrored phase (docs/semantics.md S-65); a
+parameter's optimizer update runs where its gradient is complete (the backward placement of the
+parameter). :func:`place_joint_graph` applies this to the joint forward/backward graph built for
+reports.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ __all__ = ["Placement", "PlacementPlan", "BLOCK_KEY",
 #: created (``None``: before the first block).
 BLOCK_KEY = "ipu_block"
 #: ``node.meta["custom"]`` key set to ``True`` on ops created while no block was
-#: active (after a ``with Block`` scope ended, S-60).
+#: active (after a ``with Block`` scope ended, docs/semantics.md S-60).
 NO_ACTIVE_BLOCK_KEY = "ipu_no_active_block"
 
 
@@ -71,7 +71,7 @@ def placement_of(node: fx.Node) -> Placement:
     return node.meta.get("placement", _ORIGIN)
 
 
-#: ``Liveness`` modes only serial phased execution supports (S-65).
+#: ``Liveness`` modes only serial phased execution supports (docs/semantics.md S-65).
 _SERIAL_ONLY_LIVENESS = (Liveness.OffChipAfterFwdNoOverlap, Liveness.OffChipAfterEachPhase)
 
 
@@ -81,16 +81,27 @@ def _ops(graph: fx.Graph) -> Iterable[fx.Node]:
     return (n for n in graph.nodes if n.op in ("call_function", "call_module", "call_method"))
 
 
+def _is_check(node: fx.Node) -> bool:
+    """A check the tracer records (no output any op reads): ``_assert_*``."""
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.startswith("_assert") and not node.users
+
+
 def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphModule:
     """Write ``node.meta["placement"]`` on every node of ``gm`` (forward graph).
 
-    Ops take their block's placement (ops before the first block: IPU 0, stage 0,
-    phase 0, S-60); ops without a block tag (created by the tracer outside
-    ``forward``, or checks such as ``_assert_tensor_metadata`` that the tracer records
-    without the capture's metadata) take the latest placement of their inputs, or,
-    reading only graph inputs, the placement of the op before them; placeholders and ``get_attr`` nodes take the
-    placement of their first user; the output node the latest placement of its
-    inputs.
+    Ops take the placement of the block in force when they run, as PopTorch places
+    them: their block's (ops before the first block: IPU 0, stage 0, phase 0,
+        docs/semantics.md S-60).
+    An op tagged "before the first block" that runs after a block started, and the
+    tracer's checks (``_assert_tensor_metadata``, ``_assert_scalar``: the tracer may
+    record them with the metadata of the tensor they check, created earlier), take the
+    placement of the op before them: an op after the last ``BeginBlock`` that reads
+    only the user's inputs stays in that block. Ops without a block tag (created by the tracer
+    outside ``forward``, or checks such as ``_assert_tensor_metadata`` that the tracer records
+    without the capture's metadata) take the latest placement of their inputs, or, reading only
+    graph inputs, the placement of the op before them; placeholders and ``get_attr`` nodes take the
+    placement of their first user; the output node the latest placement of its inputs.
 
     Args:
         gm: a captured graph module whose ops carry the capture's block tags.
@@ -100,10 +111,11 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
         ``gm`` (modified in place).
 
     Raises:
-        Error: "No active Block, all the ops must belong to a Block" (S-60).
+        Error: "No active Block, all the ops must belong to a Block" (docs/semantics.md S-60).
     """
     graph = gm.graph
     previous = _ORIGIN
+    started = False  # a block has started
     for node in _ops(graph):
         custom = node.meta.get("custom") or {}
         if custom.get(NO_ACTIVE_BLOCK_KEY):
@@ -112,8 +124,12 @@ def place_nodes(gm: fx.GraphModule, blocks: Dict[str, Placement]) -> fx.GraphMod
                 f"{node.name} is created after a `with poptorch.Block(...)` scope ended. "
                 "Put it inside a block, or start one with poptorch.Block.start(...) or "
                 "poptorch.BeginBlock.")
+        if _is_check(node) or (started and custom.get(BLOCK_KEY, False) is None):
+            node.meta["placement"] = previous  # the block in force where it runs
+            continue
         if BLOCK_KEY in custom:
             block = custom[BLOCK_KEY]
+            started = started or block is not None
             if block is not None and str(block) not in blocks:
                 raise backend_error(
                     f"The op {node.name} belongs to block '{block}', which has no "
@@ -148,9 +164,9 @@ class PlacementPlan:
         training: forward, backward and weight update (else forward only).
         blocks: block id → placement, in order of first use.
         stages: distinct forward stage ids, ascending.
-        forward_stages: ``F`` of S-63: 1 + the number of IPU changes between
+        forward_stages: ``F`` of docs/semantics.md S-63: 1 + the number of IPU changes between
             consecutive ops in capture order (1 without multi-IPU pipelining).
-        ipus_per_replica: ``max(#distinct IPUs, highest IPU + 1)`` (S-64).
+        ipus_per_replica: ``max(#distinct IPUs, highest IPU + 1)`` (docs/semantics.md S-64).
         num_phases: forward phases (phased execution; 1 otherwise).
         parameters: parameter name → placement of its forward consumer.
     """
@@ -176,7 +192,7 @@ class PlacementPlan:
     def backward(self, placement: Placement) -> Placement:
         """Placement of the backward of an op placed at ``placement``: same IPU,
         mirrored pipeline stage (pipelined over several IPUs; otherwise the same
-        stage) and mirrored phase (phased, S-65)."""
+        stage) and mirrored phase (phased, docs/semantics.md S-65)."""
         stage, phase = placement.stage, placement.phase
         if self.pipelined:
             rank = self.stages.index(stage) if stage in self.stages else 0
@@ -194,7 +210,7 @@ class PlacementPlan:
 
 
 def _forward_stage_count(gm: fx.GraphModule) -> int:
-    """``F`` of S-63: 1 + IPU changes between consecutive ops in capture order."""
+    """``F`` of docs/semantics.md S-63: 1 + IPU changes between consecutive ops in capture order."""
     changes, last = 0, None
     for node in _ops(gm.graph):
         ipu = placement_of(node).ipu
@@ -205,7 +221,7 @@ def _forward_stage_count(gm: fx.GraphModule) -> int:
 
 
 def _check_stage_order(gm: fx.GraphModule, block_of: Dict[fx.Node, str]) -> None:
-    """Pipelining: stage ids never decrease along the data flow (S-63)."""
+    """Pipelining: stage ids never decrease along the data flow (docs/semantics.md S-63)."""
     for node in _ops(gm.graph):
         stage = placement_of(node).stage
         for arg in node.all_input_nodes:
@@ -225,7 +241,7 @@ def _check_stage_order(gm: fx.GraphModule, block_of: Dict[fx.Node, str]) -> None
 
 def _check_pipeline_batches(plan: PlacementPlan, device_iterations: int,
                             gradient_accumulation: int) -> None:
-    """Pipelined training needs ``A ≥ 2F − 1``, inference ``D ≥ F`` (S-63)."""
+    """Pipelined training needs ``A ≥ 2F − 1``, inference ``D ≥ F`` (docs/semantics.md S-63)."""
     f = plan.forward_stages
     if plan.training and gradient_accumulation < 2 * f - 1:
         # PopTorch's wording (its tests match it), then the value that was set
@@ -243,7 +259,7 @@ def _check_pipeline_batches(plan: PlacementPlan, device_iterations: int,
 
 
 def _check_phases(plan: PlacementPlan) -> None:
-    """Phased execution: parity of phases and IPUs, liveness modes (S-65)."""
+    """Phased execution: parity of phases and IPUs, liveness modes (docs/semantics.md S-65)."""
     s = plan.strategy
     if s.serial_phases:
         return
@@ -295,10 +311,11 @@ def plan_placement(gm: fx.GraphModule, blocks: Dict[str, Placement],
         The :class:`PlacementPlan`.
 
     Raises:
-        Error: "No active Block ..." (S-60); pipeline stage ordering,
+        Error: "No active Block ..." (docs/semantics.md S-60); pipeline stage ordering,
             ``gradientAccumulation`` / ``deviceIterations`` below the number of
-            pipeline stages (S-63); "Too many IPUs requested (<n>)" (S-64); phase /
-            IPU parity or a liveness mode of parallel phased execution (S-65).
+            pipeline stages (docs/semantics.md S-63); "Too many IPUs requested (<n>)"
+            (docs/semantics.md S-64); phase / IPU parity or a liveness mode of parallel phased
+            execution (docs/semantics.md S-65).
     """
     place_nodes(gm, blocks)
     used = {placement_of(n) for n in _ops(gm.graph)} or {_ORIGIN}

@@ -1,4 +1,4 @@
-"""Splitting a placed program by pipeline stage (spec S-60, S-63, S-65).
+"""Splitting a placed program by pipeline stage (docs/semantics.md S-60, S-63, S-65).
 
 A program whose ops sit on several pipeline stages is cut into one fx submodule per
 run of consecutive ops (in graph order) of the same stage, with

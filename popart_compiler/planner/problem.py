@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from popart_compiler.cost.activation_memory import (RECOMPUTE_NONE, one_stage, owners,
+from popart_compiler.cost.activation_memory import (one_stage, owners,
+                                                    recomputation_active,
                                                     stage_input)
 from popart_compiler.cost.cycle_model import (CycleSettings, host_bytes_per_cycle,
                                               link_bytes_per_cycle, op_backward_cycles,
@@ -139,10 +140,6 @@ class Problem:
         self.unit_of = np.zeros(len(ops), dtype=np.int64)
         for k, unit in enumerate(self.units):
             self.unit_of[unit.lo:unit.hi] = k
-        # checkpoints the program makes without the planner (the user's own, or
-        # autoRecomputation) make it recompute whatever the planner does
-        self.user_recomputes = memory.auto_recomputation != RECOMPUTE_NONE or any(
-            op.checkpoint for op in variants.b.values())
         self._tables()
         self._cache: Dict[Tuple, IpuEval] = {}
         self._stages: Dict[Tuple, _Stage] = {}
@@ -196,12 +193,20 @@ class Problem:
                     on.update(unit.markers)
         return on
 
+    def recomputes(self, count: int) -> bool:
+        """Whether the program recomputes with ``count`` forward stages: its
+        ``autoRecomputation`` acts (PopTorch's implicit ``Pipeline`` only in a pipeline
+        of several stages; without it PopART ignores checkpoints, the user's and the
+        planner's alike)."""
+        return recomputation_active((), self.memory.auto_recomputation, self.training,
+                                    self.memory.pipelined and count > 1)
+
     def valid(self, stages: Sequence[StageSpec]) -> bool:
-        """Whether a placement's stages are what the per-IPU estimate assumes: with
-        planner checkpoints the program must have at least one (else it does not
-        recompute at all: the same program as without planner checkpoints)."""
+        """Whether a placement's stages are what the per-IPU estimate assumes: planner
+        checkpoints only where the program recomputes (else they change nothing: the
+        same program as without them)."""
         planned = any(st.checkpoint is not None for st in stages)
-        return not planned or self.user_recomputes or bool(self.present(stages))
+        return not planned or all(self.recomputes(st.count) for st in stages)
 
     def _present_around(self, stages: Sequence[StageSpec]):
         """Markers as :meth:`present` for ``stages`` of one IPU; a marker of another
@@ -336,7 +341,7 @@ class Problem:
         memory = None
         link = link_bytes_per_cycle(self.target)
         if self.training:
-            recomputing = self.user_recomputes or st.checkpoint is not None
+            recomputing = self.recomputes(st.count)
             local = {op.name for op in ops}
             received = stage_input(ops, lambda name: name in v.index and name not in local,
                                    self.costs.user_inputs, self.sizes, self.owner)

@@ -304,7 +304,8 @@ def search(problem: Problem, space: Space, time_limit: float = math.inf
         best = _Layout(problem, space, head, planned, on_chip, deadline).run(best)
     return best
 
-def _layouts(problem: Problem, space: Space) -> Iterable[Tuple[Optional[int], bool, Optional[bool]]]:
+def _layouts(problem: Problem, space: Space
+             ) -> Iterable[Tuple[Optional[int], bool, Optional[bool]]]:
     heads = [None] + [h for h in space.heads if space.num_ipus > 1]
     modes = space.checkpoint_modes if problem.training else (False,)
     for head, planned, on_chip in itertools.product(heads, modes, space.optimizer_on_chip):

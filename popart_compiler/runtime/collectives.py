@@ -1,4 +1,4 @@
-"""Communication between the processes of a multi-process run (spec S-28).
+"""Communication between the processes of a multi-process run (docs/semantics.md S-28).
 
 Processes are replica groups: each runs ``R`` local replicas, and the global replication
 factor is ``R × num_processes``. Everything that crosses process boundaries goes

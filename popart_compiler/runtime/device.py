@@ -1,4 +1,4 @@
-"""The IPU Model as a device: selected the way PopTorch selects a device (spec S-64,
+"""The IPU Model as a device: selected the way PopTorch selects a device (docs/semantics.md S-64,
 S-81, S-82) and acquired; it executes programs with PyTorch kernels (see
 :mod:`popart_compiler.runtime.session`)."""
 from __future__ import annotations
@@ -41,7 +41,7 @@ class IpuModel:
 
 
 def _round_num_ipus(num_ipus: int, auto_round: bool) -> int:
-    """IPUs to reserve on hardware: a power of two (S-64; the IPU Model does not
+    """IPUs to reserve on hardware: a power of two (docs/semantics.md S-64; the IPU Model does not
     apply this rule)."""
     rounded = 1 << max(0, num_ipus - 1).bit_length()
     if rounded == num_ipus:
@@ -62,7 +62,7 @@ def acquire_device(num_ipus: int, version: str = "ipu2", *, use_ipu_model: bool 
                    offline: bool = False, ipu_id: Optional[int] = None,
                    torch_device: str = "cpu",
                    auto_round_num_ipus: bool = False) -> Optional[IpuModel]:
-    """Select and acquire the device, as PopTorch does (S-64, S-81, S-82).
+    """Select and acquire the device, as PopTorch does (docs/semantics.md S-64, S-81, S-82).
 
     Args:
         num_ipus: IPUs needed (per replica × replication factor).
@@ -75,7 +75,7 @@ def acquire_device(num_ipus: int, version: str = "ipu2", *, use_ipu_model: bool 
         ipu_id: a specific device id (``Options.useIpuId``).
         torch_device: where the kernels run.
         auto_round_num_ipus: reserve the next power of two when a hardware target
-            (physical IPUs or an offline target) needs one (S-64).
+            (physical IPUs or an offline target) needs one (docs/semantics.md S-64).
 
     Returns:
         The attached :class:`IpuModel`, or ``None`` for offline compilation.

@@ -1,4 +1,4 @@
-"""What a session keeps on the device besides the program (spec S-27, S-36, S-44,
+"""What a session keeps on the device besides the program (docs/semantics.md S-27, S-36, S-44,
 S-95): the device copies of parameters, buffers and constants (:class:`DeviceWeights`:
 per-replica buffers, replica-grouped weights and their host layouts) and the device
 random number generator (:class:`DeviceRng`), independent of the host's. Used by
@@ -19,17 +19,17 @@ from popart_compiler.stages import Executable
 
 __all__ = ["DeviceWeights", "DeviceRng", "device_dtype", "DEVICE_DTYPES"]
 
-#: Host dtypes that the device does not have, and what they become (S-44).
+#: Host dtypes that the device does not have, and what they become (docs/semantics.md S-44).
 DEVICE_DTYPES = {torch.float64: torch.float32, torch.int64: torch.int32}
 
 
 def device_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a host dtype has on the device (no 64-bit types, S-44)."""
+    """The dtype a host dtype has on the device (no 64-bit types, docs/semantics.md S-44)."""
     return DEVICE_DTYPES.get(dtype, dtype)
 
 
 class DeviceRng:
-    """The device's random number generator, independent of the host's (S-95).
+    """The device's random number generator, independent of the host's (docs/semantics.md S-95).
 
     Kernels draw from PyTorch's default generator of the execution device; around a
     run the session swaps the device state in and the host state back out. Process
@@ -107,9 +107,9 @@ class DeviceWeights:
     """Device copies of parameters, buffers and constants.
 
     Buffers have one copy per replica when replicas must keep their own
-    (``broadcast_buffers`` off with replicas fed different data, S-36). A
-    replica-grouped parameter (S-27) has a leading group dimension on the device; each
-    replica sees its group's slice.
+    (``broadcast_buffers`` off with replicas fed different data, docs/semantics.md S-36). A
+    replica-grouped parameter (docs/semantics.md S-27) has a leading group dimension on the device;
+    each replica sees its group's slice.
     """
 
     def __init__(self, exe: Executable, device: str):
@@ -118,8 +118,9 @@ class DeviceWeights:
         values = g.state_values()
         self.device = device
         self.names = list(g.parameters) + list(g.buffers)
-        #: replicas of all processes: grouped weights are laid out over them (S-27,
-        #: S-28) and every process holds every group's value
+        #: replicas of all processes: grouped weights are laid out over them
+        #: (docs/semantics.md S-27, docs/semantics.md S-28) and every process holds every group's
+        #: value
         self.global_replication = o.global_replicas
         local = slice(o.replica_offset, o.replica_offset + o.replication_factor)
         per_replica = (not o.broadcast_buffers and o.replication_factor > 1)
@@ -184,10 +185,11 @@ class DeviceWeights:
                 first = [groups.index(k) for k in range(target.shape[0])]
                 return value[torch.tensor(first, device=value.device)]
         expected = [target.shape[0]] + list(slice_shape)
+        per_replica = grouping.retrieval_mode is VariableRetrievalMode.AllReplicas
         raise backend_error(
             f"Cannot write per-replica weight {name}: shape {list(value.shape)} differs "
             f"from the {expected} expected (one value per replica group stacked on "
-            f"dimension 0{', or one per replica' if grouping.retrieval_mode is VariableRetrievalMode.AllReplicas else ''})")
+            f"dimension 0{', or one per replica' if per_replica else ''})")
 
     def check(self, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Validate host values for :meth:`write` (device layout, known names only).

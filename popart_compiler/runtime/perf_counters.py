@@ -1,4 +1,5 @@
-"""Host timestamps of each device iteration of a run (``getPerfCounters``, api §5.19).
+"""Host timestamps of each device iteration of a run (``getPerfCounters``,
+docs/api-sections.md api §5.19).
 
 The session measures, for every device iteration ``i`` of a run, when its inputs were
 handed over (``input``: the host call, all inputs are streamed from the host buffers
@@ -49,7 +50,8 @@ class IterationClock:
 
     def counters(self, num_inputs: int, num_outputs: int,
                  returned: List[int]) -> Dict[str, List[List[float]]]:
-        """The four counter lists of api §5.19 (``[[]]`` where there are no tensors).
+        """The four counter lists of docs/api-sections.md api §5.19 (``[[]]`` where there are no
+        tensors).
 
         Iterations that were never marked take the whole run as their span."""
         done = time.perf_counter()

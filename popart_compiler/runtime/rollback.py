@@ -1,6 +1,6 @@
-"""Runs that are all-or-nothing (S-73): the copies a failed run is rolled back from
-(:class:`SavedTensors`), and deferring ``SIGINT`` (Ctrl-C) across work that must not be
-cut in two.
+"""Runs that are all-or-nothing (docs/semantics.md S-73): the copies a failed run is rolled back
+from (:class:`SavedTensors`), and deferring ``SIGINT`` (Ctrl-C) across work that must not be cut in
+two.
 
 Python raises ``KeyboardInterrupt`` wherever the main thread happens to be when the
 signal arrives. Two places must not be interrupted half-way: ``torch.export`` (an

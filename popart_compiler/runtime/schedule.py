@@ -1,4 +1,4 @@
-"""The stage schedule of a multi-stage program (spec S-60, S-63, S-65).
+"""The stage schedule of a multi-stage program (docs/semantics.md S-60, S-63, S-65).
 
 :class:`StagedProgram` runs micro-batches through the segments of a
 :class:`~popart_compiler.stages.StagedGraph` (made by the compiler's ``split_stages``

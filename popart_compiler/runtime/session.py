@@ -3,11 +3,11 @@ run it (our PopART ``InferenceSession``; ``TrainingSession`` is in
 :mod:`popart_compiler.runtime.training`).
 
 A run takes the user inputs of one host call, each with a leading dimension of
-``N × B`` (``N = D × G × A``, spec S-11) laid out as S-13 describes, executes
-``D`` device iterations × ``A`` micro-batches on each of the ``R`` replicas, and returns
-every output reduced according to its output mode (S-12). Training sessions run
-forward, backward (PyTorch autograd) and the optimizer update on the device weights.
-The device weights and the device RNG are in :mod:`.device_state`.
+``N × B`` (``N = D × G × A``, docs/semantics.md S-11) laid out as docs/semantics.md S-13 describes,
+executes ``D`` device iterations × ``A`` micro-batches on each of the ``R`` replicas, and returns
+every output reduced according to its output mode (docs/semantics.md S-12). Training sessions run
+forward, backward (PyTorch autograd) and the optimizer update on the device weights. The device
+weights and the device RNG are in :mod:`.device_state`.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from popart_compiler.backends import decisions
 from popart_compiler.backends.auto import AutoChooser, Lowering
 from popart_compiler.enums import CommGroupType, OutputMode
 from popart_compiler.errors import backend_error
@@ -32,7 +33,7 @@ from popart_compiler.stages import Executable
 __all__ = ["Session", "InferenceSession", "reduce_output"]
 
 def _merge(t: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
-    """Fold ``k`` results of shape ``shape`` into the leading dimension (S-12)."""
+    """Fold ``k`` results of shape ``shape`` into the leading dimension (docs/semantics.md S-12)."""
     if k == 1:
         return t.reshape(shape)
     if len(shape) == 0:
@@ -73,7 +74,7 @@ class Session(abc.ABC):
     """Shared part of inference and training sessions."""
 
     training = False
-    #: Roll a failed run back (S-73). Only ``bench/overhead.py`` turns it off, to
+    #: Roll a failed run back (docs/semantics.md S-73). Only ``bench/overhead.py`` turns it off, to
     #: measure what the snapshot costs.
     all_or_nothing = True
 
@@ -90,10 +91,14 @@ class Session(abc.ABC):
         #: the ``auto`` backend's choice between eager and Inductor, call by call
         self.auto: Optional[AutoChooser] = None
         if executable.alternative is not None:
+            kind = torch.device(torch_device).type
+            start, record, source = decisions.for_program(executable, kind)
             self.auto = AutoChooser(
                 Lowering("eager", self._runner, self._vectorized, self._vectorized_slots),
-                self._compile_alternative, device=torch.device(torch_device).type)
-        #: Several stages: micro-batches run through them in schedule order (S-63).
+                self._compile_alternative, device=kind, start=start, on_decide=record,
+                source=source)
+        #: Several stages: micro-batches run through them in schedule order
+        #: (docs/semantics.md S-63).
         self._staged = StagedProgram(executable.stages, wrap=executable.stage_runner) \
             if executable.stages is not None else None
         self.rng = DeviceRng(self.options.random_seed, torch_device,
@@ -150,7 +155,8 @@ class Session(abc.ABC):
         return self.rng.seed if self.uses_rng else 0
 
     def getRngState(self) -> List[int]:
-        """``[seed, *state]`` of the device RNG (S-96); ``[0]`` without random ops."""
+        """``[seed, *state]`` of the device RNG (docs/semantics.md S-96); ``[0]`` without random
+        ops."""
         if not self.uses_rng:
             return [0]
         return self.rng.to_list()
@@ -172,7 +178,8 @@ class Session(abc.ABC):
     # -- running ----------------------------------------------------------------------
 
     def _split(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """View each input as ``[D, A, R, B, ...]`` (replica-indexed, S-13, S-26)."""
+        """View each input as ``[D, A, R, B, ...]`` (replica-indexed, docs/semantics.md S-13,
+        S-26)."""
         o = self.options
         d, a, r = o.device_iterations, o.gradient_accumulation, o.replication_factor
         groups = o.input_groups
@@ -200,11 +207,11 @@ class Session(abc.ABC):
     @staticmethod
     def _fresh(outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
                ) -> List[torch.Tensor]:
-        """``outs`` as tensors of their own (S-14 "fresh tensors"): an output sharing
-        memory with one of ``sources`` (the device state and the inputs: a returned
-        parameter or buffer, an input returned as is or as a view) is copied, as a
-        device → host transfer would; writing to it must change neither the device
-        weights nor the caller's input."""
+        """``outs`` as tensors of their own (docs/semantics.md S-14 "fresh tensors"): an output
+        sharing memory with one of ``sources`` (the device state and the inputs: a returned
+        parameter or buffer, an input returned as is or as a view) is copied, as a device → host
+        transfer would; writing to it must change neither the device weights nor the caller's
+        input."""
         shared = {t.untyped_storage().data_ptr() for t in sources
                   if isinstance(t, torch.Tensor)}
         return [t.clone() if t.untyped_storage().data_ptr() in shared else t for t in outs]
@@ -243,8 +250,8 @@ class Session(abc.ABC):
                 (or 0-d when ``N == 1``), already validated by the caller.
 
         Returns:
-            The flat user outputs after the output mode (S-12) with 64-bit results
-            returned as 32-bit (S-44).
+            The flat user outputs after the output mode (docs/semantics.md S-12) with 64-bit results
+            returned as 32-bit (docs/semantics.md S-44).
         """
         if self.options.synthetic_data:
             inputs = self._synthetic(inputs)
@@ -264,7 +271,7 @@ class Session(abc.ABC):
     def _run_all_or_nothing(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         self.clock = IterationClock(self.options.device_iterations)
         ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
-        # All or nothing (S-73): whatever ends a run early (an error, a
+        # All or nothing (docs/semantics.md S-73): whatever ends a run early (an error, a
         # KeyboardInterrupt) leaves the device as it was before the run.
         mutable = self._mutable_tensors(inputs) if self.all_or_nothing else []
         snap = self._snapshot(mutable) if self.all_or_nothing else None

@@ -1,6 +1,6 @@
 """The training session (our PopART ``TrainingSession``): per device iteration, ``A``
-forward/backward micro-batches on each replica, the reduction of S-41, then one
-optimizer step on the device weights (spec S-40…S-58)."""
+forward/backward micro-batches on each replica, the reduction of docs/semantics.md S-41, then one
+optimizer step on the device weights (docs/semantics.md S-40…S-58)."""
 from __future__ import annotations
 
 import threading
@@ -34,7 +34,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 class TrainingSession(Session):
     """Runs a training executable: per device iteration, ``A`` forward/backward
-    micro-batches on each replica, the reduction of S-41, then one optimizer step.
+    micro-batches on each replica, the reduction of docs/semantics.md S-41, then one optimizer step.
 
     Gradients come from PyTorch autograd (``torch.autograd.grad`` of the loss times
     the loss scale, per micro-batch and replica); :class:`DeviceOptimizer` accumulates,
@@ -56,7 +56,8 @@ class TrainingSession(Session):
         super().__init__(executable, device)
         g = executable.graph
         o = self.options
-        #: the other processes of a multi-process run (S-28), ``None`` for one process
+        #: the other processes of a multi-process run (docs/semantics.md S-28), ``None`` for one
+        #: process
         self.process_group: Optional[collectives.ProcessGroup] = self._join_run(optimizer)
         all_reduce, sharing = self._gradient_sums()
         settings = StepSettings(
@@ -75,7 +76,7 @@ class TrainingSession(Session):
     def _join_run(self, optimizer: OptimizerDescription
                   ) -> Optional[collectives.ProcessGroup]:
         """A multi-process run: join the other processes and check that they compiled
-        the same program (S-28). ``None`` for a single process."""
+        the same program (docs/semantics.md S-28). ``None`` for a single process."""
         o = self.options
         if o.num_processes <= 1:
             return None
@@ -117,9 +118,9 @@ class TrainingSession(Session):
 
     def broadcast_state(self) -> None:
         """Multi-process run: overwrite this process's weights, buffers and optimizer
-        state with process 0's, so that every process starts identical (S-28). Called
-        once, after the host state was uploaded at the first compile; a no-op for a
-        single process.
+        state with process 0's, so that every process starts identical (docs/semantics.md S-28).
+        Called once, after the host state was uploaded at the first compile; a no-op for a single
+        process.
 
         Raises:
             Error: another process failed or timed out.
@@ -135,14 +136,15 @@ class TrainingSession(Session):
         self.optimizer.note_state_written(names)
 
     def checkOptimizer(self, description: OptimizerDescription) -> None:
-        """Raise if ``description`` cannot replace the compiled optimizer (S-52)."""
+        """Raise if ``description`` cannot replace the compiled optimizer
+        (docs/semantics.md S-52)."""
         self.optimizer.check_update(description)
 
     def setOptimizer(self, description: OptimizerDescription) -> None:
         """Apply new hyper-parameter values (``updateOptimizerFromHost``).
 
         Raises:
-            Error: a change that needs recompilation (S-52); nothing changes then.
+            Error: a change that needs recompilation (docs/semantics.md S-52); nothing changes then.
         """
         self.optimizer.update(description)
         self._log_optimizer(description)
@@ -204,7 +206,7 @@ class TrainingSession(Session):
 
             if self._staged is not None:
                 # Micro-batches flow through the stages in schedule order; each one's
-                # backward runs as it leaves the last forward stage (S-63).
+                # backward runs as it leaves the last forward stage (docs/semantics.md S-63).
                 args = [[[*self.weights.state(rep), *[t[i, step, rep] for t in split]]
                          for rep in range(r)] for step in range(a)]
                 done: List[Optional[List[torch.Tensor]]] = [None] * (a * r)
@@ -261,7 +263,7 @@ class TrainingSession(Session):
     # -- optimizer state ----------------------------------------------------------------
 
     def readOptimizerState(self) -> Dict[str, torch.Tensor]:
-        """Optimizer-state tensors by PopART name (``ipu_state``, S-56)."""
+        """Optimizer-state tensors by PopART name (``ipu_state``, docs/semantics.md S-56)."""
         return {k: v.cpu() for k, v in self.optimizer.state_dict().items()}
 
     def checkOptimizerState(self, state: Dict[str, torch.Tensor]) -> None:
@@ -281,7 +283,7 @@ class TrainingSession(Session):
         self.optimizer.load_state_dict(state)
 
     def readOptimizerParams(self) -> Dict[str, torch.Tensor]:
-        """Hyper-parameter tensors by PopART name (``ipu_param``, S-56)."""
+        """Hyper-parameter tensors by PopART name (``ipu_param``, docs/semantics.md S-56)."""
         return self.optimizer.hyper_parameters()
 
     def writeOptimizerParams(self, params: Dict[str, torch.Tensor]) -> None:

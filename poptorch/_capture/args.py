@@ -1,4 +1,4 @@
-"""Argument binding, flattening and validation (spec S-11, S-14, S-20…S-24)."""
+"""Argument binding, flattening and validation (docs/semantics.md S-11, S-14, S-20…S-24)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,7 @@ from poptorch._logging import logger
 __all__ = ["ArgsParser", "BoundArgs", "Spec", "flatten", "unflatten", "validate", "keys_mismatch",
            "RECOMPILE"]
 
-#: What a call with other inputs than the compiled ones must do (S-22).
+#: What a call with other inputs than the compiled ones must do (docs/semantics.md S-22).
 RECOMPILE = (
     "The inputs given at run time differ from the ones the model was compiled with. "
     "To run with these inputs, create a new wrapper or call destroy() on this one: the "
@@ -68,7 +68,8 @@ def flatten(value: Any, tensors: List[torch.Tensor]) -> Spec:
 
 def _canonical(keys: List[Any]) -> List[Any]:
     """Key order in which a dict's tensors are flattened: independent of insertion order
-    (S-22: dict key order does not matter), so equal dicts give the same tensor order."""
+    (docs/semantics.md S-22: dict key order does not matter), so equal dicts give the same tensor
+    order."""
     try:
         return sorted(keys)
     except TypeError:
@@ -108,7 +109,8 @@ def _type_name(t: type) -> str:
 
 
 def validate(name: str, compiled: Spec, now: Spec) -> None:
-    """Raise the S-22 error for the first difference between ``compiled`` and ``now``."""
+    """Raise the docs/semantics.md S-22 error for the first difference between ``compiled`` and
+    ``now``."""
 
     def fail(text: str):
         raise py_error(f"{text}\n{RECOMPILE}")
@@ -158,7 +160,7 @@ def validate(name: str, compiled: Spec, now: Spec) -> None:
 
 @dataclasses.dataclass
 class BoundArgs:
-    """Arguments bound to ``forward``'s signature (S-20).
+    """Arguments bound to ``forward``'s signature (docs/semantics.md S-20).
 
     Attributes:
         names: display name of each top-level argument (positional parameters, then
@@ -209,7 +211,7 @@ class ArgsParser:
         return self._sig
 
     def bind(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> BoundArgs:
-        """Bind ``args`` / ``kwargs`` (S-20).
+        """Bind ``args`` / ``kwargs`` (docs/semantics.md S-20).
 
         Raises:
             AssertionError: too many arguments; an unknown keyword; a parameter given
@@ -275,7 +277,7 @@ class ArgsParser:
 
 def check_batch(name: str, tensor: torch.Tensor, factor: int, d: int, r: int, g: int,
                 a: int) -> None:
-    """S-11: the leading dimension must be a multiple of ``N = D × (R/g) × A``.
+    """docs/semantics.md S-11: the leading dimension must be a multiple of ``N = D × (R/g) × A``.
 
     Raises:
         AssertionError: stating the shape, the dimension and the formula with numbers.

@@ -1,5 +1,5 @@
 """Capture of one micro-batch of a model's ``forward`` with ``torch.export``
-(non-strict) into a :class:`popart_compiler.ir.Graph` (spec S-1…S-6, S-24, S-44).
+(non-strict) into a :class:`popart_compiler.ir.Graph` (docs/semantics.md S-1…S-6, S-24, S-44).
 """
 from __future__ import annotations
 
@@ -25,11 +25,10 @@ from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 from poptorch import _impl
-from poptorch._capture import data_dependence, number_reads, storage_reads
+from poptorch._capture import data_dependence, eager_words, number_reads, storage_reads
 from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
-from poptorch._capture.eager_words import in_eager_words
 from poptorch._capture.guard import capture_guard, thread_stderr
 from poptorch._capture.substitution import OverwriteContextManager
 from poptorch._capture.warnings import at_user_code
@@ -57,7 +56,8 @@ def _register(registry: Dict[int, Callable[[], None]], hook) -> RemovableHandle:
 
 
 def registerPreCompileHook(hook: Callable[[], None]) -> RemovableHandle:
-    """Run ``hook()`` right before every model's ``forward`` is captured (api §2.8).
+    """Run ``hook()`` right before every model's ``forward`` is captured
+    (docs/api-sections.md api §2.8).
 
     Returns:
         A handle whose ``remove()`` unregisters the hook.
@@ -69,11 +69,13 @@ def registerPreCompileHook(hook: Callable[[], None]) -> RemovableHandle:
 
 
 def registerPostCompileHook(hook: Callable[[], None]) -> RemovableHandle:
-    """Run ``hook()`` when every capture ends, also when it fails (api §2.9)."""
+    """Run ``hook()`` when every capture ends, also when it fails
+    (docs/api-sections.md api §2.9)."""
     return _register(_POST_HOOKS, hook)
 
 
-# -- device placement inside forward (S-3) -------------------------------------------
+# -- device placement inside forward (docs/semantics.md S-3)
+# -------------------------------------------
 
 _FACTORIES = {
     torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.linspace,
@@ -93,7 +95,7 @@ def _is_ipu(device) -> bool:
 
 class _IpuDeviceMode(TorchFunctionMode):
     """Maps ``device="ipu"`` / ``.to("ipu")`` to the execution device and logs the
-    "forcing to IPU" warning for factories called without a device (S-3)."""
+    "forcing to IPU" warning for factories called without a device (docs/semantics.md S-3)."""
 
     def __init__(self, device: str):
         super().__init__()
@@ -113,7 +115,8 @@ class _IpuDeviceMode(TorchFunctionMode):
             args = tuple(self.device if _is_ipu(a) else a for a in args)
         if getattr(func, "__name__", "") == "ipu":  # Tensor.ipu() does not exist in torch
             return args[0]
-        if func is torch.Tensor.__getitem__ and len(args) == 2:  # t[x:x + n] (S-102)
+        # t[x:x + n] (docs/semantics.md S-102)
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
             sliced = self.offsets.rewrite_getitem(*args)
             if sliced is not None:
                 return sliced
@@ -242,7 +245,7 @@ def _plain_tensor_attributes(model: torch.nn.Module) -> Dict[int, torch.Tensor]:
 
 @contextlib.contextmanager
 def _device_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Hold float64 parameters and buffers as float32 during capture (S-44)."""
+    """Hold float64 parameters and buffers as float32 during capture (docs/semantics.md S-44)."""
     swapped: List[Tuple[torch.Tensor, torch.Tensor]] = []
     for t in list(model.parameters()) + list(model.buffers()):
         if t.dtype == torch.float64 and all(t is not s for s, _ in swapped):
@@ -266,7 +269,7 @@ def _state_identity(model: torch.nn.Module):
 
 
 def _check_state_unchanged(model: torch.nn.Module, before) -> None:
-    """S-5: parameters and buffers must be neither removed nor reassigned."""
+    """docs/semantics.md S-5: parameters and buffers must be neither removed nor reassigned."""
     params0, buffers0 = before
     params1, buffers1 = _state_identity(model)
     bn_types = (torch.nn.modules.batchnorm._NormBase,)
@@ -327,7 +330,7 @@ def _restore_state(model: torch.nn.Module, before) -> None:
 
 @contextlib.contextmanager
 def _no_distribution_validation() -> Iterator[None]:
-    """``torch.distributions`` argument validation is off during capture (S-3)."""
+    """``torch.distributions`` argument validation is off during capture (docs/semantics.md S-3)."""
     previous = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
@@ -336,7 +339,8 @@ def _no_distribution_validation() -> Iterator[None]:
         torch.distributions.Distribution.set_default_validate_args(previous)
 
 
-# -- block tags (S-60) ---------------------------------------------------------------------
+# -- block tags (docs/semantics.md S-60)
+# ---------------------------------------------------------------------
 
 _tagging = [False]
 
@@ -374,8 +378,8 @@ def _untag_ops() -> None:
 
 @contextlib.contextmanager
 def _block_tags(strategy) -> Iterator[None]:
-    """Record blocks (api §9) while capturing: reset the block state, tag ops with
-    their block through preserved node metadata."""
+    """Record blocks (docs/api-sections.md api §9) while capturing: reset the block state, tag ops
+    with their block through preserved node metadata."""
     if strategy is not None:
         strategy._onStartCapture()
     with _blocks.block_capture(on_change=_tag_ops), torch.fx.traceback.preserve_node_meta():
@@ -395,7 +399,7 @@ class Captured:
             graph outputs or hold host tensors (``host_outputs``).
         output_leaves: for each tensor leaf of ``output_spec``, the graph output index,
             or ``None`` for a host tensor returned as is.
-        host_outputs: host tensors returned by ``forward`` (S-14).
+        host_outputs: host tensors returned by ``forward`` (docs/semantics.md S-14).
         returned_none: ``forward`` returned ``None``.
     """
     graph: Graph
@@ -449,20 +453,20 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         training: capture for training (loss ops checked by the compiler).
         device: where tensors created with ``device="ipu"`` live.
         strategy: the execution strategy deriving each block's stage, IPU and phase
-            (api §9); ``PipelinedExecution()`` by default.
-        module_namescope: name ops after their sub-module path (S-16); ``False`` for
-            ``Options.disableModuleNamescope()``. ``poptorch.NameScope`` and the other
-            scopes of api §8 are recorded in ``node.meta["custom"]``.
+            (docs/api-sections.md api §9); ``PipelinedExecution()`` by default.
+        module_namescope: name ops after their sub-module path (docs/semantics.md S-16); ``False``
+            for ``Options.disableModuleNamescope()``. ``poptorch.NameScope`` and the other scopes of
+            docs/api-sections.md api §8 are recorded in ``node.meta["custom"]``.
 
     Raises:
         poptorch.Error: data-dependent Python control flow (with the user's source
             line and a pointer to ``poptorch.cond``), parameters/buffers replaced in
-            ``forward`` (S-5), a block id started on two IPUs or with an invalid
+            ``forward`` (docs/semantics.md S-5), a block id started on two IPUs or with an invalid
             ``ipu_id``, explicit stages naming blocks the model never starts, other
             capture failures. Exceptions raised by the user's own code propagate
             unchanged. The model's host state is restored first.
         AssertionError: an unknown block id or a block without IPU under
-            ``AutoStage.SameAsIpu`` (api §9.7).
+            ``AutoStage.SameAsIpu`` (docs/api-sections.md api §9.7).
     """
     _check_caller_autocast(device)
     out_box: Dict[str, Any] = {}
@@ -529,15 +533,14 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             strategy = PipelinedExecution()
         blocks = strategy._placements(history)
     except Exception as exc:
-        in_eager_words(exc)  # never name the capture's stand-ins (FakeTensor, ...)
+        eager_words.in_eager_words(exc)  # never name the capture's stand-ins (FakeTensor, ...)
         try:
-            _check_state_unchanged(model, before)  # S-5 explains most failures
+            _check_state_unchanged(model, before)  # docs/semantics.md S-5 explains most failures
         finally:
             _restore_state(model, before)
         if isinstance(exc, Error):
             raise
-        if storage_reads.is_storage_read(exc):
-            raise storage_reads.storage_error(exc) from None
+        storage_reads.raise_if_storage_read(exc)  # e.g. Lightning's self.log in a step
         if data_dependence.is_data_dependent(exc):
             raise data_dependence.data_dependent_error(exc) from None
         frame = _user_frame(exc)
@@ -546,7 +549,9 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             raise  # raised by the user's own code
         if (frame is not None and isinstance(exc, (ValueError, AssertionError)) and origin
                 and os.path.abspath(origin[-1].filename).startswith(_POPTORCH_DIR)):
-            raise  # a PopTorch op's argument check: api §8 names these exception types
+            # a PopTorch op's argument check: docs/api-sections.md api §8 names these exception
+            # types
+            raise
         if isinstance(exc, (AssertionError, ValueError, TypeError, RuntimeError,
                             NotImplementedError, KeyError, IndexError)) and frame is None:
             raise
@@ -588,8 +593,8 @@ def _as_plain_module(model: torch.nn.Module) -> Callable[[], None]:
 
 
 def _bake_constants(program, before: Dict[int, torch.Tensor]) -> None:
-    """Constants hold their capture-time values (S-1): undo in-place updates made to
-    plain tensor attributes while capturing, in the program's copies only."""
+    """Constants hold their capture-time values (docs/semantics.md S-1): undo in-place updates made
+    to plain tensor attributes while capturing, in the program's copies only."""
     for name, value in list(program.constants.items()):
         if isinstance(value, torch.Tensor) and id(value) in before:
             program.constants[name] = before[id(value)]

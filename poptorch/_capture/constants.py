@@ -1,8 +1,8 @@
 """Values of tensors that ``forward`` computes from constants only, known at capture.
 
 PopTorch captures ``forward`` once, with Python constants and tensors created in
-``forward`` frozen into the graph (S-1). A tensor computed only from such constants
-(``nn.Transformer.generate_square_subsequent_mask(3)``, ``torch.tensor([2, 3]) * 4``)
+``forward`` frozen into the graph (docs/semantics.md S-1). A tensor computed only from such
+constants (``nn.Transformer.generate_square_subsequent_mask(3)``, ``torch.tensor([2, 3]) * 4``)
 has the same value on every run, so Python code may read it: PyTorch's own
 ``nn.TransformerDecoder`` does (``bool((mask == causal_mask).all())`` to detect a
 causal mask). ``torch.export`` traces with fake tensors, which carry no values; here

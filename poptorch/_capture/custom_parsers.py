@@ -1,4 +1,4 @@
-"""User-defined argument types (spec api §2.10, §2.11)."""
+"""User-defined argument types (docs/api-sections.md api §2.10, §2.11)."""
 from __future__ import annotations
 
 import abc

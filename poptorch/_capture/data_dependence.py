@@ -1,5 +1,5 @@
 """Errors for what cannot be captured into a static graph: ops whose output shape
-depends on tensor values, and tensor values read by Python control flow (S-1).
+depends on tensor values, and tensor values read by Python control flow (docs/semantics.md S-1).
 
 Each message names the real cause (the op or the value read, and the PyTorch code that
 did it when it is PyTorch's own), the user's source line, and what to use instead.

@@ -1,7 +1,7 @@
 """PopTorch's operand dtype rules where PyTorch's differ, applied while ``forward`` is
-captured (spec S-45, S-47).
+captured (docs/semantics.md S-45, S-47).
 
-* **Master-weight mixed precision** (S-45): ``linear``, the ``matmul`` family and
+* **Master-weight mixed precision** (docs/semantics.md S-45): ``linear``, the ``matmul`` family and
   convolutions whose activation and weight have different floating-point dtypes
   compute in the activation's dtype. The weight (and bias) are cast inside the captured
   graph, so the output has the activation's dtype and autograd brings the gradients

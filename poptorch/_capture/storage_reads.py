@@ -17,7 +17,7 @@ from typing import List, Optional
 from popart_compiler.errors import Error, py_error
 from poptorch._capture import data_dependence
 
-__all__ = ["is_storage_read", "storage_error"]
+__all__ = ["is_storage_read", "storage_error", "raise_if_storage_read"]
 
 _MARKER = "Cannot access data pointer of Tensor"
 #: Lightning's logging methods (``LightningModule.log`` / ``log_dict``).
@@ -82,3 +82,9 @@ def storage_error(exc: BaseException) -> Error:
         "this code out of forward (run it on the host before or after the model), or, "
         "for a custom C++ kernel, register it with torch.library.custom_op and a fake "
         "(shape-only) implementation so that it can be captured as one op.")
+
+
+def raise_if_storage_read(exc: BaseException) -> None:
+    """Raise :func:`storage_error` (from ``None``) if ``exc`` is a storage read."""
+    if is_storage_read(exc):
+        raise storage_error(exc) from None

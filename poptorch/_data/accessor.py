@@ -1,6 +1,6 @@
-"""``AsynchronousDataAccessor`` (spec api §7): loads data in a worker process into a ring
-buffer in shared memory. Follows PopTorch 3.x. The worker and the protocol it shares with
-this class are in ``worker.py`` and ``protocol.py``.
+"""``AsynchronousDataAccessor`` (docs/api-sections.md api §7): loads data in a worker process into a
+ring buffer in shared memory. Follows PopTorch 3.x. The worker and the protocol it shares with this
+class are in ``worker.py`` and ``protocol.py``.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _prepare_forkserver() -> None:
 class AsynchronousDataAccessor:
     """Loads data in a separate worker **process** into a ring buffer in shared memory.
 
-    Follows PopTorch's ``poptorch.AsynchronousDataAccessor`` (spec api §7.2).
+    Follows PopTorch's ``poptorch.AsynchronousDataAccessor`` (docs/api-sections.md api §7.2).
 
     Args:
         dataset: any iterable, usually a :class:`poptorch.DataLoader` (mode ``Sync``) or a

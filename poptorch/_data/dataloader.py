@@ -1,7 +1,7 @@
-"""``poptorch.DataLoader`` (spec api §7): batches of ``batch_size × deviceIterations ×
-replicationFactor × gradientAccumulation`` samples, optionally through an
+"""``poptorch.DataLoader`` (docs/api-sections.md api §7): batches of ``batch_size × deviceIterations
+× replicationFactor × gradientAccumulation`` samples, optionally through an
 :class:`AsynchronousDataAccessor`, and per-process partitioning for distributed runs
-(S-28). Follows PopTorch 3.x.
+(docs/semantics.md S-28). Follows PopTorch 3.x.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _process_part(options) -> int:
 
 
 class _DistributedSubset(torch.utils.data.Dataset):
-    """This process's contiguous slice of a map-style dataset (spec S-28).
+    """This process's contiguous slice of a map-style dataset (docs/semantics.md S-28).
 
     With ``drop_last`` each process gets ``combined × floor(len / (combined × n))``
     elements starting at ``id ×`` that amount; otherwise elements are split as evenly as
@@ -180,12 +180,12 @@ class _ProgressIterator:
 
 class DataLoader(torch.utils.data.DataLoader):
     """A ``torch.utils.data.DataLoader`` yielding **combined batches**: one element per
-    call of a model wrapped with the same options. Follows PopTorch (spec api §7.1).
+    call of a model wrapped with the same options. Follows PopTorch (docs/api-sections.md api §7.1).
 
     ``combinedBatchSize = batch_size × deviceIterations × (replicationFactor //
-    input_group_size) × gradientAccumulation`` (S-11); every yielded tensor has that many
-    rows in dim 0 (except a possible final short batch when ``drop_last=False``), laid
-    out as described in S-13.
+    input_group_size) × gradientAccumulation`` (docs/semantics.md S-11); every yielded tensor has
+    that many rows in dim 0 (except a possible final short batch when ``drop_last=False``), laid out
+    as described in docs/semantics.md S-13.
 
     Args:
         options (poptorch.Options): the options of the model the data is for; frozen by
@@ -203,7 +203,8 @@ class DataLoader(torch.utils.data.DataLoader):
         drop_last (bool, default True): drop the final incomplete combined batch.
         persistent_workers (bool, default None = ``num_workers > 0``).
         auto_distributed_partitioning (bool, default True): with
-            ``Distributed.numProcesses > 1``, give each process its own slice (S-28).
+            ``Distributed.numProcesses > 1``, give each process its own slice
+            (docs/semantics.md S-28).
         mode (DataLoaderMode, default Sync): ``Sync``; ``Async`` (an internal
             :class:`AsynchronousDataAccessor` loads data in a worker process);
             ``AsyncRebatched`` (same, the worker loads batches of ``rebatched_worker_size``
@@ -245,7 +246,8 @@ class DataLoader(torch.utils.data.DataLoader):
                  mode: DataLoaderMode = DataLoaderMode.Sync,
                  async_options: Optional[Dict[str, Any]] = None,
                  rebatched_worker_size: Optional[int] = None,
-                 batch_sampler: Optional[Union[torch.utils.data.Sampler, Iterator[Sequence]]] = None,
+                 batch_sampler: Optional[Union[torch.utils.data.Sampler,
+                                               Iterator[Sequence]]] = None,
                  *,
                  progress_bar: Union[bool, Dict[str, Any]] = False,
                  **kwargs):

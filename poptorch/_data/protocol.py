@@ -1,6 +1,6 @@
 """The shared-memory protocol between :class:`AsynchronousDataAccessor` and its worker
 process, and what a :class:`poptorch.DataLoader` offers the accessor that wraps it
-(spec api §7).
+(docs/api-sections.md api §7).
 
 The asynchronous accessor (``accessor.py``) runs the data pipeline in a separate worker
 **process** (``worker.py``) that writes elements into a ring buffer of ``buffer_size``

@@ -1,5 +1,5 @@
-"""The worker process of :class:`AsynchronousDataAccessor` (spec api §7): it runs the
-data pipeline and publishes elements in the shared-memory ring buffer described in
+"""The worker process of :class:`AsynchronousDataAccessor` (docs/api-sections.md api §7): it runs
+the data pipeline and publishes elements in the shared-memory ring buffer described in
 :mod:`poptorch._data.protocol`."""
 from __future__ import annotations
 

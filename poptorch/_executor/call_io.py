@@ -1,7 +1,7 @@
-"""The arguments and results of a :class:`poptorch.PoplarExecutor` call (spec api §5.2;
-S-11, S-20, S-22…S-24, S-44): binding the call's arguments to ``forward``'s
-signature and checking their batch dimension, the 32-bit contiguous device inputs,
-the check that later calls match the compiled inputs, the write-back of inputs
+"""The arguments and results of a :class:`poptorch.PoplarExecutor` call
+(docs/api-sections.md api §5.2; docs/semantics.md S-11, S-20, S-22…S-24, S-44): binding the call's
+arguments to ``forward``'s signature and checking their batch dimension, the 32-bit contiguous
+device inputs, the check that later calls match the compiled inputs, the write-back of inputs
 mutated in place, and the output structure. Functions of the executor's state."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from poptorch._capture.args import (RECOMPILE, BoundArgs, Spec, check_batch, fla
 from poptorch._executor.state import Compiled, ExecutorState
 from poptorch._logging import logger
 
-__all__ = ["bind", "device_inputs", "validate_inputs", "write_back_inputs",
-           "build_outputs"]
+__all__ = ["bind", "check_input_storage", "device_inputs", "validate_inputs",
+           "write_back_inputs", "build_outputs"]
 
 
 def _no_backward(*args, **kwargs):
@@ -28,8 +28,8 @@ def _no_backward(*args, **kwargs):
 
 
 def bind(state: ExecutorState, args, kwargs) -> Tuple[BoundArgs, List[torch.Tensor], Spec]:
-    """Bind a call's arguments to ``forward`` and flatten them (S-20); check each
-    tensor's batch dimension against ``N = D × (R / g) × A`` (S-11).
+    """Bind a call's arguments to ``forward`` and flatten them (docs/semantics.md S-20); check each
+    tensor's batch dimension against ``N = D × (R / g) × A`` (docs/semantics.md S-11).
 
     Returns:
         ``(bound, tensors, spec)``: the bound arguments, their tensors in order and
@@ -45,8 +45,32 @@ def bind(state: ExecutorState, args, kwargs) -> Tuple[BoundArgs, List[torch.Tens
     a = o.Training.gradient_accumulation if state.training else 1
     factor = d * (r // g) * a
     for name, t in zip(names, tensors):
+        check_input_storage(name, t)
         check_batch(name, t, factor, d, r, g, a)
     return bound, tensors, spec
+
+
+def check_input_storage(name: str, tensor: torch.Tensor) -> None:
+    """Raise unless ``tensor`` holds values the program can take: a dense (strided),
+    non-quantized tensor with data (not on the ``meta`` device), of plain
+    ``torch.Tensor`` kind or a subclass whose data is a plain tensor.
+
+    Raises:
+        poptorch.Error: naming the input and what to pass instead.
+    """
+    if tensor.is_meta:
+        raise py_error(f"The input {name!r} is on the meta device, which holds no values: pass "
+                       "a tensor with data (e.g. on the cpu, `x.to_empty(device='cpu')` "
+                       "then fill it).")
+    if tensor.layout != torch.strided:
+        raise py_error(f"The input {name!r} has layout {tensor.layout}; the program takes dense "
+                       "tensors only: pass `x.to_dense()`.")
+    if tensor.is_quantized:
+        raise py_error(f"The input {name!r} is a quantized tensor; the program takes plain "
+                       "tensors only: pass `x.dequantize()`.")
+    if tensor.is_nested:
+        raise py_error(f"The input {name!r} is a nested tensor; the program takes plain "
+                       "tensors only: pad it (`torch.nested.to_padded_tensor`).")
 
 
 def _warn_once(state: ExecutorState, key: str, message: str) -> None:
@@ -56,7 +80,7 @@ def _warn_once(state: ExecutorState, key: str, message: str) -> None:
 
 
 def device_inputs(state: ExecutorState, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Contiguous, detached, 32-bit versions of the inputs (S-24, S-44)."""
+    """Contiguous, detached, 32-bit versions of the inputs (docs/semantics.md S-24, S-44)."""
     out = []
     for t in tensors:
         if t.requires_grad:
@@ -78,7 +102,7 @@ def device_inputs(state: ExecutorState, tensors: List[torch.Tensor]) -> List[tor
 
 
 def validate_inputs(compiled: Compiled, bound: BoundArgs, spec: Spec) -> None:
-    """S-22: the inputs must match those of the compilation.
+    """docs/semantics.md S-22: the inputs must match those of the compilation.
 
     Raises:
         poptorch.Error: other positional / keyword arguments, or other types, shapes
@@ -102,9 +126,9 @@ def validate_inputs(compiled: Compiled, bound: BoundArgs, spec: Spec) -> None:
 
 def write_back_inputs(compiled: Compiled, originals: List[torch.Tensor],
                       inputs: List[torch.Tensor]) -> None:
-    """In-place updates of inputs reach the caller's tensors (S-23): the session runs
-    the graph on views of ``inputs`` (the device inputs), which are copied back where
-    they are not the caller's own tensors (converted dtype, made contiguous)."""
+    """In-place updates of inputs reach the caller's tensors (docs/semantics.md S-23): the session
+    runs the graph on views of ``inputs`` (the device inputs), which are copied back where they are
+    not the caller's own tensors (converted dtype, made contiguous)."""
     for i in compiled.executable.graph.mutated_inputs:
         src, dst = inputs[i], originals[i]
         if src.data_ptr() != dst.data_ptr():

@@ -1,4 +1,4 @@
-"""Compiling an executor's model (spec S-1, S-61, S-64, S-81, S-82): the program (a
+"""Compiling an executor's model (docs/semantics.md S-1, S-61, S-64, S-81, S-82): the program (a
 fresh capture of one micro-batch, an executable-cache entry, or a program loaded from a
 file), the compiler, the Inductor warm-up, the device and the session.
 
@@ -56,7 +56,8 @@ def options_to_session(o, per_replica_params=None) -> Tuple[SessionOptions, Prog
 
 
 def model_selection(options) -> Tuple[bool, Optional[bool], bool]:
-    """``(use_ipu_model, explicitly_requested, small)`` as PopTorch decides (S-82)."""
+    """``(use_ipu_model, explicitly_requested, small)`` as PopTorch decides
+    (docs/semantics.md S-82)."""
     env_model, env_small = ipu_model_env()
     if options.exists("use_model"):
         logger.info("From the user configuration: Ipu model: %s",
@@ -69,7 +70,7 @@ def capture_program(state: ExecutorState, bound: BoundArgs, spec: Spec,
                     micro: List[torch.Tensor], device: str) -> Program:
     """Capture the executor's model for one micro-batch ``micro`` of the bound inputs
     (training models with their instrumentation suspended, replica-grouped weights as
-    one group's slice, S-27)."""
+    one group's slice, docs/semantics.md S-27)."""
     model = state.model
     # Capture reads shapes, not values: no implicit device → host copy for a model
     # trained by another executor (it could wait on that executor from inside the
@@ -115,7 +116,7 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
     ``state.progress``; commits nothing else.
 
     Raises:
-        poptorch.Error: capture and compile errors, device selection (S-64, S-81).
+        poptorch.Error: capture and compile errors, device selection (docs/semantics.md S-64, S-81).
     """
     o = state.options
     sess_opts, progress = session_options(state)
@@ -139,7 +140,7 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
                                optimizer=state.binding.description
                                if state.training else None)
         warm_up(exe)  # the inductor backend compiles its kernels here
-        # The IPUs needed are known once the graph is placed (S-64); with
+        # The IPUs needed are known once the graph is placed (docs/semantics.md S-64); with
         # ConnectionType.OnDemand the device is acquired after compiling too.
         device = acquire_device(exe.num_ipus, sess_opts.ipu_model_version,
                                 use_ipu_model=use_model, explicit_model_request=explicit,

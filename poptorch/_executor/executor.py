@@ -1,5 +1,5 @@
 """``PoplarExecutor``: the object returned by ``trainingModel`` / ``inferenceModel``
-(spec api §5, §6; semantics S-1…S-36, S-44, S-95…S-97).
+(docs/api-sections.md api §5, §6; docs/semantics.md S-1…S-36, S-44, S-95…S-97).
 
 The class is PopTorch's API face. Its state is one
 :class:`~poptorch._executor.state.ExecutorState`; each public method takes the
@@ -62,11 +62,13 @@ class PoplarExecutor:
     :func:`poptorch.inferenceModel` — not directly.
 
     Calling it runs ``deviceIterations × gradientAccumulation`` micro-batches on each
-    replica (S-10); the first call (or :meth:`compile`) captures ``forward`` once with
-    ``torch.export`` and compiles it for the IPU Model (S-1). Attributes not defined
-    here are looked up on the wrapped model (api §5.22). Behaviour follows PopTorch.
+    replica (docs/semantics.md S-10); the first call (or :meth:`compile`) captures ``forward`` once
+    with ``torch.export`` and compiles it for the IPU Model (docs/semantics.md S-1). Attributes not
+    defined here are looked up on the wrapped model (docs/api-sections.md api §5.22). Behaviour
+    follows PopTorch.
 
-    Reliability (beyond PopTorch's S-73): a call is all-or-nothing — an exception or
+    Reliability (beyond PopTorch's docs/semantics.md S-73): a call is all-or-nothing — an exception
+        or
     ``KeyboardInterrupt`` during the run leaves device weights, optimizer state,
     buffers, the device RNG and the host's view as before the call, and a first call
     that fails commits no compilation (the next call captures again). Executors may be
@@ -90,7 +92,7 @@ class PoplarExecutor:
             binding=OptimizerBinding(user_model, opts, training, link),
             host=instrument.HostWeights(self, self._implicitCopyWeightsToHost),
             rng_cache=[int(opts.random_seed)] if opts.exists("random_seed") else None)
-        #: Replica groupings of weights (S-27), by parameter name.
+        #: Replica groupings of weights (docs/semantics.md S-27), by parameter name.
         self.per_replica_params: Dict[str, Any] = self._state.per_replica_params
         if training:
             self.setOptimizer(optimizer if optimizer is not None else
@@ -203,7 +205,8 @@ class PoplarExecutor:
     @serialised
     def compile(self, *args, **kwargs) -> None:
         """Capture and compile with these example arguments, attach and upload weights,
-        optimizer and RNG state — like the first call, without running (api §5.3).
+        optimizer and RNG state — like the first call, without running
+        (docs/api-sections.md api §5.3).
 
         Logs a warning and does nothing if already compiled.
         """
@@ -215,7 +218,8 @@ class PoplarExecutor:
     def compileAndExport(self, filename: str, *args, export_model: bool = True,
                          **kwargs) -> None:
         """:meth:`compile` with these arguments, then :meth:`save` to ``filename`` with
-        the RNG state (api §5.4, S-62): offline precompilation."""
+        the RNG state (docs/api-sections.md api §5.4, docs/semantics.md S-62): offline
+            precompilation."""
         with self._lock:
             if self.isCompiled():
                 logger.warning("Call to compile() ignored: the executable is already "
@@ -228,8 +232,9 @@ class PoplarExecutor:
     @serialised
     def save(self, filename: str, export_model: bool = True,
              save_rng_state: bool = True) -> None:
-        """Write the compiled executable and its metadata to one file (api §5.5, S-62).
-        The format is described in ``docs/executables.md``.
+        """Write the compiled executable and its metadata to one file
+        (docs/api-sections.md api §5.5, docs/semantics.md S-62). The format is described in
+        ``docs/executables.md``.
 
         Args:
             filename: the file; its parent directory is created. A directory, or a
@@ -252,9 +257,9 @@ class PoplarExecutor:
     @serialised
     def loadExecutable(self, filename: str) -> None:
         """Load an executable saved by :meth:`save` into this wrapper, which must wrap
-        an equivalent model with the same compile-time options (api §5.6, S-62). No
-        capture takes place; the weights uploaded are this wrapper's model's current
-        host weights (not the file's), with its optimizer and RNG settings.
+        an equivalent model with the same compile-time options (docs/api-sections.md api §5.6,
+        docs/semantics.md S-62). No capture takes place; the weights uploaded are this wrapper's
+        model's current host weights (not the file's), with its optimizer and RNG settings.
 
         Raises:
             poptorch.Error: "Invalid file <f>: <reason>": unreadable or corrupted file,
@@ -274,18 +279,19 @@ class PoplarExecutor:
 
     @serialised
     def __call__(self, *args, **kwargs):
-        """Run the model on the device (api §5.2). Takes what ``forward`` takes.
+        """Run the model on the device (docs/api-sections.md api §5.2). Takes what ``forward``
+        takes.
 
         Returns:
             The structure ``forward`` returned at capture time, each tensor with its
-            first dimension multiplied per the output mode (S-12…S-14); ``None`` if
-            ``forward`` returned ``None``.
+            first dimension multiplied per the output mode (docs/semantics.md S-12…S-14); ``None``
+            if ``forward`` returned ``None``.
 
         Raises:
-            AssertionError: bad batch dimension (S-11), bad arguments (S-20), running an
-                offline (``ConnectionType.Never``) model.
-            poptorch.Error: inputs that differ from the compiled ones (S-22), a missing
-                mandatory argument, capture or compile errors.
+            AssertionError: bad batch dimension (docs/semantics.md S-11), bad arguments
+                (docs/semantics.md S-20), running an offline (``ConnectionType.Never``) model.
+            poptorch.Error: inputs that differ from the compiled ones (docs/semantics.md S-22), a
+                missing mandatory argument, capture or compile errors.
             Exception: whatever the run raises (e.g. ``IndexError`` for an
                 out-of-range class label); the device and host then hold what they
                 held before the call.
@@ -328,7 +334,7 @@ class PoplarExecutor:
     @serialised
     def copyWeightsToHost(self) -> None:
         """Device → host: every parameter and buffer, in place, keeping host dtypes
-        (api §5.7). Bumps the host weight version (S-31).
+        (docs/api-sections.md api §5.7). Bumps the host weight version (docs/semantics.md S-31).
 
         Raises:
             poptorch.Error: not compiled.
@@ -352,14 +358,16 @@ class PoplarExecutor:
     @serialised
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy device → host if a run happened since the last copy; returns whether it
-        copied. Always ``False`` for inference executors (api §5.9). The copy calls the
-        wrapper's ``copyWeightsToHost`` when one was set on the instance (as PopTorch)."""
+        copied. Always ``False`` for inference executors (docs/api-sections.md api §5.9).
+        The copy calls the wrapper's ``copyWeightsToHost`` when one was set on the
+        instance (as PopTorch)."""
         return self._implicitCopyWeightsToHost()
 
     @serialised
     def copyWeightsToDevice(self) -> None:
-        """Host → device: every parameter and buffer (api §5.8). Does not first pull the
-        device's weights: un-copied training results are overwritten (S-32).
+        """Host → device: every parameter and buffer (docs/api-sections.md api §5.8). Does not first
+        pull the device's weights: un-copied training results are overwritten
+        (docs/semantics.md S-32).
 
         Raises:
             poptorch.Error: not compiled.
@@ -386,7 +394,8 @@ class PoplarExecutor:
     @property
     @serialised
     def rng_state(self) -> Optional[List[int]]:
-        """``[seed, *state]`` of the device RNG (api §5.16, S-96, S-97).
+        """``[seed, *state]`` of the device RNG (docs/api-sections.md api §5.16,
+        docs/semantics.md S-96, S-97).
 
         Raises:
             poptorch.Error: not compiled.
@@ -402,7 +411,8 @@ class PoplarExecutor:
 
     @serialised
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Set or update the optimizer (api §5.12, S-50…S-58).
+        """Set or update the optimizer (docs/api-sections.md api §5.12,
+        docs/semantics.md S-50…S-58).
 
         New hyper-parameter values of variable attributes are pushed to the device
         immediately if attached (at the next attach otherwise), without recapturing or
@@ -414,7 +424,8 @@ class PoplarExecutor:
             AssertionError / ValueError: unsupported optimizer or attribute values;
                 a float16 ``accum_type`` after compiling with the ``Post`` mean strategy.
             poptorch.Error: parameters that do not belong to the model; a change that
-                needs recompilation (S-52); a stored optimizer state that does not fit.
+                needs recompilation (docs/semantics.md S-52); a stored optimizer state that does not
+                fit.
         """
         st = self._state
         if not st.training:
@@ -441,8 +452,8 @@ class PoplarExecutor:
 
     @serialised
     def detachFromDevice(self) -> None:
-        """Release the device (api §5.13). Training executors first copy weights and
-        optimizer state back; every executor saves its RNG state.
+        """Release the device (docs/api-sections.md api §5.13). Training executors first copy
+        weights and optimizer state back; every executor saves its RNG state.
 
         Raises:
             poptorch.Error: not compiled, or not attached.
@@ -451,7 +462,8 @@ class PoplarExecutor:
 
     @serialised
     def attachToDevice(self) -> None:
-        """Attach again and re-upload weights, optimizer and RNG state (api §5.13).
+        """Attach again and re-upload weights, optimizer and RNG state
+        (docs/api-sections.md api §5.13).
 
         Raises:
             poptorch.Error: not compiled, or already attached.
@@ -461,8 +473,8 @@ class PoplarExecutor:
 
     @serialised
     def destroy(self) -> None:
-        """Discard the executable (api §5.15). Training executors copy weights and
-        optimizer state back first and remove the model's instrumentation. The executor
+        """Discard the executable (docs/api-sections.md api §5.15). Training executors copy weights
+        and optimizer state back first and remove the model's instrumentation. The executor
         can be called again afterwards: it recompiles."""
         lifecycle.destroy(self._state, self)
 
@@ -479,7 +491,7 @@ class PoplarExecutor:
     # -- inspection (see inspection.py) ---------------------------------------------------
 
     def cycleCount(self) -> int:
-        """Cycles of the last run on the first replica (api §5.17).
+        """Cycles of the last run on the first replica (docs/api-sections.md api §5.17).
 
         PopTorch counts them on IPU hardware only and fails to compile on the Poplar
         IPU Model. This IPU Model goes further: it returns its estimate of the run
@@ -520,7 +532,7 @@ class PoplarExecutor:
         return inspection.ipu_model_estimate(self._state)
 
     def compilationTime(self) -> datetime.timedelta:
-        """Wall-clock time of the last compilation (api §5.18).
+        """Wall-clock time of the last compilation (docs/api-sections.md api §5.18).
 
         Raises:
             poptorch.Error: not compiled, or the progress bar was disabled.
@@ -528,7 +540,7 @@ class PoplarExecutor:
         return inspection.compilation_time(self._state)
 
     def getPerfCounters(self) -> Dict[str, List[List[float]]]:
-        """Host timestamps of the transfers of the last run (api §5.19)."""
+        """Host timestamps of the transfers of the last run (docs/api-sections.md api §5.19)."""
         return inspection.perf_counters(self._state)
 
     def getHostIpuLatency(self):
@@ -548,7 +560,7 @@ class PoplarExecutor:
         return inspection.latency(self._state, "input", min, "output_complete", max)
 
     def getTensorNames(self) -> List[str]:
-        """Names of the tensors of the compiled graph (S-16).
+        """Names of the tensors of the compiled graph (docs/semantics.md S-16).
 
         Raises:
             AssertionError: not compiled.
@@ -564,14 +576,15 @@ class PoplarExecutor:
         return inspection.anchored_tensor(self._state, short_name)
 
     def placementSummary(self, backward: bool = True) -> str:
-        """Where the compiled program runs, as a readable table (api §9, S-60).
+        """Where the compiled program runs, as a readable table (docs/api-sections.md api §9,
+        docs/semantics.md S-60).
 
         One row per (IPU, pipeline stage, phase) with the number of forward ops, of
         backward ops (training; counted on the joint forward/backward graph, ``-``
         with ``backward=False``), and the number and bytes of the parameters whose
         weight update runs there. The title gives the execution strategy, the IPUs
         per replica and the number of stages (``2F − 1`` for pipelined training,
-        S-63). The same table (without backward counts) is logged at DEBUG when
+        docs/semantics.md S-63). The same table (without backward counts) is logged at DEBUG when
         the model compiles. Not part of PopTorch's API.
 
         Raises:
@@ -582,5 +595,5 @@ class PoplarExecutor:
     def _debugGetPopartIR(self) -> str:
         """A text listing of the compiled graph's operations with their scoped names and
         the annotations the IPU compiler would read (``MultiConv``, ``Attribute``,
-        available memory; api §8)."""
+        available memory; docs/api-sections.md api §8)."""
         return inspection.program_text(self._state)

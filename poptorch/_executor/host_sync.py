@@ -1,10 +1,11 @@
-"""Host ↔ device copies of an executor's state (spec api §5.7-§5.9, §5.16; S-31, S-32,
-S-96, S-97): weights and buffers in both directions, the updatable named buffers, the
-inference wrappers' pick-up of a trainer's latest weights, and the device RNG state.
+"""Host ↔ device copies of an executor's state (docs/api-sections.md api §5.7-§5.9, §5.16;
+docs/semantics.md S-31, S-32, S-96, S-97): weights and buffers in both directions, the updatable
+named buffers, the inference wrappers' pick-up of a trainer's latest weights, and the device RNG
+state.
 
 Functions of the :class:`~poptorch._executor.state.ExecutorState`; the executor's
 public methods call them holding its lock. The registry of live training executors
-(S-31) lives here too.
+(docs/semantics.md S-31) lives here too.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def host_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def copy_to_host(state: ExecutorState) -> None:
     """Device → host: every parameter and buffer, in place, keeping host dtypes;
-    bumps the host weight version (S-31)."""
+    bumps the host weight version (docs/semantics.md S-31)."""
     state.require_compiled()
     session = state.session
     if session is None:
@@ -58,8 +59,8 @@ def copy_to_host(state: ExecutorState) -> None:
 
 
 def copy_to_device(state: ExecutorState) -> None:
-    """Host → device: every parameter and buffer (S-32). Records which host copy (the
-    executor's own, or that of the live trainer of the same model) was uploaded."""
+    """Host → device: every parameter and buffer (docs/semantics.md S-32). Records which host copy
+    (the executor's own, or that of the live trainer of the same model) was uploaded."""
     state.require_compiled()
     session = state.session
     if session is None:
@@ -116,7 +117,7 @@ def copy_named_buffers_to_device(state: ExecutorState) -> None:
 
 def trainer_weights_changed(state: ExecutorState) -> bool:
     """An inference wrapper of a model being trained by another executor must upload
-    the trainer's latest weights (S-31): the trainer's host copy is pulled first;
+    the trainer's latest weights (docs/semantics.md S-31): the trainer's host copy is pulled first;
     ``True`` when what this wrapper uploaded last is not that copy."""
     trainer = TRAINING_WRAPPERS.get(id(state.user_model))
     if trainer is None or trainer is state.host.owner:
@@ -137,7 +138,7 @@ def read_rng(state: ExecutorState) -> None:
 
 
 def set_rng(state: ExecutorState, value: List[int]) -> None:
-    """Set the device RNG state (``[seed, *state]``, S-96).
+    """Set the device RNG state (``[seed, *state]``, docs/semantics.md S-96).
 
     Raises:
         poptorch.Error: not compiled; a state the device rejects.
@@ -153,7 +154,7 @@ def set_rng(state: ExecutorState, value: List[int]) -> None:
 
 
 def rng_state(state: ExecutorState) -> Optional[List[int]]:
-    """``[seed, *state]`` of the device RNG (S-96, S-97).
+    """``[seed, *state]`` of the device RNG (docs/semantics.md S-96, S-97).
 
     Raises:
         poptorch.Error: not compiled.

@@ -1,5 +1,5 @@
-"""What a compiled executor tells about its program and its last run (spec api
-§5.17-§5.19, §8, §9; S-16, S-60): cycle count and the IPU Model's estimates,
+"""What a compiled executor tells about its program and its last run (docs/api-sections.md api
+§5.17-§5.19, §8, §9; docs/semantics.md S-16, S-60): cycle count and the IPU Model's estimates,
 compilation time, perf counters and latencies, tensor names, anchored tensors, the
 placement summary and the IR listing. Functions of the executor's state; none changes
 it."""
@@ -94,7 +94,8 @@ def latency(state: ExecutorState, start: str, start_reduce: Callable, end: str,
 
 
 def tensor_names(state: ExecutorState) -> List[str]:
-    """Names of the tensors of the compiled graph (S-16), optimizer state included.
+    """Names of the tensors of the compiled graph (docs/semantics.md S-16), optimizer state
+    included.
 
     Raises:
         AssertionError: not compiled.
@@ -119,7 +120,7 @@ def anchored_tensor(state: ExecutorState, short_name: str) -> torch.Tensor:
 
 
 def placement_summary(state: ExecutorState, backward: bool) -> str:
-    """The placement table of the compiled program (api §9).
+    """The placement table of the compiled program (docs/api-sections.md api §9).
 
     Raises:
         poptorch.Error: not compiled.
@@ -128,8 +129,8 @@ def placement_summary(state: ExecutorState, backward: bool) -> str:
 
 
 def program_text(state: ExecutorState) -> str:
-    """The compiled graph's ops with their scoped names (S-16) and the annotations
-    the IPU compiler reads (api §8).
+    """The compiled graph's ops with their scoped names (docs/semantics.md S-16) and the annotations
+    the IPU compiler reads (docs/api-sections.md api §8).
 
     Raises:
         poptorch.Error: not compiled.

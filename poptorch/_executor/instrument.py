@@ -1,4 +1,5 @@
-"""Instrumentation of a model wrapped by ``trainingModel`` (spec api §6, S-31).
+"""Instrumentation of a model wrapped by ``trainingModel`` (docs/api-sections.md api §6,
+docs/semantics.md S-31).
 
 The model's class becomes a generated subclass ``Poptorch<Name>``; parameters and
 buffers become subclasses whose ``__torch_function__`` first pulls trained weights from
@@ -25,8 +26,8 @@ __all__ = ["HostWeights", "instrument", "uninstrument", "is_instrumented", "susp
 
 
 class HostWeights:
-    """The host's view of the weights a training executor holds on the device (S-31):
-    shared by the executor and the instrumentation of its model.
+    """The host's view of the weights a training executor holds on the device
+    (docs/semantics.md S-31): shared by the executor and the instrumentation of its model.
 
     Attributes:
         stale: a run moved the device ahead of the host copy.

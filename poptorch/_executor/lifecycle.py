@@ -1,6 +1,6 @@
-"""The life cycle of an executor's device state (spec api §5.2, §5.13, §5.15; S-31,
-S-73, S-80): committing a compilation and uploading the host state, attaching and
-detaching, preparing and running a call all-or-nothing, destroying.
+"""The life cycle of an executor's device state (docs/api-sections.md api §5.2, §5.13, §5.15;
+docs/semantics.md S-31, S-73, S-80): committing a compilation and uploading the host state,
+attaching and detaching, preparing and running a call all-or-nothing, destroying.
 
 Functions of the :class:`~poptorch._executor.state.ExecutorState`; the executor calls
 them holding its lock.
@@ -24,7 +24,7 @@ __all__ = ["commit", "upload_state", "discard", "attach", "detach", "destroy",
 
 
 def pull_weights_if_stale(state: ExecutorState) -> bool:
-    """The implicit device → host copy (S-31); whether it copied."""
+    """The implicit device → host copy (docs/semantics.md S-31); whether it copied."""
     if state.compiled is None or not state.host.stale:
         return False
     logger.debug("Implicit copyWeightsToHost()")
@@ -82,7 +82,7 @@ def _sync_to_host(state: ExecutorState) -> None:
 
 
 def attach(state: ExecutorState) -> None:
-    """Attach again and re-upload the host state (api §5.13).
+    """Attach again and re-upload the host state (docs/api-sections.md api §5.13).
 
     Raises:
         poptorch.Error: not compiled, or already attached.
@@ -101,8 +101,8 @@ def attach(state: ExecutorState) -> None:
 
 
 def detach(state: ExecutorState) -> None:
-    """Release the device (api §5.13), keeping the RNG state and, for training, the
-    trained weights and optimizer state on the host.
+    """Release the device (docs/api-sections.md api §5.13), keeping the RNG state and, for training,
+    the trained weights and optimizer state on the host.
 
     Raises:
         poptorch.Error: not compiled, or not attached.
@@ -119,7 +119,7 @@ def detach(state: ExecutorState) -> None:
 
 
 def destroy(state: ExecutorState, owner) -> None:
-    """Discard the executable (api §5.15); training executors copy weights and
+    """Discard the executable (docs/api-sections.md api §5.15); training executors copy weights and
     optimizer state back first and remove the model's instrumentation."""
     if state.compiled is None:
         return
@@ -152,7 +152,7 @@ def release(state: ExecutorState, owner) -> None:
 
 def prepare_run(state: ExecutorState) -> None:
     """What a call does on the device before running: the trainer's latest weights
-    (inference, S-31), a pending optimizer and optimizer state (training)."""
+    (inference, docs/semantics.md S-31), a pending optimizer and optimizer state (training)."""
     binding = state.binding
     if not state.training:
         if host_sync.trainer_weights_changed(state):
@@ -168,9 +168,9 @@ def prepare_run(state: ExecutorState) -> None:
 
 
 def run_session(state: ExecutorState, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Run the session (all or nothing, S-73). The host is told before the run that
-    the device may move ahead, so that a Ctrl-C arriving just after the run leaves no
-    trained weights unseen; after a rolled-back run the flags are put back."""
+    """Run the session (all or nothing, docs/semantics.md S-73). The host is told before the run
+    that the device may move ahead, so that a Ctrl-C arriving just after the run leaves no trained
+    weights unseen; after a rolled-back run the flags are put back."""
     binding = state.binding
     flags = (state.rng_stale, state.host.stale, binding.state_stale)
     state.rng_stale = True
@@ -206,7 +206,7 @@ def saved(state: ExecutorState, export_model: bool, save_rng_state: bool) -> exp
 
 
 def expected(state: ExecutorState) -> export.Expected:
-    """What a file loaded into this executor must hold (S-62)."""
+    """What a file loaded into this executor must hold (docs/semantics.md S-62)."""
     return export.Expected(
         training=state.training, tensors=host_sync.host_tensors(state.model),
         groupings=dict(state.per_replica_params), signature=state.parser.signature,

@@ -1,7 +1,7 @@
-"""The optimizer binding of a :class:`poptorch.PoplarExecutor` (spec api §5.12; S-41,
-S-50…S-58): which optimizer the executor trains with, its description for the
-compiler, the checks a new optimizer passes before anything changes, and the transfers
-of the optimizer state between the host optimizer and the device.
+"""The optimizer binding of a :class:`poptorch.PoplarExecutor` (docs/api-sections.md api §5.12;
+docs/semantics.md S-41, S-50…S-58): which optimizer the executor trains with, its description for
+the compiler, the checks a new optimizer passes before anything changes, and the transfers of the
+optimizer state between the host optimizer and the device.
 
 The executor owns one :class:`OptimizerBinding`; it holds no strong reference back to
 the executor (so the executor is still freed, and its ``__del__`` still runs, as soon as
@@ -28,7 +28,8 @@ class OptimizerBinding:
     Args:
         model: the user's model (the optimizer must hold its parameters).
         options: the executor's ``Options`` (read for the loss-scaling settings;
-            ``meanAccumulationAndReplicationReductionStrategy`` may be switched, S-41).
+            ``meanAccumulationAndReplicationReductionStrategy`` may be switched,
+            docs/semantics.md S-41).
         training: whether the executor trains (inference executors bind nothing).
         link: what a bound PopTorch optimizer calls on the device (see
             :class:`poptorch.optim.DeviceLink`).
@@ -37,10 +38,10 @@ class OptimizerBinding:
         optimizer: the bound ``torch.optim.Optimizer`` (``None`` before the first
             ``setOptimizer`` and for inference executors).
         description: its ``OptimizerDescription``, as given to the compiler.
-        pending: a changed description waits for the next attach (S-50).
+        pending: a changed description waits for the next attach (docs/semantics.md S-50).
         state_stale: the device's optimizer state may have moved on since the host
             last read it.
-        tracker: the ``OptimizerAttrTracker`` of a training executor (S-52).
+        tracker: the ``OptimizerAttrTracker`` of a training executor (docs/semantics.md S-52).
     """
 
     def __init__(self, model: torch.nn.Module, options: Any, training: bool,
@@ -81,15 +82,15 @@ class OptimizerBinding:
 
     def describe(self, optimizer: torch.optim.Optimizer, track: bool = False):
         """The ``OptimizerDescription`` of ``optimizer``; ``track``: record its
-        attribute values with :attr:`tracker` (S-52)."""
+        attribute values with :attr:`tracker` (docs/semantics.md S-52)."""
         auto_ls = bool(self._options._Popart.options.get(
             "automaticLossScalingSettings.enabled", False))
         return to_description(optimizer, self.param_names(), auto_ls,
                               self.tracker if track else None)
 
     def check_mean_reduction_strategy(self, description, compiled: bool) -> bool:
-        """S-41: float16 gradient accumulators (except SGD's combined variant) need the
-        ``Running`` mean strategy. Returns whether the options must switch to it.
+        """docs/semantics.md S-41: float16 gradient accumulators (except SGD's combined variant)
+        need the ``Running`` mean strategy. Returns whether the options must switch to it.
 
         Raises:
             ValueError: the switch would be needed but the model is already compiled.
@@ -192,7 +193,7 @@ class OptimizerBinding:
 
     def sync_state_to_host(self, session: Any) -> None:
         """Device → host: the optimizer state and parameters into the host optimizer's
-        state dict (``ipu_state`` / ``ipu_param``, S-56), unless the host copy is
+        state dict (``ipu_state`` / ``ipu_param``, docs/semantics.md S-56), unless the host copy is
         current."""
         opt = self.optimizer
         if not isinstance(opt, optim.Optimizer) or session is None:

@@ -1,6 +1,6 @@
 """A PopTorch or ``torch.optim`` optimizer as the device runs it: its type, its
-hyper-parameters and which of them are compiled as constants (spec S-50…S-55), and the
-warnings about attributes the conversion does not know (S-53)."""
+hyper-parameters and which of them are compiled as constants (docs/semantics.md S-50…S-55), and the
+warnings about attributes the conversion does not know (docs/semantics.md S-53)."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from popart_compiler.optim.description import HYPER_PARAMETERS, OptimizerDescription
+from popart_compiler.errors import backend_error
 from poptorch._logging import logger
 from poptorch.optim import KINDS, Optimizer
 
@@ -16,14 +17,15 @@ __all__ = ["OptimizerAttrTracker", "optimizer_type", "to_description"]
 
 _TORCH_TYPES = {torch.optim.SGD: "SGD", torch.optim.Adam: "Adam",
                 torch.optim.AdamW: "AdamW", torch.optim.RMSprop: "RMSprop"}
-#: torch defaults used to decide const / variable for plain torch optimizers (S-52).
+#: torch defaults used to decide const / variable for plain torch optimizers
+#: (docs/semantics.md S-52).
 _TORCH_CONST_DEFAULTS = {"weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0,
                          "velocity_scaling": 1.0, "eps": 1e-8, "max_weight_norm": 65500.0}
 _ALWAYS_CONST = ("alpha", "nesterov", "betas", "centered")
 
 
 class OptimizerAttrTracker:
-    """Warns about optimizer attributes the converter does not know (S-53).
+    """Warns about optimizer attributes the converter does not know (docs/semantics.md S-53).
 
     The attributes present at the first conversion (param-group keys, ``defaults``
     keys, public attributes of the optimizer object) are accepted silently; any other
@@ -114,6 +116,10 @@ def optimizer_type(optimizer: torch.optim.Optimizer) -> str:
     return kind
 
 
+#: Largest finite float32 (hyper-parameters are float32 on the device, as in PopTorch).
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _check_number(name: str, value: Any) -> Any:
     if name in ("nesterov", "centered"):
         return bool(value)
@@ -126,22 +132,27 @@ def _check_number(name: str, value: Any) -> Any:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise AssertionError(f"Expected a number for {name}, got {value!r} of type "
                              f"{type(value).__name__}")
+    if math.isfinite(value) and abs(value) > _FLOAT32_MAX:
+        raise backend_error(f"The optimizer's {name} = {value!r} is out of float32 range "
+                            f"(|x| <= {_FLOAT32_MAX:.6g}): the device holds "
+                            "hyper-parameters as float32, as PopTorch; use a smaller value.")
     return float(value)
 
 
 def to_description(optimizer: torch.optim.Optimizer, param_names: Dict[int, str],
                    automatic_loss_scaling: bool = False,
                    tracker: Optional[OptimizerAttrTracker] = None) -> OptimizerDescription:
-    """Convert ``optimizer`` into what the device runs (S-50…S-55).
+    """Convert ``optimizer`` into what the device runs (docs/semantics.md S-50…S-55).
 
     Args:
         optimizer: a supported optimizer.
         param_names: ``id(parameter) → name`` for the model's parameters.
-        automatic_loss_scaling: forces ``loss_scaling`` to be variable (S-52).
-        tracker: reports attributes added since the first conversion (S-53).
+        automatic_loss_scaling: forces ``loss_scaling`` to be variable (docs/semantics.md S-52).
+        tracker: reports attributes added since the first conversion (docs/semantics.md S-53).
 
     Raises:
-        AssertionError / ValueError: unsupported type or hyper-parameter values (S-50).
+        AssertionError / ValueError: unsupported type or hyper-parameter values
+            (docs/semantics.md S-50).
         poptorch.Error: ``max_grad_norm`` is NaN, invalid accumulation type.
     """
     kind = optimizer_type(optimizer)

@@ -1,6 +1,6 @@
-"""Replica-grouped weights (spec S-27, api §5.22): the proxy returned for a direct
-parameter of the wrapped model, the compile-time check of the grouped weights' shapes
-and the capture-time slicing of grouped weights."""
+"""Replica-grouped weights (docs/semantics.md S-27, docs/api-sections.md api §5.22): the proxy
+returned for a direct parameter of the wrapped model, the compile-time check of the grouped weights'
+shapes and the capture-time slicing of grouped weights."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +17,9 @@ __all__ = ["ReplicaGroupingProxy", "one_replica_slices", "check_per_replica_para
 
 class ReplicaGroupingProxy:
     """What ``executor.<name>`` returns for a parameter that is a direct attribute of
-    the model (api §5.22): attribute reads go to the parameter; ``replicaGrouping``
-    declares a replica-grouped weight (S-27). Not itself a tensor."""
+    the model (docs/api-sections.md api §5.22): attribute reads go to the parameter;
+        ``replicaGrouping``
+    declares a replica-grouped weight (docs/semantics.md S-27). Not itself a tensor."""
 
     def __init__(self, executor: Any, name: str, param: torch.nn.Parameter):
         object.__setattr__(self, "_executor", executor)
@@ -33,7 +34,8 @@ class ReplicaGroupingProxy:
 
     def replicaGrouping(self, comm_group_type: enums.CommGroupType, shards: int,
                         variable_retrieval_mode: enums.VariableRetrievalMode) -> None:
-        """Give this weight one value per replica group (S-27). Call before compiling.
+        """Give this weight one value per replica group (docs/semantics.md S-27). Call before
+        compiling.
 
         Args:
             comm_group_type: ``Consecutive`` / ``Orthogonal`` (groups of ``shards``
@@ -63,7 +65,8 @@ class ReplicaGroupingProxy:
 
 @contextlib.contextmanager
 def one_replica_slices(model: torch.nn.Module, groupings: Dict[str, Any]):
-    """Capture replica-grouped weights with the shape of one group's slice (S-27)."""
+    """Capture replica-grouped weights with the shape of one group's slice
+    (docs/semantics.md S-27)."""
     swapped = []
     with instrument.syncing():
         for name in groupings:
@@ -79,14 +82,14 @@ def one_replica_slices(model: torch.nn.Module, groupings: Dict[str, Any]):
 
 
 def check_per_replica_params(model: torch.nn.Module, sess_opts: Any) -> None:
-    """S-27: replica-grouped weights hold one value per group on dimension 0.
+    """docs/semantics.md S-27: replica-grouped weights hold one value per group on dimension 0.
 
     Raises:
         poptorch.Error: a scalar weight, a grouping that does not fit the
             replication factor, or a leading dimension that is not the number of
             groups (or of replicas, for ``AllReplicas``).
     """
-    replicas = sess_opts.global_replicas  # groups span all processes (S-28)
+    replicas = sess_opts.global_replicas  # groups span all processes (docs/semantics.md S-28)
     with instrument.syncing():
         params = dict(model._parameters)
     for name, grouping in sess_opts.replica_groupings.items():

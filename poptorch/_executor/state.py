@@ -81,7 +81,8 @@ class ExecutorState:
         binding: the optimizer and its device state (training).
         host: the host's view of the device weights (shared with the model's
             instrumentation).
-        per_replica_params: replica groupings of weights (S-27), by parameter name.
+        per_replica_params: replica groupings of weights (docs/semantics.md S-27), by parameter
+            name.
         compiled: the committed compilation, or ``None``.
         attached: the device is attached.
         ran: a call ran since the compilation (``cycleCount``).
@@ -131,7 +132,8 @@ class ExecutorState:
 
     @property
     def batch_factor(self) -> int:
-        """``N = D × (R / g) × A``: combined batch / micro-batch of a call (S-11)."""
+        """``N = D × (R / g) × A``: combined batch / micro-batch of a call
+        (docs/semantics.md S-11)."""
         o = self.options
         a = o.Training.gradient_accumulation if self.training else 1
         return o.device_iterations * (o.replication_factor // o.input_group_size) * a
@@ -139,8 +141,8 @@ class ExecutorState:
 
 def executor_options(options: Optional[Options], training: bool) -> Options:
     """The executor's private, frozen clone of ``options`` (the caller's object is
-    frozen too, options §1), with PopTorch's default output mode (``Final`` in training,
-    ``All`` in inference) and anchors inheriting it.
+    frozen too, docs/api-sections.md options §1), with PopTorch's default output mode (``Final`` in
+    training, ``All`` in inference) and anchors inheriting it.
 
     Raises:
         poptorch.Error: ``options`` is not an ``Options``; gradient accumulation is not

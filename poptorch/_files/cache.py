@@ -1,51 +1,57 @@
-"""Executable caching (spec S-61, S-28): ``Options.enableExecutableCaching(path)`` or
+"""Executable caching (docs/semantics.md S-61, S-28): ``Options.enableExecutableCaching(path)`` or
 ``POPTORCH_CACHE_DIR``.
 
 A cache entry is the captured program in the executable file format
-(:mod:`poptorch._serialization`), without weights: the executor always uploads the
+(:mod:`poptorch._files.container`), without weights: the executor always uploads the
 host model's current weights, so an entry serves any weight values. Its file name is a
-SHA-256 key computed **before** capturing (capture is the work the cache saves) from:
+SHA-256 key computed **before** capturing (capture is the work the cache saves;
+:mod:`poptorch._files.cache_key`) from:
 
 * the format version, the ``poptorch``, ``torch`` and Python versions and a
   ``backend`` entry (execution backend and device, from the options);
-* the model: for every sub-module its path, class, attribute values (numbers,
-  strings, ... and the type of other objects; ``training``, ``Block`` ids included) and
-  forward hooks (``BeginBlock``); a digest of the code of every class involved and of
-  the user code it reaches (:mod:`poptorch._code_digest`: byte code, never source
-  files, so classes defined in a notebook, ``exec`` or ``python -c`` are cached
-  too); the name, kind, shape, dtype and ``requires_grad`` of every parameter and
-  buffer, and the values of plain tensor attributes (they become constants of the
-  program);
+* the model: for every sub-module its path, class, ``training`` flag, attribute values
+  and hooks (``BeginBlock``'s included), torch's global module hooks, a digest of the
+  code of every class involved and of the user code it reaches with the values that
+  code reads (:mod:`poptorch._files.code_digest`: byte code, never source files, so
+  classes defined in a notebook, ``exec`` or ``python -c`` are cached too); the name,
+  kind, shape, dtype and ``requires_grad`` of every parameter and buffer;
 * the training flag, every option (except the cache path) and the replica grouping of
   weights;
 * the input signature: argument names, structure, shapes, dtypes and non-tensor values.
 
-Code of installed packages other than ``torch`` / ``poptorch`` is not part of the key:
-clear the cache directory after upgrading one.
+Every value is recorded by value or by a name that resolves to the same library object
+(:mod:`poptorch._files.cache_values`); one that cannot be recorded (an arbitrary object,
+a ``types.SimpleNamespace``, a sub-module in a plain ``dict``, a ``poptorch.CPU`` op)
+turns the cache off for that compile with one INFO line naming it: the cache never
+serves a program captured for other state (issue 29). Code of installed packages other
+than ``torch`` / ``poptorch`` is not part of the key: clear the cache directory after
+upgrading one.
+
+An entry's ``metadata.json`` records its key: an entry whose key is not the compile's
+(renamed, copied) is discarded with a warning and rebuilt. A program with
+``poptorch.CPU`` host ops is never written (a file holds no Python code): one INFO line
+per entry and process.
 
 Writes are atomic (temporary file + ``os.replace``); a lock file per entry
 (``<entry>.lock``, an OS file lock that the system releases when its process dies, so
 a dead process's lock is taken over at once) makes concurrent processes of one run -
-e.g. the processes of a distributed run (S-28) - compile once: the first captures and
-fills the entry, the others wait and load it. A process waits for a lock at most
-``POPTORCH_CACHE_LOCK_TIMEOUT`` seconds (default :data:`DEFAULT_LOCK_TIMEOUT_S`),
-logging at INFO which entry it waits for; after that it compiles without the cache and
-says so in a warning. An entry that cannot be read, is malformed in any way or does
-not fit the model (its weights, inputs) gives one warning ("Invalid file <entry>:
-<what is wrong>"), is deleted and rebuilt: a bad entry never makes a compile fail. An
-entry path that is not a regular file (a directory, symbolic link, FIFO, device) is
+e.g. the processes of a distributed run (docs/semantics.md S-28) - compile once: the first captures
+and fills the entry, the others wait and load it. A process waits for a lock at most
+``POPTORCH_CACHE_LOCK_TIMEOUT`` seconds (default :data:`DEFAULT_LOCK_TIMEOUT_S`), logging at INFO
+which entry it waits for; after that it compiles without the cache and says so in a warning. An
+entry that cannot be read, is malformed in any way or does not fit the model (its weights, inputs)
+gives one warning ("Invalid file <entry>: <what is wrong>"), is deleted and rebuilt: a bad entry
+never makes a compile fail. An entry path that is not a regular file (a directory, symbolic link,
+FIFO, device) is
 never read, deleted or replaced: one warning, and the executable is compiled without
 the cache. The directory is never pruned. Unlike the Poplar
 IPU Model, caching works on our IPU Model.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
-import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional, Set
 
 import torch
 from filelock import FileLock, Timeout
@@ -54,13 +60,13 @@ from popart_compiler.errors import Error, backend_error
 
 from poptorch import _config as config
 from poptorch._executor import instrument as _instrument
-from poptorch._files.code_digest import code_digest
+from poptorch._files.cache_key import CacheRequest, cache_key
 from poptorch._files.structure import encode_spec
 from poptorch._logging import logger
-from poptorch._files.program import Program, from_blobs, structure_of, to_blobs
+from poptorch._files.program import (HOST_OPS_REASON, Program, from_blobs, host_ops,
+                                     structure_of, to_blobs)
 from poptorch._files.schema import Invalid, invalid_file
-from poptorch._files.container import (FORMAT_VERSION, encode, not_regular, read_container,
-                                       write_container)
+from poptorch._files.container import not_regular, read_container, write_container
 
 __all__ = ["CacheRequest", "cache_directory", "cache_key", "obtain_program",
            "lock_timeout", "LOCK_TIMEOUT_ENV", "DEFAULT_LOCK_TIMEOUT_S"]
@@ -71,136 +77,12 @@ LOCK_TIMEOUT_ENV = "POPTORCH_CACHE_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT_S = float(config.VARIABLES[LOCK_TIMEOUT_ENV].default)
 
 
-@dataclasses.dataclass
-class CacheRequest:
-    """One compilation as the executable cache sees it.
-
-    Attributes:
-        model: the module captured (its structure, code and weights make the key; an
-            entry's weights must match its parameters and buffers).
-        options: the executor's ``Options``.
-        training: a training compilation.
-        groupings: replica groupings of weights (S-27), by parameter name.
-        spec: the structure of the bound call arguments.
-        names: the bound argument names.
-        num_positional: how many were passed positionally.
-        device: the torch device the kernels run on.
-        backend: the compiler backend (``eager`` / ``inductor`` / ``auto``).
-        version: the PopTorch version.
-    """
-    model: torch.nn.Module
-    options: Any
-    training: bool
-    groupings: Dict[str, Any]
-    spec: Any
-    names: List[str]
-    num_positional: int
-    device: str
-    backend: str
-    version: str
-
-#: Options that do not change the compiled program.
-#: Options that do not change what is compiled: where the cache is, and which process of
-#: a distributed run compiles (all processes of one run share one entry, S-28).
-_NOT_IN_KEY = frozenset({"cachePath", "enableEngineCaching", "distributed_process_id"})
-
-
 def cache_directory(options) -> Optional[str]:
     """The cache directory of ``options`` or ``None`` when caching is off."""
     popart = options._Popart.options
     if not popart.get("enableEngineCaching", False) or not popart.get("cachePath"):
         return None
     return str(popart["cachePath"])
-
-
-def _simple(value: Any) -> Any:
-    """A JSON-able description of an attribute value for the key."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_simple(v) for v in value]
-    if isinstance(value, torch.dtype):
-        return str(value)
-    return f"<{type(value).__module__}.{type(value).__qualname__}>"
-
-
-def _tensor_hash(value: torch.Tensor) -> str:
-    """Dtype, shape and SHA-256 of the bytes of a plain tensor attribute."""
-    data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return f"{value.dtype}{list(value.shape)}:{hashlib.sha256(data.numpy()).hexdigest()}"
-
-
-def _hook_description(hook: Any) -> Any:
-    cls = type(hook)
-    state = vars(hook) if hasattr(hook, "__dict__") else {}
-    return [f"{cls.__module__}.{cls.__qualname__}",
-            getattr(hook, "__qualname__", ""), {k: _simple(v) for k, v in state.items()}]
-
-
-def _model_description(model: torch.nn.Module) -> Dict[str, Any]:
-    classes: Dict[int, type] = {}
-    hook_functions: List[Any] = []
-    modules = []
-    with _instrument.syncing():
-        for path, module in model.named_modules(remove_duplicate=False):
-            cls = _instrument.original_class(module) if _instrument.is_instrumented(
-                module) else type(module)
-            classes.setdefault(id(cls), cls)
-            attrs = {k: _simple(v) for k, v in sorted(vars(module).items())
-                     if not isinstance(v, torch.Tensor)}
-            tables = (module._forward_pre_hooks, module._forward_hooks)
-            hooks = [_hook_description(h) for table in tables for h in table.values()]
-            hook_functions.extend(h for table in tables for h in table.values())
-            constants = {k: _tensor_hash(v) for k, v in sorted(vars(module).items())
-                         if isinstance(v, torch.Tensor)
-                         and not isinstance(v, torch.nn.Parameter)}
-            modules.append([path, f"{cls.__module__}.{cls.__qualname__}", module.training,
-                            attrs, hooks, constants])
-        state = [[n, "p", list(t.shape), str(t.dtype), bool(t.requires_grad)]
-                 for n, t in model.named_parameters(remove_duplicate=False)]
-        state += [[n, "b", list(t.shape), str(t.dtype)]
-                  for n, t in model.named_buffers(remove_duplicate=False)]
-    return {"modules": modules, "state": state,
-            "code": code_digest(classes.values(), hook_functions)}
-
-
-def cache_key(request: CacheRequest) -> Optional[str]:
-    """The cache key of ``request``, or ``None`` when the inputs or options cannot be
-    encoded (a custom-parser argument, a non-JSON constant)."""
-    described = _model_description(request.model)
-    try:
-        options = encode(request.options)
-        inputs = encode_spec(request.spec, "the inputs")
-        groupings = encode(dict(request.groupings))
-    except Error as exc:
-        logger.info("Executable cache not used: %s", exc.message)
-        return None
-    options = _drop_keys(options, _NOT_IN_KEY)
-    parts = {
-        "format_version": FORMAT_VERSION,
-        "versions": [request.version, torch.__version__,
-                     f"{sys.version_info[0]}.{sys.version_info[1]}"],
-        "backend": {"name": request.backend, "device": request.device},
-        "training": request.training,
-        "model": described,
-        "options": options,
-        "replica_groupings": groupings,
-        "inputs": [inputs, list(request.names), request.num_positional],
-    }
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _drop_keys(value: Any, keys) -> Any:
-    """``value`` without dict entries (tagged or plain) whose key is in ``keys``."""
-    if isinstance(value, list):
-        return [_drop_keys(v, keys) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if "__dict__" in value:
-        return {"__dict__": [[k, _drop_keys(v, keys)] for k, v in value["__dict__"]
-                             if not (isinstance(k, str) and k in keys)]}
-    return {k: _drop_keys(v, keys) for k, v in value.items()}
 
 
 def lock_timeout() -> float:
@@ -238,9 +120,9 @@ def _entry_fits(request: CacheRequest, structure: Dict[str, Any]) -> Optional[st
     return None
 
 
-def _load_entry(path: str, request: CacheRequest) -> Optional[Program]:
-    """The program of the entry at ``path``, or ``None`` when there is none or it is
-    unusable (then it is deleted, with one warning)."""
+def _load_entry(path: str, request: CacheRequest, key: str) -> Optional[Program]:
+    """The program of the entry at ``path`` written for ``key``, or ``None`` when there
+    is none or it is unusable (then it is deleted, with one warning)."""
     if not os.path.exists(path):
         return None
     try:
@@ -248,6 +130,11 @@ def _load_entry(path: str, request: CacheRequest) -> Optional[Program]:
         meta = json.loads(blobs.get("metadata.json", b"null"))
         if not isinstance(meta, dict) or meta.get("kind") != "cache-entry":
             raise backend_error(f"Invalid file {path}: not an executable-cache entry")
+        if meta.get("key") != key:
+            raise backend_error(
+                f"Invalid file {path}: it was written for the key {meta.get('key')!r}, not "
+                f"for this compilation's key {key!r} (renamed or copied from another "
+                "entry)")
         structure = structure_of(blobs)
         reason = _entry_fits(request, structure)
         if reason is not None:
@@ -268,11 +155,23 @@ def _load_entry(path: str, request: CacheRequest) -> Optional[Program]:
     return program
 
 
-def _write_entry(path: str, program: Program) -> None:
+#: Entries this process did not write because their program calls host ops (said once).
+_NOT_WRITTEN: Set[str] = set()
+
+
+def _write_entry(path: str, key: str, program: Program) -> None:
+    ops = host_ops(program)
+    if ops:
+        if path not in _NOT_WRITTEN:
+            _NOT_WRITTEN.add(path)
+            logger.info("Executable cache not used for %s: the program calls the "
+                        "poptorch.CPU host op(s) %s, and %s; it is captured at every "
+                        "compile.", path, ", ".join(map(repr, ops)), HOST_OPS_REASON)
+        return
     try:
         program.blobs = to_blobs(program)
         blobs = dict(program.blobs)
-        blobs["metadata.json"] = json.dumps({"kind": "cache-entry",
+        blobs["metadata.json"] = json.dumps({"kind": "cache-entry", "key": key,
                                              "torch_version": torch.__version__}
                                             ).encode()
         write_container(path, blobs)
@@ -325,11 +224,11 @@ def obtain_program(request: CacheRequest, capture: Callable[[], Program]) -> Pro
                            "reads, deletes or replaces: compiling without the cache "
                            "(remove it to cache this executable again).", path, what)
             return capture()
-        program = _load_entry(path, request)
+        program = _load_entry(path, request, key)
         if program is not None:
             return program
         program = capture()
-        _write_entry(path, program)
+        _write_entry(path, key, program)
         return program
     finally:
         lock.release()

@@ -1,4 +1,4 @@
-"""A digest of the Python code a model runs, for the executable-cache key (spec S-61;
+"""A digest of the Python code a model runs, for the executable-cache key (docs/semantics.md S-61;
 issue 19, item 8), computed from code objects: no source file is read, so models
 defined in a notebook cell, with ``exec`` or with ``python -c`` are keyed like any other.
 
@@ -13,9 +13,12 @@ cover):
   functions and classes of modules that are not installed packages (not in the standard
   library, ``site-packages`` or ``dist-packages``), also through a module attribute
   (``helpers.act``);
-* the values of the plain globals and class attributes they read (numbers, strings and
-  containers of them, read when the key is computed; tensors by their bytes; other
-  objects by their type).
+* the values of the globals and class attributes they read, and of their defaults and
+  closure cells, described by :mod:`poptorch._files.cache_values` when the key is
+  computed (numbers, strings, containers of them and tensors by value; library
+  functions, classes and modules by name; user code by its code). A value it cannot
+  describe (an arbitrary object, a ``types.SimpleNamespace``) raises
+  :class:`~poptorch._files.cache_values.Unkeyable`: the cache is then not used.
 
 Not covered: code of installed packages other than ``torch`` / ``poptorch`` (upgrade
 one → clear the cache), and behaviour that depends on state outside the code (files,
@@ -23,24 +26,26 @@ environment variables, attributes of other objects).
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import sys
 import sysconfig
 import types
-from typing import Any, Dict, Iterable, List, Set
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-import torch
+from poptorch._files.cache_values import Describer, Unkeyable, is_plain_data
 
-__all__ = ["code_digest"]
+__all__ = ["code_digest", "CodeDigest", "is_user_code"]
 
 _OWN = ("torch", "poptorch", "popart_compiler", "popdist", "builtins")
 _LIBRARY_DIRS = tuple(os.path.realpath(p) for p in {
     sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     if p)
-_FUNCTIONS = (types.FunctionType, types.MethodType)
+_BUILTINS = vars(builtins)
+_MISSING = object()
 #: Upper bound on the functions and classes one digest follows (a guard against
-#: walking a whole library by accident).
+#: walking a whole library by accident; beyond it the model is not cached).
 _MAX_OBJECTS = 5000
 
 
@@ -78,132 +83,196 @@ def _is_user_code(obj: Any) -> bool:
     return not (os.path.isabs(path) and _is_library_path(path))
 
 
+def is_user_code(obj: Any) -> bool:
+    """Public name of :func:`_is_user_code`."""
+    return _is_user_code(obj)
+
+
 def _is_user_module(module: types.ModuleType) -> bool:
     path = getattr(module, "__file__", None)
     return not _is_own(module.__name__) and not (path and _is_library_path(path))
 
 
-class _Digest:
-    def __init__(self):
+#: Dunder class attributes that hold no behaviour of ``forward`` (type annotations,
+#: bookkeeping of ``abc``, ``typing`` and the compiler).
+_SKIPPED_CLASS_ATTRIBUTES = frozenset({
+    "__dict__", "__weakref__", "__module__", "__doc__", "__annotations__", "__qualname__",
+    "__orig_bases__", "__parameters__", "__static_attributes__", "__firstlineno__",
+    "__slots__", "__abstractmethods__", "_abc_impl", "__match_args__",
+    "__dataclass_fields__", "__dataclass_params__", "__hash__", "__type_params__"})
+
+
+class CodeDigest:
+    """The digest of the user code a model reaches (see the module docstring).
+
+    Args:
+        weights: ``id(tensor) -> name`` of the model's parameters and buffers.
+        submodules: ``id(module) -> path`` of the model's registered sub-modules.
+
+    :meth:`value` describes one value (queueing the user code it holds);
+    :meth:`run` digests everything queued.
+    """
+
+    def __init__(self, weights: Optional[Dict[int, str]] = None,
+                 submodules: Optional[Dict[int, str]] = None):
         self.hash = hashlib.sha256()
         self.seen: Set[int] = set()
-        self.pending: List[Any] = []
+        self.pending: List[Tuple[Any, str, bool]] = []
+        #: Inside the body of an installed package's class (see :meth:`cls`).
+        self.library_state = False
+        self.describer = Describer(self.queue, _is_user_code, _is_user_module,
+                                   weights, submodules)
+
+    def queue(self, item: Any, where: str) -> None:
+        """Digest the code of ``item`` (a user function or class) found at ``where``."""
+        if id(item) not in self.seen:
+            self.pending.append((item, where, self.library_state))
 
     def add(self, *parts: Any) -> None:
         for part in parts:
             self.hash.update(part if isinstance(part, bytes) else repr(part).encode())
             self.hash.update(b"\0")
 
-    # -- values -------------------------------------------------------------------------
-    def value(self, value: Any, depth: int = 0) -> Any:
-        """A description of a global / default / closure value (queues user code)."""
-        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-            return value
-        if isinstance(value, (tuple, list, set, frozenset)) and depth < 4 and \
-                len(value) <= 1000:
-            items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) \
-                else value
-            return (type(value).__name__, [self.value(v, depth + 1) for v in items])
-        if isinstance(value, dict) and depth < 4 and len(value) <= 1000:
-            return ("dict", sorted((repr(k), repr(self.value(v, depth + 1)))
-                                   for k, v in value.items()))
-        if isinstance(value, torch.dtype):
-            return str(value)
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            return f"{value.dtype}{list(value.shape)}:" + \
-                hashlib.sha256(data.numpy().tobytes()).hexdigest()
-        if isinstance(value, (type, *_FUNCTIONS)) and _is_user_code(value):
-            self.pending.append(value)
-            return f"<{value.__module__}.{getattr(value, '__qualname__', '')}>"
-        return f"<{type(value).__module__}.{type(value).__qualname__}>"
+    def value(self, value: Any, where: str) -> Any:
+        """See :meth:`Describer.value` (raises ``Unkeyable``)."""
+        return self.describer.value(value, where)
 
     # -- code ---------------------------------------------------------------------------
-    def code(self, code: types.CodeType, scope: Dict[str, Any]) -> None:
+    def code(self, code: types.CodeType, scope: Dict[str, Any], owner: str) -> None:
         self.add(code.co_code, code.co_names, code.co_varnames, code.co_freevars,
                  code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
                  code.co_kwonlyargcount, code.co_flags)
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
-                self.code(const, scope)
+                self.code(const, scope, owner)
             else:
-                self.add(self.value(const))
+                self.add(self.value(const, f"a constant of {owner}"))
         for name in code.co_names:  # globals it reads, and module attributes
-            if name in scope:
-                target = scope[name]
-                if isinstance(target, types.ModuleType):
-                    if _is_user_module(target):
-                        for attr in code.co_names:
-                            self.add(name, attr, self.value(getattr(target, attr, None)))
-                    continue
-                self.add(name, self.value(target))
+            where = f"the global {name} read by {owner}"
+            if name not in scope:
+                if scope and name in _BUILTINS:  # a builtin (or a value put there)
+                    self.add(name, self.value(_BUILTINS[name], where))
+                continue
+            target = scope[name]
+            if isinstance(target, types.ModuleType):
+                self.module_attributes(name, target, code.co_names, where)
+                continue
+            self.add(name, self.value(target, where))
 
-    def function(self, fn: Any) -> None:
+    def module_attributes(self, name: str, module: types.ModuleType, attrs, where: str
+                          ) -> None:
+        """The attributes ``attrs`` (names the code reads) of a module global: all of a
+        user module's; the plain data a library module holds (a value a user stored on
+        it); a library's own functions, classes and modules are its code, which the
+        versions in the key cover."""
+        user = _is_user_module(module)
+        for attr in attrs:
+            value = vars(module).get(attr, _MISSING)  # no lazy imports
+            if value is _MISSING or not user and not is_plain_data(value):
+                continue
+            try:
+                self.add(name, attr, self.value(value, f"{where} ({name}.{attr})"))
+            except Unkeyable:
+                if user:
+                    raise
+
+    def function(self, fn: Any, where: str) -> None:
         fn = getattr(fn, "__func__", fn)
-        fn = getattr(fn, "__wrapped__", fn)
         code = getattr(fn, "__code__", None)
         if not isinstance(code, types.CodeType):
-            self.add(self.value(fn))
+            self.add(self.value(fn, where))
             return
-        self.add(getattr(fn, "__qualname__", ""))
-        self.code(code, getattr(fn, "__globals__", {}))
-        self.add([self.value(v) for v in (fn.__defaults__ or ())])
-        self.add(sorted((k, repr(self.value(v))) for k, v in
-                        (fn.__kwdefaults__ or {}).items()))
-        for cell in fn.__closure__ or ():
+        owner = getattr(fn, "__qualname__", "") or where
+        self.add(owner)
+        # a library function (e.g. a decorator's wrapper): its code and closure, not the
+        # globals of its library, which the versions in the key cover
+        scope = getattr(fn, "__globals__", {}) if _is_user_code(fn) else {}
+        self.code(code, scope, owner)
+        self.add(self.value(tuple(fn.__defaults__ or ()), f"the defaults of {owner}"))
+        self.add(self.value(dict(fn.__kwdefaults__ or {}), f"the defaults of {owner}"))
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
-                self.add(self.value(cell.cell_contents))
+                contents = cell.cell_contents
             except ValueError:  # an empty cell
                 self.add("<empty>")
+                continue
+            self.add(self.value(contents, f"the variable {name} of {owner}'s closure"))
 
     def cls(self, cls: type) -> None:
         self.add(f"{cls.__module__}.{cls.__qualname__}")
+        user = _is_user_code(cls)
         for name, member in sorted(vars(cls).items()):
-            if name in ("__dict__", "__weakref__", "__module__", "__doc__"):
+            if name in _SKIPPED_CLASS_ATTRIBUTES:
                 continue
             self.add(name)
-            if isinstance(member, (staticmethod, classmethod)):
-                member = member.__func__
-            if isinstance(member, property):
-                for accessor in (member.fget, member.fset, member.fdel):
-                    if accessor is not None:
-                        self.function(accessor)
-            elif isinstance(member, types.FunctionType):
-                self.function(member)
-            else:
-                self.add(self.value(member))
+            self.tolerating(not user, self.member, cls, name, member)
+
+    def tolerating(self, library_state: bool, fn, *args) -> None:
+        """``fn(*args)``; with ``library_state`` (the body of an installed package's
+        class, and the code it holds: what it made when it was defined is package state,
+        which the key does not cover, like its code) an ``Unkeyable`` value is left out
+        instead of raised."""
+        if not library_state:
+            fn(*args)
+            return
+        before, self.library_state = self.library_state, True
+        try:
+            fn(*args)
+        except Unkeyable:
+            self.add("<library state>")
+        finally:
+            self.library_state = before
+
+    def member(self, cls: type, name: str, member: Any) -> None:
+        """One attribute of a class body."""
+        where = f"{cls.__qualname__}.{name}"
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        if isinstance(member, property):
+            for accessor in (member.fget, member.fset, member.fdel):
+                if accessor is not None:
+                    self.function(accessor, where)
+        elif isinstance(member, types.FunctionType):
+            self.function(member, where)
+        else:
+            self.add(self.value(member, where))
 
     def run(self) -> str:
+        """Digest the queued code. Raises ``Unkeyable`` (see :meth:`value`)."""
         count = 0
         while self.pending:
-            item = self.pending.pop()
+            item, where, library_state = self.pending.pop()
             if id(item) in self.seen:
                 continue
             self.seen.add(id(item))
             count += 1
             if count > _MAX_OBJECTS:
-                self.add("<truncated>")
-                break
+                raise Unkeyable(where, f"more than {_MAX_OBJECTS} functions and classes "
+                                       "of user code, more than the key follows")
             if isinstance(item, type):
-                self.cls(item)
+                self.tolerating(library_state, self.cls, item)
             else:
-                self.function(item)
+                self.tolerating(library_state, self.function, item, where)
         return self.hash.hexdigest()
 
 
-def code_digest(classes: Iterable[type], functions: Iterable[Any] = ()) -> str:
+def code_digest(classes: Iterable[type], functions: Iterable[Tuple[Any, str]] = (),
+                digest: Optional[CodeDigest] = None) -> str:
     """SHA-256 of the code of ``classes`` (and the user classes they inherit from) and
-    of ``functions`` (e.g. forward hooks), with the user code they reach (see the
-    module docstring)."""
-    digest = _Digest()
-    roots: List[Any] = []
+    of ``functions`` (``(function, where)`` pairs, e.g. forward hooks), with the user
+    code they reach (see the module docstring).
+
+    Raises:
+        Unkeyable: a value the code reads cannot be described.
+    """
+    digest = digest if digest is not None else CodeDigest()
+    roots: List[Tuple[Any, str, bool]] = []
     for cls in classes:
-        roots.extend(c for c in cls.__mro__ if not _is_own(c.__module__)
-                     and c is not object)
-    for fn in functions:
+        roots.extend((c, c.__qualname__, False) for c in cls.__mro__
+                     if not _is_own(c.__module__) and c is not object)
+    for fn, where in functions:
         if not _is_own(getattr(fn, "__module__", "") or ""):
-            roots.append(fn)
-    for root in roots:  # the model's own classes always, wherever they are installed
-        digest.pending.append(root)
-    digest.pending.reverse()
+            roots.append((fn, where, False))
+    queued = list(digest.pending)
+    digest.pending = list(reversed(roots)) + queued
     return digest.run()

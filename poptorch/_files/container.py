@@ -1,6 +1,7 @@
-"""The executable file format: a zip container of named blobs (spec S-62, api §2.13).
+"""The executable file format: a zip container of named blobs (docs/semantics.md S-62,
+docs/api-sections.md api §2.13).
 
-Layout of a ``.poptorch`` file (also used for executable-cache entries, S-61)::
+Layout of a ``.poptorch`` file (also used for executable-cache entries, docs/semantics.md S-61)::
 
     manifest.json          {"format": "poptorch-executable", "format_version": 2,
                             "blobs": {<name>: {"sha256": <hex>, "size": <bytes>}}}
@@ -18,8 +19,8 @@ it and checks every declared size against the size of the file, so a file cannot
 it allocate more than its own size. Every blob is checked against the manifest's
 SHA-256 before use, so a truncated or edited file is refused with an
 :class:`poptorch.Error` naming the blob. A checksum is no signature (whoever edits a
-file recomputes it): the contents are checked by :mod:`poptorch._file_shapes` and
-:mod:`poptorch._program_checks` before anything is built from them. Files are written
+file recomputes it): the contents are checked by :mod:`poptorch._files.shapes` and
+:mod:`poptorch._files.program_checks` before anything is built from them. Files are written
 to a temporary name in the target directory and renamed into place (``os.replace``): a
 reader never sees a partial file, and nothing that is not a regular file is replaced.
 JSON values that are not plain JSON (enums, dtypes, tuples, option objects) use the
@@ -44,6 +45,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from popart_compiler.errors import Error, backend_error
+from poptorch import enums as _enums
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "write_container", "read_container", "encode",
            "decode", "tensors_to_bytes", "tensors_from_bytes", "dtype_name", "dtype_of",
@@ -289,14 +291,23 @@ def encode(value: Any, where: str = "value") -> Any:
     return _encode_object(value, where)
 
 
+def _public_module(cls: type) -> str:
+    """The module a file names ``cls`` by: ``poptorch.enums`` for the enums it
+    re-exports from ``popart_compiler.enums``, else the class's own module."""
+    if getattr(_enums, cls.__qualname__, None) is cls:
+        return "poptorch.enums"
+    return cls.__module__
+
+
 def _encode_object(value: Any, where: str) -> Any:
     cls = type(value)
-    if cls.__module__ not in _ALLOWED_MODULES:
+    module = _public_module(cls)
+    if module not in _ALLOWED_MODULES:
         raise backend_error(
             f"Cannot export {where}: values of type {cls.__module__}.{cls.__qualname__} "
             "cannot be stored in an executable file (only numbers, strings, lists, "
             "dicts, dtypes and poptorch option / enum values can).")
-    name = f"{cls.__module__}:{cls.__qualname__}"
+    name = f"{module}:{cls.__qualname__}"
     if isinstance(value, enum.Enum):
         return {"__enum__": name, "name": value.name}
     return {"__object__": name, "state": encode(dict(vars(value)), where)}
@@ -309,7 +320,7 @@ def _class_of(name: str) -> type:
     target: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         target = getattr(target, part, None)
-    if not isinstance(target, type) or target.__module__ != module_name:
+    if not isinstance(target, type) or _public_module(target) != module_name:
         raise backend_error(f"Invalid file: unknown class {name}")
     return target
 

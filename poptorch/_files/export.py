@@ -1,6 +1,6 @@
 """Precompiled executables: ``save`` / ``compileAndExport``, ``loadExecutable``,
-``poptorch.load`` and ``importPoptorchMetadataFromFile`` (spec api §2.3, §2.13,
-§5.4-§5.6; S-62, S-81, S-96). The file format is described in
+``poptorch.load`` and ``importPoptorchMetadataFromFile`` (docs/api-sections.md api §2.3, §2.13,
+§5.4-§5.6; docs/semantics.md S-62, S-81, S-96). The file format is described in
 :mod:`poptorch._files.container`.
 
 ``metadata.json`` holds the ``poptorch`` / ``torch`` versions, the training flag,
@@ -43,7 +43,7 @@ from poptorch._logging import logger
 __all__ = ["Saved", "Expected", "Loaded", "save", "load_executable", "read_exported",
            "import_metadata", "restore_state", "from_file", "ExportedModel"]
 
-#: Options that may differ between the saving and the loading executor (S-62: only
+#: Options that may differ between the saving and the loading executor (docs/semantics.md S-62: only
 #: run-time options matter after loading).
 _RUNTIME_OPTIONS = frozenset({
     "connection_type", "ipu_id", "ipu_version", "use_model", "sync_pattern", "log_dir",
@@ -52,20 +52,43 @@ _RUNTIME_OPTIONS = frozenset({
     "compilation_progress_bar_fn", "engineOptions"})
 
 
+#: Top-level and backend options that choose where a process writes (logs, profile
+#: reports and their sub-directory, the executable cache): a loaded file never sets
+#: them, the loading process's own ``Options()`` (and environment) do (issue 29).
+_LOCAL_OPTIONS = ("log_dir", "model_name")
+_LOCAL_BACKEND_OPTIONS = ("engineOptions", "cachePath", "enableEngineCaching")
+
+
+def _use_local_paths(options) -> None:
+    """Replace the options of ``options`` (read from a file) that choose where this
+    process writes with those of a fresh ``Options()`` of this process."""
+    fresh = type(options)()
+    for key in _LOCAL_OPTIONS:
+        if key in fresh._values:
+            options._values[key] = fresh._values[key]
+        else:
+            options._values.pop(key, None)
+    stored, local = options._Popart.options, fresh._Popart.options
+    for key in _LOCAL_BACKEND_OPTIONS:
+        if key in local:
+            stored[key] = local[key]
+        else:
+            stored.pop(key, None)
+
+
 # -- saving ---------------------------------------------------------------------------
 
 def _target_path(filename: str) -> str:
-    """The regular file ``save`` writes (api §5.5): the parent directory is created;
-    ``<dir>/model.poptorch`` when ``filename`` is a directory or ends with a path
-    separator (the directory is then created if needed); a symbolic link to a
-    regular file is written through (the file it points to is replaced, the link
-    kept).
+    """The regular file ``save`` writes (docs/api-sections.md api §5.5): the parent directory is
+    created; ``<dir>/model.poptorch`` when ``filename`` is a directory or ends with a path separator
+    (the directory is then created if needed); a symbolic link to a regular file is written through
+    (the file it points to is replaced, the link kept).
 
     Raises:
         AssertionError: the parent of ``filename`` is not a directory (as PopTorch).
-        poptorch.Error: ``filename`` is empty; ``filename`` exists and is not a regular file (a device such as
-            ``/dev/null``, a FIFO, a socket) or is a link to one or to nothing: it is
-            never replaced.
+        poptorch.Error: ``filename`` is empty; ``filename`` exists and is not a
+            regular file (a device such as ``/dev/null``, a FIFO, a socket) or is a
+            link to one or to nothing: it is never replaced.
     """
     filename = os.fspath(filename)
     if not isinstance(filename, str) or not filename:
@@ -107,7 +130,7 @@ class Saved:
         options: the executor's ``Options``.
         training: a training executable.
         forward: the captured module's ``forward`` (its signature is stored).
-        groupings: replica groupings of weights (S-27).
+        groupings: replica groupings of weights (docs/semantics.md S-27).
         version: the PopTorch version writing the file.
         model: the user's model to export (weights, layout, pickle), or ``None``
             (``export_model=False``).
@@ -216,7 +239,7 @@ def _options_difference(current, stored) -> Optional[str]:
 
 @dataclasses.dataclass
 class Expected:
-    """The wrapper a stored executable is loaded into (S-62: the file must hold an
+    """The wrapper a stored executable is loaded into (docs/semantics.md S-62: the file must hold an
     executable for this kind of model, weights and ``forward``, with the same
     compile-time options).
 
@@ -385,7 +408,7 @@ class Loaded:
         optimizer: the rebuilt optimizer (training), or ``None``.
         optimizer_state: the stored device state of a ``torch.optim`` optimizer.
         program: the stored program.
-        groupings: replica groupings of weights (S-27).
+        groupings: replica groupings of weights (docs/semantics.md S-27).
         rng_state: the stored RNG state, or ``None``.
         version: the PopTorch version that wrote it (this one).
         checked: the checked parts of the file.
@@ -441,6 +464,7 @@ def read_exported(filename: str, version: str, edit_opts_fn: Optional[Callable] 
     options = decode(meta["options"])  # a copy: checked.options is what the file holds
     options._unfreeze()
     options.deleteIfExists("ipu_version")
+    _use_local_paths(options)
     offline = options.connection_type == enums.ConnectionType.Never.value
     if offline:
         options.connectionType(enums.ConnectionType.Always)

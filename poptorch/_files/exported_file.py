@@ -3,12 +3,12 @@ built from it (issue 19, items 1-3): what ``poptorch.load``, ``loadExecutable`` 
 ``importPoptorchMetadataFromFile`` read.
 
 :func:`read_file` reads the container (sizes and checksums,
-:func:`poptorch._serialization.read_container`) and the metadata's kind and version;
+:func:`poptorch._files.container.read_container`) and the metadata's kind and version;
 :func:`check_file` then checks the rest against the declared shapes
-(:mod:`poptorch._file_shapes`): options, ``forward`` signature, replica groupings, the
+(:mod:`poptorch._files.shapes`): options, ``forward`` signature, replica groupings, the
 weights blob against the weight layout and against the program's weights, the
 optimizer record and, for ``poptorch.load``, the program itself
-(:func:`poptorch._program.from_blobs`). A malformed part raises ``poptorch.Error``
+(:func:`poptorch._files.program.from_blobs`). A malformed part raises ``poptorch.Error``
 "Invalid file <path>: <blob>: <what>" before any object is created.
 """
 from __future__ import annotations

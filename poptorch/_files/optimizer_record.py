@@ -1,5 +1,6 @@
 """An optimizer as JSON settings plus safetensors state, for exported training
-executables (spec api §2.3 step 6, S-62), rebuilt without unpickling anything.
+executables (docs/api-sections.md api §2.3 step 6, docs/semantics.md S-62), rebuilt without
+unpickling anything.
 
 Only the optimizers PopTorch supports are stored: ``poptorch.optim`` SGD, Adam, AdamW,
 RMSprop, LAMB and ``torch.optim`` SGD, Adam, AdamW, RMSprop. The record holds the class,
@@ -32,6 +33,8 @@ _CLASSES.update({f"torch.optim.{c.__name__}": c for c in (
 _KEY_OF = {cls: key for key, cls in _CLASSES.items()}
 #: PopTorch attributes restored on the rebuilt optimizer.
 _ATTRIBUTES = optim.ATTRIBUTES
+#: Largest finite float32: the device holds hyper-parameters as float32, as PopTorch.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 #: The parts of a stored optimizer state: device state and hyper-parameter tensors.
 _STATE_PARTS = ("ipu_state", "ipu_param")
 
@@ -126,6 +129,15 @@ def optimizer_record(optimizer: torch.optim.Optimizer, param_names: Dict[int, st
     return settings, tensors_to_bytes(tensors)
 
 
+def _check_float32(value: Any, where: str) -> None:
+    """Raise ``Invalid`` for a finite number (or tuple of them) beyond float32's range."""
+    for v in value if isinstance(value, tuple) else (value,):
+        if type(v) in (int, float) and math.isfinite(v) and abs(v) > _FLOAT32_MAX:
+            raise Invalid(f"{where} = {v!r} is out of float32 range (|x| <= "
+                          f"{_FLOAT32_MAX:.6g}): the device holds hyper-parameters as "
+                          "float32")
+
+
 def _check_hyper(hyper: Any, reference: Dict[str, Any], where: str) -> None:
     """Hyper-parameters of the types the optimizer class uses: numbers, booleans,
     ``None`` (``foreach``, ``fused``) and tuples of numbers (``betas``); every
@@ -150,6 +162,7 @@ def _check_hyper(hyper: Any, reference: Dict[str, Any], where: str) -> None:
             ok = False  # torch.optim refuses negative (and NaN) rates, decays, ...
         if not ok:
             raise Invalid(f"{where}: {name} = {value!r} is not a valid value")
+        _check_float32(value, f"{where}: {name}")
     missing = sorted(set(reference) - set(hyper))
     if missing:
         raise Invalid(f"{where}: the hyper-parameter {missing[0]!r} is missing")
@@ -159,7 +172,7 @@ def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
                       params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer :func:`optimizer_record` described, over ``params`` (by name);
     its device state is written by :func:`restore_state` once compiled. ``settings`` has the shape
-    :data:`poptorch._file_shapes.OPTIMIZER`.
+    :data:`poptorch._files.shapes.OPTIMIZER`.
 
     Raises:
         Invalid: an unknown class or attribute, a parameter the model does not have,
@@ -184,6 +197,8 @@ def rebuild_optimizer(settings: Dict[str, Any], state_bytes: bytes,
     if unknown:
         raise Invalid(f"metadata.json.optimizer.attributes: unknown attribute "
                       f"{unknown[0]!r}")
+    for name, value in attributes.items():
+        _check_float32(value, f"metadata.json.optimizer.attributes: {name}")
     for group, hyper in zip(settings["groups"], hypers):
         missing = [n for n in group["params"] if n not in params]
         if missing:

@@ -1,11 +1,11 @@
-"""A captured program as named blobs, and back (spec S-61, S-62).
+"""A captured program as named blobs, and back (docs/semantics.md S-61, S-62).
 
 :class:`Program` is what one capture produces for an executor: the
-:class:`~poptorch._capture.Captured` graph plus the structure of the inputs it was
+:class:`~poptorch._capture.capture.Captured` graph plus the structure of the inputs it was
 captured with. :func:`to_blobs` stores it with ``torch.export``'s serializer (the
 program as JSON, without its weights) and safetensors (constants, host outputs);
 :func:`from_blobs` rebuilds it. Weights are never part of a program: the executor
-uploads its host model's tensors (S-62), so a cache entry serves any weights. The
+uploads its host model's tensors (docs/semantics.md S-62), so a cache entry serves any weights. The
 rebuilt program is a ``torch.export`` program of ATen ops, so a training session
 differentiates it with PyTorch autograd exactly like a freshly captured one; no Python
 source of the model is needed.
@@ -35,7 +35,8 @@ from poptorch._files.program_checks import checked_program_json
 from poptorch._files.shapes import check_structure, checked_tensors
 from poptorch._files.structure import decode_spec, encode_spec
 
-__all__ = ["Program", "to_blobs", "from_blobs", "state_signature", "structure_of"]
+__all__ = ["Program", "to_blobs", "from_blobs", "state_signature", "structure_of",
+           "host_ops", "HOST_OPS_REASON"]
 
 
 @dataclasses.dataclass
@@ -123,7 +124,7 @@ def state_signature(program: ExportedProgram) -> List[Dict[str, Any]]:
 def _program_state(signature: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     """A placeholder ``state_dict`` for a rebuilt program: uninitialised tensors of
     the stored shapes and dtypes. Their values are never used: the executor uploads the host model's
-    weights before any run (S-62: weights come from the wrapper's model)."""
+    weights before any run (docs/semantics.md S-62: weights come from the wrapper's model)."""
     state: Dict[str, torch.Tensor] = {}
     for entry in signature:
         value = torch.empty(entry["shape"], dtype=dtype_of(entry["dtype"]))
@@ -135,6 +136,23 @@ def _program_state(signature: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
 
 # -- whole programs ----------------------------------------------------------------------
 
+#: Why a program with ``poptorch.CPU`` ops is never stored (issue 29, item 3).
+HOST_OPS_REASON = ("a file holds data only, never Python code, and a host function has no "
+                   "name another process could look it up by")
+
+
+def host_ops(program: Program) -> List[str]:
+    """The IDs of the ``poptorch.CPU`` ops ``program`` calls (in any sub-graph), sorted."""
+    found = set()
+    for module in program.captured.graph.program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        for node in getattr(graph, "nodes", ()):
+            if node.op == "call_function" and \
+                    str(node.target).startswith("poptorch.host_call") and node.args[1:]:
+                found.add(str(node.args[1]).rpartition("#")[0])
+    return sorted(found)
+
+
 def to_blobs(program: Program) -> Dict[str, bytes]:
     """``program.json``, ``constants.safetensors``, ``host_outputs.safetensors`` and
     ``structure.json`` (input / output structure, weight layout, the placement of the
@@ -142,9 +160,17 @@ def to_blobs(program: Program) -> Dict[str, bytes]:
     out.
 
     Raises:
-        poptorch.Error: the program holds something that cannot be stored (a custom
-            class object, a custom-parser argument, a non-JSON constant argument).
+        poptorch.Error: the program holds something that cannot be stored (a
+            ``poptorch.CPU`` host op, a custom class object, a custom-parser argument,
+            a non-JSON constant argument).
     """
+    ops = host_ops(program)
+    if ops:
+        raise backend_error(
+            f"Cannot store the program: it calls the poptorch.CPU host op(s) "
+            f"{', '.join(map(repr, ops))}, and {HOST_OPS_REASON}. Save a model without "
+            "poptorch.CPU ops, or re-create the model and its wrapper in the loading "
+            "process and compile it there.")
     exported = program.captured.graph.program
     constants = {}
     for name, value in exported.constants.items():
@@ -252,7 +278,7 @@ def _check_consistent(captured: Captured, program: "Program",
 def from_blobs(blobs: Dict[str, bytes], where: str,
                types_by_name: Optional[Dict[str, type]] = None) -> Program:
     """Rebuild a :class:`Program` from :func:`to_blobs`'s blobs, every part checked
-    before it is used (:mod:`poptorch._program_checks`, :mod:`poptorch._file_shapes`).
+    before it is used (:mod:`poptorch._files.program_checks`, :mod:`poptorch._files.shapes`).
 
     Args:
         blobs: the blobs (checked by the container reader).
@@ -262,7 +288,7 @@ def from_blobs(blobs: Dict[str, bytes], where: str,
     Raises:
         poptorch.Error: "Invalid file <where>: <blob>: <what>": a missing or malformed
             part, anything a stored program may not contain (see
-            :mod:`poptorch._program_checks`), or a program this torch cannot read.
+            :mod:`poptorch._files.program_checks`), or a program this torch cannot read.
     """
     try:
         return _from_blobs(blobs, types_by_name)

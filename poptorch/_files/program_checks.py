@@ -7,7 +7,7 @@ files when it is loaded or run:
 
 * symbolic sizes, strides, offsets and conditions (``SymExpr.expr_str``): parsed with
   ``sympy.sympify``, which evaluates Python → must follow the integer grammar of
-  :mod:`poptorch._sym_expr`;
+  :mod:`poptorch._files.sym_expr`;
 * op targets (``Node.target``, ``Argument.as_operator``): resolved by name from
   ``torch``, ``operator`` and ``math`` (``torch.os.system`` resolves) and called when
   the graph runs → must name an ``aten`` / ``prims`` / ``poptorch`` op overload
@@ -30,7 +30,7 @@ files when it is loaded or run:
 Everything else is checked against the types of torch's schema dataclasses
 (``torch._export.serde.schema``): a string where a number belongs, a missing field or a
 union with two members is refused. :func:`checked_program_json` returns the program as
-the deserializer may read it, or raises :class:`~poptorch._file_schema.Invalid`.
+the deserializer may read it, or raises :class:`~poptorch._files.schema.Invalid`.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """The declared shapes of the JSON and tensor blobs of a ``.poptorch`` file (see
-:mod:`poptorch._serialization` for the layout and :mod:`poptorch._file_schema` for
+:mod:`poptorch._files.container` for the layout and :mod:`poptorch._files.schema` for
 the combinators), and the checks of the values they decode to.
 
 ``structure.json`` (:data:`STRUCTURE`), ``metadata.json`` (:data:`METADATA`), the
 optimizer record inside it (:data:`OPTIMIZER`) and the tagged JSON values (options,
 constants, defaults) are all checked here before the loader uses any of them;
 :func:`checked_tensors` reads a safetensors blob and checks names, dtypes and shapes.
-Every failure is a :class:`~poptorch._file_schema.Invalid` that says where.
+Every failure is a :class:`~poptorch._files.schema.Invalid` that says where.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ _FQN = fs.Str(pattern=fs.FQN)
 
 
 def decoded(value: Any, where: str) -> Any:
-    """:func:`poptorch._serialization.decode` of ``value``.
+    """:func:`poptorch._files.container.decode` of ``value``.
 
     Raises:
         Invalid: a malformed tagged value (what ``decode`` rejected, or a value of
@@ -52,7 +52,7 @@ def decoded(value: Any, where: str) -> Any:
 
 
 def tagged(value: Any, where: str) -> None:
-    """Shape of a tagged JSON value (see :func:`poptorch._serialization.encode`)."""
+    """Shape of a tagged JSON value (see :func:`poptorch._files.container.encode`)."""
     decoded(value, where)
 
 
@@ -135,7 +135,7 @@ _SIGNATURE = fs.Optional_(fs.ListOf(fs.Obj(
 
 _WEIGHT_KINDS = ("parameter", "parameter_frozen", "buffer", "buffer_non_persistent")
 
-#: The optimizer record of :mod:`poptorch._optimizer_record`.
+#: The optimizer record of :mod:`poptorch._files.optimizer_record`.
 OPTIMIZER = fs.Obj({
     "class": fs.Str(max_len=200),
     "defaults": tagged,

@@ -1,5 +1,5 @@
 """The argument / output structure of a captured program and ``forward``'s signature,
-as JSON data (stored in executable files and cache entries, spec S-62), and back."""
+as JSON data (stored in executable files and cache entries, docs/semantics.md S-62), and back."""
 from __future__ import annotations
 
 import collections

@@ -1,4 +1,5 @@
-"""Block annotations and the block state of a capture (spec api §9.1–§9.4, S-60).
+"""Block annotations and the block state of a capture (docs/api-sections.md api §9.1–§9.4,
+docs/semantics.md S-60).
 
 Public names: :class:`Block`, :func:`BeginBlock`, :func:`BlockFunction`,
 :func:`removeBlocks`. Behaviour follows PopTorch 3.x.

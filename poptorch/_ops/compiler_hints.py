@@ -1,6 +1,6 @@
-"""Ops that steer the IPU compiler (api §8.8–§8.11): identities on values, recorded as
-``poptorch::*`` nodes of the captured graph for the IPU Model and visible in
-``_debugGetPopartIR()``. Outside a wrapped model they return their input (S-4).
+"""Ops that steer the IPU compiler (docs/api-sections.md api §8.8–§8.11): identities on values,
+recorded as ``poptorch::*`` nodes of the captured graph for the IPU Model and visible in
+``_debugGetPopartIR()``. Outside a wrapped model they return their input (docs/semantics.md S-4).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _on_device(x: Any) -> bool:
 
 def recomputationCheckpoint(*tensors):
     """Mark tensors whose values are stored, not recomputed, between forward and
-    backward when recomputation is enabled (api §8.8). No numerical effect.
+    backward when recomputation is enabled (docs/api-sections.md api §8.8). No numerical effect.
 
     Args:
         *tensors: one or more tensors, or a single list/tuple of tensors.
@@ -58,7 +58,7 @@ _MODE_DIM = {"InputChannels": ("rows of lhs", -2, 0), "ReducingDim": (
 def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor,
                      mode: enums.MatMulSerializationMode, factor: int = 0,
                      keep_precision: bool = False) -> torch.Tensor:
-    """``lhs @ rhs`` split into ``factor`` sequential pieces (api §8.9).
+    """``lhs @ rhs`` split into ``factor`` sequential pieces (docs/api-sections.md api §8.9).
 
     Args:
         lhs: ``[..., m, n]``; rhs: ``[..., n, p]`` (at least 2-D each).
@@ -100,7 +100,8 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor,
 
 def set_available_memory(tensor: torch.Tensor,
                          available_memory_proportion: float) -> torch.Tensor:
-    """Give the op that produced ``tensor`` a temporary-memory budget (api §8.10).
+    """Give the op that produced ``tensor`` a temporary-memory budget
+    (docs/api-sections.md api §8.10).
 
     Args:
         tensor: output of a convolution, matmul, embedding, gather or scatter.
@@ -145,7 +146,8 @@ def _overlap(what: str, marker, tensors, mode):
 
 
 def set_overlap_for_input(input_tensors, mode: enums.OverlapMode):
-    """Mark model inputs for host-I/O / compute overlap (api §8.11, S-66).
+    """Mark model inputs for host-I/O / compute overlap (docs/api-sections.md api §8.11,
+    docs/semantics.md S-66).
 
     Apply it at the start of ``forward``, directly to the inputs. With a mode other
     than ``NoOverlap`` the compiler requires a non-pipelined strategy, IO tiles
@@ -161,14 +163,16 @@ def set_overlap_for_input(input_tensors, mode: enums.OverlapMode):
         The same structure (identities on values).
 
     Raises:
-        poptorch.Error: ``mode`` not an ``OverlapMode``; at compile, the S-66 rules.
+        poptorch.Error: ``mode`` not an ``OverlapMode``; at compile, the docs/semantics.md S-66
+            rules.
     """
     return _overlap("set_overlap_for_input", library.OVERLAP_INPUT, input_tensors,
                     mode)
 
 
 def set_overlap_for_output(output_tensors, mode: enums.OverlapMode):
-    """Mark model outputs for host-I/O / compute overlap (api §8.11, S-66).
+    """Mark model outputs for host-I/O / compute overlap (docs/api-sections.md api §8.11,
+    docs/semantics.md S-66).
 
     Apply it just before returning; each marked tensor must be returned exactly once.
     Same arguments, result and errors as :func:`set_overlap_for_input`.

@@ -1,5 +1,5 @@
-"""User custom ops (api §8.12): a registry of Python implementations keyed by PopART's
-``(name, domain, domain_version)``.
+"""User custom ops (docs/api-sections.md api §8.12): a registry of Python implementations keyed by
+PopART's ``(name, domain, domain_version)``.
 
 On an IPU a custom op is a PopART shared library. Here the user registers a Python
 implementation, and optionally its gradient, with :func:`register_custom_op`;
@@ -151,7 +151,7 @@ def _check_ascii(text: str) -> None:
 
 
 def _check_attributes(attributes: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """Validate custom op attributes as PopTorch does (api §8.12)."""
+    """Validate custom op attributes as PopTorch does (docs/api-sections.md api §8.12)."""
     if attributes is None:
         return {}
     out = {}
@@ -185,7 +185,7 @@ def _check_attributes(attributes: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 def custom_op(inputs: Sequence[torch.Tensor], name: str, domain: str,
               domain_version: int, example_outputs: Sequence[torch.Tensor],
               attributes: Optional[Dict[str, Any]] = None) -> List[torch.Tensor]:
-    """Invoke the custom op ``(name, domain, domain_version)`` (api §8.12).
+    """Invoke the custom op ``(name, domain, domain_version)`` (docs/api-sections.md api §8.12).
 
     Args:
         inputs: tuple or list of tensors.
@@ -199,7 +199,7 @@ def custom_op(inputs: Sequence[torch.Tensor], name: str, domain: str,
 
     Returns:
         One tensor per example output. Outside a wrapped model: zero tensors shaped like
-        ``example_outputs`` (S-4).
+        ``example_outputs`` (docs/semantics.md S-4).
 
     Raises:
         ValueError: attribute keys not strings, unsupported or mixed value types,

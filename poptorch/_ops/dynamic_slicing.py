@@ -1,10 +1,10 @@
-"""Slices at run-time offsets (api §8.6, §8.7, S-102).
+"""Slices at run-time offsets (docs/api-sections.md api §8.6, §8.7, docs/semantics.md S-102).
 
 ``dynamic_slice`` / ``dynamic_update`` take their start from an integer tensor, so one
 compiled graph serves every offset. They are built from ``index_select`` /
 ``index_copy`` with an index tensor ``(start + arange(size)) % dim_size``: static
 shapes, differentiable, and the device's modular wrap-around for windows that run
-past the end of the dimension (S-102).
+past the end of the dimension (docs/semantics.md S-102).
 
 :class:`OffsetTracker` makes ``t[x:x + n]`` with a runtime tensor ``x`` and a constant
 ``n`` work while capturing: it remembers, for integer tensors built as ``x ± c``, their
@@ -67,7 +67,7 @@ def _check_common(tensor, dim, start, size) -> None:
 def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
                   step: int) -> torch.Tensor:
     """Slice of ``tensor`` along ``dim`` starting at the run-time index ``start``
-    (api §8.6).
+    (docs/api-sections.md api §8.6).
 
     Args:
         tensor: any tensor.
@@ -78,14 +78,14 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
 
     Returns:
         ``ceil(size / step)`` positions along ``dim``. In a wrapped model a window
-        running past the end wraps to the start of the dimension (S-102); outside one,
-        the ordinary slice ``[start:start + size:step]`` (S-4).
+        running past the end wraps to the start of the dimension (docs/semantics.md S-102); outside
+        one, the ordinary slice ``[start:start + size:step]`` (docs/semantics.md S-4).
 
     Raises:
         poptorch.Error: a non-tensor ``tensor`` or ``start``, ``dim``/``size``/``step``
-            not int, ``dim`` out of range, ``size == 0`` ("start and end of a slice must be different"),
-            ``size < 0``, ``step < 1`` ("Slicing step must be at least 1"), a ``start``
-            without an integer dtype.
+            not int, ``dim`` out of range, ``size == 0`` ("start and end of a slice
+            must be different"), ``size < 0``, ``step < 1`` ("Slicing step must be at
+            least 1"), a ``start`` without an integer dtype.
     """
     _check_common(tensor, dim, start, size)
     if not isinstance(step, int):
@@ -106,7 +106,7 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
 def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,  # noqa: A002
                    start: torch.Tensor, size: int) -> torch.Tensor:
     """Copy of ``input`` whose ``size``-long window along ``dim`` starting at the
-    run-time index ``start`` is replaced by ``src`` (api §8.7). Not in place.
+    run-time index ``start`` is replaced by ``src`` (docs/api-sections.md api §8.7). Not in place.
 
     Args:
         input: any tensor.
@@ -117,7 +117,7 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,  # noqa: A0
 
     Returns:
         The updated copy. In a wrapped model the window wraps around the dimension
-        (S-102); outside one, a slice-scatter.
+        (docs/semantics.md S-102); outside one, a slice-scatter.
 
     Raises:
         poptorch.Error: non-tensor ``input``/``src``/``start``; ``dim``/``size`` not int;
@@ -147,7 +147,7 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,  # noqa: A0
 
 
 class OffsetTracker:
-    """Capture-time bookkeeping for ``t[x:x + n]`` (S-102).
+    """Capture-time bookkeeping for ``t[x:x + n]`` (docs/semantics.md S-102).
 
     :meth:`record` is called with every op result: for ``x + c`` / ``x - c`` / ``c + x``
     on a 0-d or one-element integer tensor ``x`` with a Python int ``c`` it remembers

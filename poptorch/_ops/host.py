@@ -1,5 +1,5 @@
-"""Ops that do host work while the device runs: ``ipu_print_tensor`` (api §8.2) and
-``CPU`` (api §8.13).
+"""Ops that do host work while the device runs: ``ipu_print_tensor`` (docs/api-sections.md api §8.2)
+and ``CPU`` (docs/api-sections.md api §8.13).
 
 Both are ``torch.library`` ops registered to run once per micro-batch and replica
 (:func:`popart_compiler.ir.register_per_micro_batch_op`): their kernels execute when
@@ -52,7 +52,7 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
                      separator: str = ", ", open_bracket: str = "(",
                      close_bracket: str = ")") -> torch.Tensor:
     """Print ``tensor`` to stderr as ``<title>: <formatted tensor>`` each time the
-    device runs the op: once per micro-batch and replica (api §8.2).
+    device runs the op: once per micro-batch and replica (docs/api-sections.md api §8.2).
 
     In a training model with ``print_gradient`` the gradient flowing back through the op
     is printed too, titled ``<title>_gradient``. The returned tensor must be used
@@ -76,7 +76,7 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
 
     Returns:
         A tensor equal to ``tensor``. Outside a wrapped model: ``tensor`` itself, and
-        nothing is printed (S-4).
+        nothing is printed (docs/semantics.md S-4).
 
     Raises:
         poptorch.Error: ``tensor`` is not a tensor; a count (``summarise_threshold``,
@@ -204,7 +204,7 @@ _HOST_CALL = library.define(
 
 
 class CPU:
-    """Run host Python code in the middle of a device graph (api §8.13).
+    """Run host Python code in the middle of a device graph (docs/api-sections.md api §8.13).
 
     Store it on the module (``self.cpu = poptorch.CPU(self.fn, "MyOp")``) and call it
     with tensors. At run time ``layer_to_call`` executes on the host once per

@@ -1,4 +1,5 @@
-"""``torch.library`` definitions of the PopTorch ops (namespace ``poptorch``, api §8).
+"""``torch.library`` definitions of the PopTorch ops (namespace ``poptorch``,
+docs/api-sections.md api §8).
 
 Every op defined here is a real PyTorch operator: ``torch.export`` captures it as one
 ``call_function`` node whose target prints as ``poptorch.<name>.default``, its fake

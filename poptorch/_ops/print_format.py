@@ -1,5 +1,5 @@
-"""Text layout of ``poptorch.ipu_print_tensor`` (api §8.2), as Poplar's ``PrintTensor``
-formats tensors for PopTorch.
+"""Text layout of ``poptorch.ipu_print_tensor`` (docs/api-sections.md api §8.2), as Poplar's
+``PrintTensor`` formats tensors for PopTorch.
 
 * Nested bracket groups per dimension with the given brackets; the elements of the
   innermost dimension are joined by ``separator`` exactly as given (``" "``, ``","`` or
@@ -52,7 +52,7 @@ class PrintFormat:
 
 class FloatFormatError(Error, KeyError):
     """Unknown ``float_format``: a ``poptorch.Error`` that is also the ``KeyError``
-    PopTorch raises (api §8.2), so ``except KeyError`` keeps working."""
+    PopTorch raises (docs/api-sections.md api §8.2), so ``except KeyError`` keeps working."""
 
 
 _COUNTS = {"summarise_threshold": "0 disables summarising",

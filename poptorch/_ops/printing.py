@@ -1,4 +1,4 @@
-"""``poptorch.print`` and ``poptorch.module_repr`` (spec api §2.12)."""
+"""``poptorch.print`` and ``poptorch.module_repr`` (docs/api-sections.md api §2.12)."""
 from __future__ import annotations
 
 import builtins

@@ -1,12 +1,13 @@
-"""Context managers that annotate the ops created inside them (api §8.17–§8.19):
-``NameScope`` (tensor names, S-16), ``Attribute`` (backend attributes) and
-``MultiConv`` (convolutions planned together).
+"""Context managers that annotate the ops created inside them
+(docs/api-sections.md api §8.17–§8.19): ``NameScope`` (tensor names, docs/semantics.md S-16),
+``Attribute`` (backend attributes) and ``MultiConv`` (convolutions planned together).
 
 Annotations are written with ``torch.fx.traceback.annotate`` and land in
 ``node.meta["custom"]`` of every node captured inside the scope: ``"name_scope"``
 (``"a/b"``) with ``"name_scopes"`` (each name and the sub-module depth it was entered
-at, so tensor names interleave module paths and name scopes in order), ``"attributes"`` (the merged dict) and ``"multi_conv"`` (the MultiConv's
-settings plus an ``"id"`` per ``with`` block). Outside a capture they change nothing.
+at, so tensor names interleave module paths and name scopes in order),
+``"attributes"`` (the merged dict) and ``"multi_conv"`` (the MultiConv's settings plus
+an ``"id"`` per ``with`` block). Outside a capture they change nothing.
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ class _Annotating:
 
 
 class NameScope(_Annotating):
-    """Prefix the names of the ops created inside with ``name/`` (api §8.18, S-16).
+    """Prefix the names of the ops created inside with ``name/`` (docs/api-sections.md api §8.18,
+    docs/semantics.md S-16).
 
     Nested scopes concatenate (``outer/inner/``). Only tensor names change
     (``getTensorNames()``, anchors, ``_debugGetPopartIR()``).
@@ -96,7 +98,7 @@ class NameScope(_Annotating):
 
 
 class Attribute(_Annotating):
-    """Attach backend attributes to the ops created inside (api §8.19).
+    """Attach backend attributes to the ops created inside (docs/api-sections.md api §8.19).
 
     Each keyword is an attribute name whose value is a dict of string keys, e.g.
     ``Attribute(__outline={"layer": "embedding"})``. Nested scopes merge; leaving a
@@ -137,8 +139,8 @@ def _float_list(value) -> Optional[List[float]]:
 
 class MultiConv(_Annotating):
     """Convolutions executed inside ``with MultiConv():`` are planned together as one
-    multi-convolution (api §8.17). Performance only: the IPU Model evaluates each
-    convolution exactly as PyTorch does and records the settings on their nodes.
+    multi-convolution (docs/api-sections.md api §8.17). Performance only: the IPU Model evaluates
+    each convolution exactly as PyTorch does and records the settings on their nodes.
 
     The setters return ``self`` (chainable) and must be called before entering.
     ``__enter__`` returns ``None``.

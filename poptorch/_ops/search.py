@@ -1,5 +1,5 @@
-"""Search ops of api §8: CTC beam-search decoding (§8.14), farthest-point sampling
-(§8.15) and nearest neighbours (§8.16).
+"""Search ops of docs/api-sections.md api §8: CTC beam-search decoding (§8.14), farthest-point
+sampling (§8.15) and nearest neighbours (§8.16).
 
 ``ctc_beam_search_decoder`` and ``fps`` are ``torch.library`` ops (one node each, run
 with the actual values); ``nearest`` is written with ATen ops (a masked distance
@@ -90,7 +90,7 @@ _CTC = library.define(
 def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0,
                             beam_width: int = 100, top_paths: int = 1
                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CTC beam-search decoding (api §8.14).
+    """CTC beam-search decoding (docs/api-sections.md api §8.14).
 
     Args:
         probs: log-probabilities ``[T, B, C]`` (float).
@@ -104,7 +104,8 @@ def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: i
         paths [B, top_paths, T] int32)``: the best label sequences (collapsed, blanks
         removed) with their total log-probability (sum over their alignments), zero
         padded. Missing paths have log-probability ``-inf`` and length 0. Outside a
-        wrapped model: zero tensors of those shapes (PopTorch's CPU placeholder, S-4).
+        wrapped model: zero tensors of those shapes (PopTorch's CPU placeholder,
+            docs/semantics.md S-4).
 
     Raises:
         poptorch.Error: ``probs`` or ``lengths`` not tensors, ``probs`` not 3-D,
@@ -156,7 +157,7 @@ _FPS = library.define(
 
 def fps(src: torch.Tensor, ptr: List[int], ratio: float = 0.5,
         random_start: bool = False) -> torch.Tensor:
-    """Farthest-point sampling, torch_cluster semantics (api §8.15).
+    """Farthest-point sampling, torch_cluster semantics (docs/api-sections.md api §8.15).
 
     For each segment ``src[ptr[i]:ptr[i+1]]`` pick ``ceil(ratio × size)`` points: the
     first (or a random one with ``random_start``), then repeatedly the point farthest
@@ -169,7 +170,7 @@ def fps(src: torch.Tensor, ptr: List[int], ratio: float = 0.5,
         random_start: start from a random point of each segment (device RNG).
 
     Returns:
-        int64 indices into ``src`` (int32 when returned from the device, S-44).
+        int64 indices into ``src`` (int32 when returned from the device, docs/semantics.md S-44).
 
     Raises:
         poptorch.Error: ``src`` not a tensor, ``ptr`` not a list or with fewer than 2
@@ -207,7 +208,7 @@ def _batch_vector(batch: BatchArg, n: int, like: Optional[torch.Tensor],
 def nearest(x: torch.Tensor, y: torch.Tensor, batch_x: BatchArg = None,
             batch_y: BatchArg = None) -> torch.Tensor:
     """For each point of ``x``, the index of the nearest point of ``y`` with the same
-    batch id (torch_cluster semantics, api §8.16).
+    batch id (torch_cluster semantics, docs/api-sections.md api §8.16).
 
     Args:
         x: ``[N, D]`` (or ``[N]``); y: ``[M, D]`` (or ``[M]``).

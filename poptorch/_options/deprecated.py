@@ -1,5 +1,5 @@
-"""The anchor-mode names PopTorch 2.4 deprecated and 2.5 removed (options §9), kept as
-shims that warn and forward to their ``outputMode`` replacements."""
+"""The anchor-mode names PopTorch 2.4 deprecated and 2.5 removed (docs/api-sections.md options §9),
+kept as shims that warn and forward to their ``outputMode`` replacements."""
 from __future__ import annotations
 
 import enum

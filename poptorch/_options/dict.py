@@ -1,4 +1,4 @@
-"""The "safe dictionary" behind every ``poptorch.Options`` group (spec options §1).
+"""The "safe dictionary" behind every ``poptorch.Options`` group (docs/api-sections.md options §1).
 
 :class:`OptionsDict` stores option values type-checked against their current value,
 readable as attributes, freezable; deep copies are unfrozen. Behaviour follows PopTorch.
@@ -8,8 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["OptionsDict", "UnfrozenCopies", "FROZEN_MESSAGE", "check_type", "check_int", "check_bool",
-           "check_proportion", "check_strings"]
+__all__ = ["OptionsDict", "UnfrozenCopies", "FROZEN_MESSAGE", "check_type", "check_int",
+           "check_bool", "check_proportion", "check_strings"]
 
 FROZEN_MESSAGE = "Can't modify frozen Options"
 _MACHINERY = ("_values", "_is_frozen", "_initialized")
@@ -100,7 +100,8 @@ class _OptionsMeta(type):
 
 
 class OptionsDict(UnfrozenCopies, metaclass=_OptionsMeta):
-    """A "safe dictionary" of option values (options §1). Behaviour follows PopTorch.
+    """A "safe dictionary" of option values (docs/api-sections.md options §1). Behaviour follows
+    PopTorch.
 
     * ``set(**kw)``: only existing keys; a new value must be an instance of the
       type of the current one (``AssertionError`` "Unexpected type <t> for option

@@ -1,5 +1,5 @@
-"""Execution strategies: stages, phases and how blocks map to them (spec api §9.5–§9.10,
-S-60, S-63…S-65).
+"""Execution strategies: stages, phases and how blocks map to them
+(docs/api-sections.md api §9.5–§9.10, docs/semantics.md S-60, S-63…S-65).
 
 Public names: :class:`Stage`, :class:`Phase`, :class:`PipelinedExecution`,
 :class:`ShardedExecution`, :class:`SerialPhasedExecution`,
@@ -174,7 +174,8 @@ class _IExecutionStrategy:
         return self._block_map[block_id]
 
     def backendOptions(self) -> Dict[str, Any]:
-        """The backend values contributed to ``Options.toDict()`` (options §5)."""
+        """The backend values contributed to ``Options.toDict()``
+        (docs/api-sections.md options §5)."""
         return {"execution_mode": self._execution_mode}
 
     # -- capture-time helpers ------------------------------------------------
@@ -212,7 +213,8 @@ class _IExecutionStrategy:
 
     def _blockPlacement(self, user_id, ipu_id: Optional[int]) -> Tuple[int, int]:
         """``(stage_id, ipu)`` of block ``user_id``: the IPU is the stage's explicit
-        :meth:`Stage.ipu`, else the block's ``ipu_id``, else the stage id (S-60)."""
+        :meth:`Stage.ipu`, else the block's ``ipu_id``, else the stage id
+        (docs/semantics.md S-60)."""
         stage_id = self._stageId(user_id, ipu_id)
         stage = self._block_map.get(user_id)
         if stage is not None and stage._ipu is not None:
@@ -235,7 +237,7 @@ class _IExecutionStrategy:
 
         Raises:
             AssertionError: "Unknown Block ..." / "...SameAsIpu was selected but no IPU
-                was specified for block <id>" (api §9.7).
+                was specified for block <id>" (docs/api-sections.md api §9.7).
             poptorch.Error: an ``ipu_id`` that is not a non-negative int; one block id
                 started with two different ``ipu_id``s outside phased execution (in a
                 phased strategy each IPU's part gets its own key ``<id>@ipu<N>``, in the
@@ -384,7 +386,7 @@ class _IPhasedExecution(_IExecutionStrategy):
 
     def backendOptions(self) -> Dict[str, Any]:
         """``execution_mode = 2``, ``separate_backward_phase``, ``tensors_liveness``
-        (int) and ``serial_phases_execution`` (options §5)."""
+        (int) and ``serial_phases_execution`` (docs/api-sections.md options §5)."""
         return {
             "execution_mode": self._execution_mode,
             "separate_backward_phase": self._separate_backward_phase,
@@ -402,7 +404,7 @@ class _IPhasedExecution(_IExecutionStrategy):
         return self._phaseId(user_id)
 
     def _backwardPhase(self, phase: int) -> int:
-        """Backward phase mirroring forward ``phase`` (S-65): ``2(P-1) - p`` by
+        """Backward phase mirroring forward ``phase`` (docs/semantics.md S-65): ``2(P-1) - p`` by
         default, ``2P - p`` with :meth:`useSeparateBackwardPhase` (liveness-mode
         shifts are not applied here)."""
         num_phases = len(self._phases)
@@ -444,7 +446,7 @@ class SerialPhasedExecution(_IPhasedExecution):
 
 class ParallelPhasedExecution(_IPhasedExecution):
     """Phased execution where consecutive phases run in parallel (even phases on
-    even IPUs, odd phases on odd IPUs, S-65). Same arguments and errors as
+    even IPUs, odd phases on odd IPUs, docs/semantics.md S-65). Same arguments and errors as
     :class:`SerialPhasedExecution`; backend ``serial_phases_execution = False``."""
 
     _serial = False

@@ -1,4 +1,4 @@
-"""The sub-groups of ``poptorch.Options`` (spec options §4): ``_Popart``, ``Jit``,
+"""The sub-groups of ``poptorch.Options`` (docs/api-sections.md options §4): ``_Popart``, ``Jit``,
 ``Training``, ``Precision``, ``TensorLocations`` (and :class:`TensorLocationSettings`),
 ``Distributed``. Behaviour follows PopTorch 3.x.
 """
@@ -18,7 +18,7 @@ __all__ = ["TensorLocationSettings"]
 
 
 class _PopartOptions(UnfrozenCopies):
-    """Advanced backend options (``Options._Popart``, options §4.6): a plain
+    """Advanced backend options (``Options._Popart``, docs/api-sections.md options §4.6): a plain
     ``options`` dict accepting any key; keys are validated only at compile time.
     Default content: ``instrumentWithHardwareCycleCounter=False``,
     ``rearrangeAnchorsOnHost=False``. Behaviour follows PopTorch."""
@@ -88,7 +88,7 @@ class _PopartOptions(UnfrozenCopies):
 
 
 class _JitOptions(OptionsDict):
-    """``Options.Jit`` (options §4.5). Behaviour follows PopTorch."""
+    """``Options.Jit`` (docs/api-sections.md options §4.5). Behaviour follows PopTorch."""
 
     def traceModel(self, trace_model: bool):
         """Deprecated: logs a warning. ``True`` → ``ValueError``
@@ -103,7 +103,7 @@ class _JitOptions(OptionsDict):
 
 
 class _TrainingOptions(OptionsDict):
-    """``Options.Training`` (options §4.1). Behaviour follows PopTorch.
+    """``Options.Training`` (docs/api-sections.md options §4.1). Behaviour follows PopTorch.
 
     Values: ``gradient_accumulation: int = 1``,
     ``accumulation_and_replication_reduction_type: ReductionType = Mean``,
@@ -166,7 +166,7 @@ class _TrainingOptions(OptionsDict):
 
 
 class _PrecisionOptions(OptionsDict):
-    """``Options.Precision`` (options §4.2): no values of its own, writes into
+    """``Options.Precision`` (docs/api-sections.md options §4.2): no values of its own, writes into
     ``_Popart``. Behaviour follows PopTorch."""
 
     _repr_excludes = ("_popart",)
@@ -231,7 +231,7 @@ class _PrecisionOptions(OptionsDict):
 
 
 class TensorLocationSettings(OptionsDict):
-    """Settings of one tensor location (options §4.3), passed to
+    """Settings of one tensor location (docs/api-sections.md options §4.3), passed to
     ``Options.TensorLocations.set<Kind>Location``. Chainable; performance hints
     only on the IPU Model. Behaviour follows PopTorch."""
 
@@ -282,7 +282,7 @@ class TensorLocationSettings(OptionsDict):
 
 
 class _TensorLocationOptions(OptionsDict):
-    """``Options.TensorLocations`` (options §4.3). Keys: ``numIOTiles``,
+    """``Options.TensorLocations`` (docs/api-sections.md options §4.3). Keys: ``numIOTiles``,
     ``location_activation``, ``location_weight``, ``location_optimizer``,
     ``location_accumulator`` (created on demand). Behaviour follows PopTorch."""
 
@@ -333,7 +333,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 class _DistributedOptions(OptionsDict):
-    """``Options.Distributed`` (options §4.4): multi-process execution without
+    """``Options.Distributed`` (docs/api-sections.md options §4.4): multi-process execution without
     PopRun. Values: ``distributed_process_id: int = 0``,
     ``num_distributed_processes: int = 1``, ``ipuof_configs: dict = {}``. The
     constructor reads ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_RANK`` (PopTorch),

@@ -1,4 +1,4 @@
-"""Options from a file of setter calls or from JSON (spec options §6): what
+"""Options from a file of setter calls or from JSON (docs/api-sections.md options §6): what
 ``Options.loadFromFile`` and ``Options.from_json`` (and ``POPTORCH_DEFAULT_OPTIONS``)
 do. Behaviour follows PopTorch 3.x."""
 from __future__ import annotations

@@ -151,7 +151,7 @@ def _plan_of(planner: _Planner, micro_batch: int, cand: Candidate, seconds: floa
     for path in planning.heads:
         serialization.setdefault(path, 1)  # captured as a serialised matmul: keep it one
     return Plan(units, planning.layers, cand.num_ipus, head_ipu, checkpointed,
-                cand.checkpoints is not None or problem.user_recomputes,
+                problem.recomputes(cand.num_ipus + (cand.head is not None)),
                 list(cand.checkpoints) if cand.checkpoints is not None else None,
                 list(cand.proportions), serialization, micro_batch, m, r.replicas,
                 cand.optimizer_on_chip, r.training, estimate, seconds, explored or [],
@@ -171,8 +171,10 @@ def plan(model: nn.Module, *example_inputs, options: Optional[Options] = None,
 
     The model is captured once per micro-batch size tried (build it on the ``meta``
     device to plan without weights: only shapes are read). Its repeated layers (the
-    modules of its largest ``nn.ModuleList`` / ``nn.Sequential`` family) and the
-    modules with weights around them (embeddings, heads) are the *units*; a plan puts
+    modules of its largest ``nn.ModuleList`` / ``nn.Sequential`` family, or the finer
+    ones nested in them, such as a Swin's blocks inside its stages, up to
+    ``MAX_UNITS`` units: ``poptorch/_plan/structure.py``) and the modules with weights
+    around them (embeddings, heads, a stage's downsampling) are the *units*; a plan puts
     consecutive units on each IPU (a pipeline stage per IPU, optionally the units after
     the last layer as one more stage on IPU 0, where tied embeddings are), and chooses:
 

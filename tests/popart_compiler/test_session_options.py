@@ -1,5 +1,6 @@
 """``SessionOptions`` (popart_compiler/session_options.py): the backend's validation of
-option dictionaries (options.md §4.6) and replica groupings (S-27)."""
+option dictionaries (docs/api-sections.md options §4.6) and replica groupings
+(docs/semantics.md S-27)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""One process of the multi-process tests (S-28), also imported by them for the
+"""One process of the multi-process tests (docs/semantics.md S-28), also imported by them for the
 single-process reference runs.
 
 Usage: ``python distributed_worker.py <scenario> <out_dir>`` with ``RANK`` /
@@ -32,7 +32,7 @@ BATCH = 2
 
 class Net(nn.Module):
     """Two linear layers and a cross-entropy loss; optionally a per-group bias ``W``
-    (replica-grouped weight, S-27)."""
+    (replica-grouped weight, docs/semantics.md S-27)."""
 
     def __init__(self, groups: int = 0):
         super().__init__()
@@ -68,7 +68,7 @@ def global_data(cfg, call):
 
 def local_slice(t, process_id, num_processes):
     """This process's replicas of a ``[D, A, R_total, ...]`` tensor, flattened into the
-    combined batch layout (S-13)."""
+    combined batch layout (docs/semantics.md S-13)."""
     r = t.shape[2] // num_processes
     part = t[:, :, process_id * r:(process_id + 1) * r]
     return part.reshape(-1, *t.shape[4:])
@@ -120,7 +120,8 @@ def _scenario_train(rank, world):
 
 
 def _scenario_inference(rank, world):
-    """DataLoader partitioning (api §7) and independent inference per process."""
+    """DataLoader partitioning (docs/api-sections.md api §7) and independent inference per
+    process."""
     torch.manual_seed(5)
     model = nn.Linear(4, 2)
     opts = poptorch.Options().replicationFactor(2).deviceIterations(2)

@@ -140,7 +140,7 @@ class _Training(_Op):
 
 
 def _device_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the IPU returns for an output of ``dtype`` (S-44)."""
+    """What the IPU returns for an output of ``dtype`` (docs/semantics.md S-44)."""
     return {torch.float64: torch.float32, torch.int64: torch.int32}.get(dtype, dtype)
 
 
@@ -201,7 +201,7 @@ def check_training(case: Case, lr: float = 0.5) -> Set[str]:
     optimizer = torch.optim.SGD(ref.parameters(), lr=lr)
     refs = ref(*constants)
     # the values the forward pass computed: an output that aliases a parameter (a view,
-    # torch.positive) would otherwise show the value after the step (S-14)
+    # torch.positive) would otherwise show the value after the step (docs/semantics.md S-14)
     forward_values = [r.detach().clone() for r in refs]
     refs[-1].backward()
     optimizer.step()

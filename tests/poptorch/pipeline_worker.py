@@ -120,7 +120,7 @@ def global_data(cfg, call):
 
 def replica_slice(t, replica, pipelines):
     """Pipeline ``replica``'s part of a ``[D, A, R, ...]`` tensor in the combined
-    batch layout (S-13)."""
+    batch layout (docs/semantics.md S-13)."""
     r = t.shape[2] // pipelines
     return t[:, :, replica * r:(replica + 1) * r].reshape(-1, *t.shape[4:])
 

@@ -55,6 +55,47 @@ class Classifier(nn.Module):
         return self.out(self.body(x))
 
 
+class Stage(nn.Module):
+    """A stage of ``depth`` blocks (an ``nn.ModuleList``) and a ``downsample`` linear
+    (a Swin stage's blocks and patch merging)."""
+
+    def __init__(self, d, depth):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d) for _ in range(depth)])
+        self.downsample = nn.Linear(d, d)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.downsample(x)
+
+
+class Staged(nn.Module):
+    """A Swin-like nested model: an embedding, stages (``nn.ModuleList``) of blocks
+    (``nn.ModuleList`` each), a norm and a classifier; ``forward(x, labels)`` returns
+    the cross-entropy loss of ``x`` ``[batch, tokens, d]``."""
+
+    def __init__(self, d=48, depths=(1, 3), classes=10):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.stages = nn.ModuleList([Stage(d, n) for n in depths])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+        self.d = d
+
+    def forward(self, x, labels):
+        x = self.embed(x)
+        for stage in self.stages:
+            x = stage(x)
+        logits = self.head(self.norm(x).mean(dim=1))
+        return nn.functional.cross_entropy(logits, labels)
+
+    def example_inputs(self, batch=2, tokens=32):
+        g = torch.Generator().manual_seed(1)
+        return (torch.randn(batch, tokens, self.d, generator=g),
+                torch.randint(0, 10, (batch,), generator=g))
+
+
 def factory():
     """The command line's example: ``(model, example_inputs)``."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Anchors and tensor names (spec S-15, S-16, api §5.20)."""
+"""Anchors and tensor names (docs/semantics.md S-15, S-16, docs/api-sections.md api §5.20)."""
 import copy
 
 import pytest

@@ -1,4 +1,5 @@
-"""poptorch.AsynchronousDataAccessor and DataLoader Async modes (spec api §7.1, §7.2)."""
+"""poptorch.AsynchronousDataAccessor and DataLoader Async modes (docs/api-sections.md api §7.1,
+§7.2)."""
 import gc
 import multiprocessing
 import os

@@ -208,7 +208,8 @@ def test_auto_falls_back_to_eager_when_inductor_fails(where, message, monkeypatc
 
 def test_auto_compiles_in_a_background_thread(stand_in):
     x = torch.randn(16, 8)
-    with auto.policy(hot_seconds=0, hot_calls=1, trials=1, measure=_timings(eager=2.0, inductor=1.0)):
+    with auto.policy(hot_seconds=0, hot_calls=1, trials=1,
+                     measure=_timings(eager=2.0, inductor=1.0)):
         m, model = _inference()
         model(x)
         model(x)  # starts the compilation in the background; runs eager

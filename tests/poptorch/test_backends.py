@@ -32,13 +32,16 @@ def _suite(name):
 
 # -- options -----------------------------------------------------------------------------
 
-def test_backend_defaults_are_cpu_and_eager():
+def test_backend_defaults_are_cpu_and_auto(monkeypatch):
+    """Without POPTORCH_COMPILER (which the suite sets to eager) the default is auto."""
+    monkeypatch.delenv("POPTORCH_COMPILER", raising=False)
+    monkeypatch.delenv("POPTORCH_EXECUTION_DEVICE", raising=False)
     opts = poptorch.Options().outputMode(poptorch.OutputMode.All)
-    assert (opts.Backend.device, opts.Backend.compilerName) == ("cpu", "eager")
+    assert (opts.Backend.device, opts.Backend.compilerName) == ("cpu", "auto")
     values = opts.toDict()
-    assert values["execution_device"] == "cpu" and values["compiler_backend"] == "eager"
+    assert values["execution_device"] == "cpu" and values["compiler_backend"] == "auto"
     sess = SessionOptions.from_dict(values)
-    assert (sess.device, sess.backend, sess.backend_key) == ("cpu", "eager", "cpu/eager")
+    assert (sess.device, sess.backend, sess.backend_key) == ("cpu", "auto", "cpu/auto")
 
 
 def test_backend_setters_flow_into_session_options():
@@ -211,7 +214,8 @@ def test_attention_inference_is_batched_without_fallback_warnings(capfd):
     assert "performance drop" not in captured.err + captured.out
 
 
-# -- performance counters (api §5.19) -------------------------------------------------------
+# -- performance counters (docs/api-sections.md api §5.19)
+# -------------------------------------------------------
 
 @pytest.mark.parametrize("stateful", [False, True])
 def test_perf_counters_have_one_measured_timestamp_per_device_iteration(stateful):

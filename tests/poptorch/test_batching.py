@@ -1,4 +1,4 @@
-"""Batching of inference calls (spec S-10…S-13): device iterations and replicas split
+"""Batching of inference calls (docs/semantics.md S-10…S-13): device iterations and replicas split
 the batch dimension, output modes and periods select what comes back, stateless models
 run all micro-batches at once and stateful ones loop."""
 import pytest
@@ -9,7 +9,8 @@ import poptorch
 from models import SingleLinear
 
 
-# -- output modes (S-12) ---------------------------------------------------------------
+# -- output modes (docs/semantics.md S-12)
+# ---------------------------------------------------------------
 
 @pytest.mark.parametrize("mode,period,rows", [
     (poptorch.OutputMode.All, None, list(range(10))),
@@ -53,10 +54,12 @@ def test_scalar_outputs_stay_0d_when_k_is_1_and_become_vectors_otherwise():
     assert out.tolist() == [1.0, 5.0, 9.0, 13.0]
 
 
-# -- batch dimension and replicas (S-10, S-11, S-13) -----------------------------------
+# -- batch dimension and replicas (docs/semantics.md S-10, S-11, S-13)
+# -----------------------------------
 
 def test_replica_ordering_of_inputs_and_outputs():
-    """S-13: D=2, R=2, B=1: rows [x0..x3] → iteration 0 runs x0 (replica 0) and x1."""
+    """docs/semantics.md S-13: D=2, R=2, B=1: rows [x0..x3] → iteration 0 runs x0 (replica 0) and
+    x1."""
     class M(nn.Module):
         def forward(self, x):
             return x * 10

@@ -1,8 +1,8 @@
-"""Capture (spec api §2.2; S-1, S-2, S-4…S-6): ``forward`` runs once, on the host, at
-the first call; plain tensor attributes are frozen then, parameters and buffers must not
-be replaced, trivial graphs pass inputs through, the train / eval flags are read at wrap
-and capture, a wrapped model cannot be called inside another one, and compile hooks run
-around every capture."""
+"""Capture (docs/api-sections.md api §2.2; docs/semantics.md S-1, S-2, S-4…S-6): ``forward`` runs
+once, on the host, at the first call; plain tensor attributes are frozen then, parameters and
+buffers must not be replaced, trivial graphs pass inputs through, the train / eval flags are read at
+wrap and capture, a wrapped model cannot be called inside another one, and compile hooks run around
+every capture."""
 import pytest
 import torch
 import torch.nn as nn
@@ -10,7 +10,8 @@ import torch.nn as nn
 import poptorch
 
 
-# -- capture once (S-1, S-2, S-4) ------------------------------------------------------
+# -- capture once (docs/semantics.md S-1, S-2, S-4)
+# ------------------------------------------------------
 
 def test_plain_tensor_attribute_is_frozen_at_capture():
     class M(nn.Module):
@@ -122,7 +123,8 @@ def test_wrapped_model_inside_another_forward_is_rejected():
     assert not outer.isCompiled()
 
 
-# -- parameters must not be replaced (S-5) ---------------------------------------------
+# -- parameters must not be replaced (docs/semantics.md S-5)
+# ---------------------------------------------
 
 def test_reassigned_buffer_raises_and_host_state_is_restored():
     class M(nn.Module):
@@ -158,7 +160,8 @@ def test_reassigned_parameter_raises():
         poptorch.inferenceModel(M())(torch.ones(2))
 
 
-# -- trivial graphs (S-6) --------------------------------------------------------------
+# -- trivial graphs (docs/semantics.md S-6)
+# --------------------------------------------------------------
 
 def test_pass_through_outputs_follow_new_inputs():
     class M(nn.Module):

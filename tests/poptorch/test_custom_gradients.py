@@ -177,7 +177,8 @@ def test_a_wrongly_shaped_gradient_names_the_function():
     training = poptorch.trainingModel(Net(lambda h: WrongShapeGrad.apply(h)))
     with pytest.raises(RuntimeError, match=r"invalid gradient at index 0"):
         Net(lambda h: WrongShapeGrad.apply(h))(torch.randn(4, 4), torch.rand(4, 3)).backward()
-    with pytest.raises(poptorch.Error, match=r"Function \S*WrongShapeGrad returned an invalid gradient at index 0 - got "
+    with pytest.raises(poptorch.Error, match=r"Function \S*WrongShapeGrad returned an "
+                       r"invalid gradient at index 0 - got "
                        r"\[3\] but expected shape compatible with \[4, 3\]"):
         training(torch.randn(4, 4), torch.rand(4, 3))
 

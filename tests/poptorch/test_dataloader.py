@@ -1,4 +1,5 @@
-"""poptorch.DataLoader in Sync mode (spec api §7.1, S-11, S-13, S-28)."""
+"""poptorch.DataLoader in Sync mode (docs/api-sections.md api §7.1, docs/semantics.md S-11, S-13,
+S-28)."""
 import logging
 
 import pytest
@@ -95,7 +96,7 @@ def test_combined_batch_size_and_shapes(B, D, R, g, A):
     for k, (x, y) in enumerate(batches):
         assert x.shape == (combined, 2) and x.dtype == torch.float32
         assert y.shape == (combined, ) and y.dtype == torch.int64
-        # S-13: rows are laid out contiguously, iteration-major.
+        # docs/semantics.md S-13: rows are laid out contiguously, iteration-major.
         assert y.tolist() == list(range(k * combined, (k + 1) * combined))
 
 
@@ -237,7 +238,7 @@ def test_batch_sampler_single_batch_per_step_passthrough():
 
 # --------------------------------------------------------------------- distributed
 def test_distributed_partition_drop_last_s28_scaled_down():
-    # S-28 example scaled down by 100: 1000 samples, B=2, D=4, A=2, R=2, n=2.
+    # docs/semantics.md S-28 example scaled down by 100: 1000 samples, B=2, D=4, A=2, R=2, n=2.
     loaders = [DataLoader(make_opts(D=4, R=2, A=2, n=2, pid=pid), IndexDataset(1000),
                           batch_size=2) for pid in range(2)]
     assert loaders[0].combinedBatchSize == 32

@@ -1,6 +1,7 @@
-"""Multi-process execution on torch.distributed (spec S-28, options §4.4, api §7):
-processes as replica groups, gradient all-reduce, broadcast from process 0, faults,
-mismatched options, PopDist / PopRun compatibility.
+"""Multi-process execution on torch.distributed (docs/semantics.md S-28,
+docs/api-sections.md options §4.4, docs/api-sections.md api §7): processes as replica groups,
+gradient all-reduce, broadcast from process 0, faults, mismatched options, PopDist / PopRun
+compatibility.
 
 Every multi-process test starts 2 processes on 127.0.0.1 with gloo, each in its own
 session (process group) so that ``finally`` can kill whatever is left.
@@ -143,7 +144,7 @@ def test_options_read_torchrun_environment(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     opts = poptorch.Options()
     assert (opts.Distributed.processId, opts.Distributed.numProcesses) == (3, 4)
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # OpenMPI's variables win (spec)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # OpenMPI's variables win (docs/distributed.md)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
     opts = poptorch.Options()
     assert (opts.Distributed.processId, opts.Distributed.numProcesses) == (1, 2)
@@ -162,7 +163,8 @@ def test_collective_timeout_from_environment(monkeypatch):
 
 
 def test_buffer_updates_train_with_one_local_replica_per_process(tmp_path):
-    """Issue 19 item 9 (S-36 with S-28, as PopTorch under ``poprun --num-instances 2
+    """Issue 19 item 9 (docs/semantics.md S-36 with docs/semantics.md S-28, as PopTorch under
+    ``poprun --num-instances 2
     --num-replicas 2``): each process has one local replica, so a model with
     BatchNorm trains without broadcastBuffers(False); each process keeps its own
     running statistics."""
@@ -173,7 +175,7 @@ def test_buffer_updates_train_with_one_local_replica_per_process(tmp_path):
 
 
 def test_buffer_broadcast_check_counts_local_replicas():
-    """The S-36 check compares the local replica count with the input groups."""
+    """The docs/semantics.md S-36 check compares the local replica count with the input groups."""
     from popart_compiler.ir import Graph
     from popart_compiler.passes.base import Compilation
     from popart_compiler.passes.checks import check_buffers
@@ -199,7 +201,8 @@ def test_buffer_broadcast_check_counts_local_replicas():
 
 
 def test_replica_grouped_weight_spans_the_processes():
-    """S-27 with S-28: groups are laid out over the global replicas."""
+    """docs/semantics.md S-27 with docs/semantics.md S-28: groups are laid out over the global
+    replicas."""
     class Grouped(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -1,4 +1,4 @@
-"""Data types at the IPU boundary (spec S-44, S-45, S-47): 64-bit values come back as
+"""Data types at the IPU boundary (docs/semantics.md S-44, S-45, S-47): 64-bit values come back as
 32-bit, other types pass through, bfloat16 and complex inputs are refused (float16
 models: ``test_precision.py``)."""
 import pytest

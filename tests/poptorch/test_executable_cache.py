@@ -1,4 +1,4 @@
-"""Executable caching (spec S-61, S-28): ``enableExecutableCaching`` /
+"""Executable caching (docs/semantics.md S-61, S-28): ``enableExecutableCaching`` /
 ``POPTORCH_CACHE_DIR`` skip capture and compilation in later processes, key on
 everything that changes the program, use the current host weights, and survive
 concurrent fills, killed writers and corrupted entries."""
@@ -145,7 +145,7 @@ def run_children(tmp_path, names, patch=""):
 
 @pytest.mark.slow
 def test_processes_compile_once_and_later_processes_skip_capture(tmp_path):
-    """S-28: two processes filling the same entry at once capture once (the other
+    """docs/semantics.md S-28: two processes filling the same entry at once capture once (the other
     waits for the lock and loads the entry); a later process captures nothing."""
     codes, results = run_children(tmp_path, ["a", "b"])
     assert all(code == 0 for code, _ in codes), codes
@@ -195,7 +195,8 @@ def test_the_key_covers_the_backend(tmp_path, captures):
 
 
 def test_processes_of_one_distributed_run_share_one_entry(tmp_path, captures):
-    """S-28: the process id is not part of the key, so every process of a run (here
+    """docs/semantics.md S-28: the process id is not part of the key, so every process of a run
+    (here
     simulated in one process: inference needs no process group) uses one entry."""
     x = torch.randn(4, 6)
     for process in (0, 1):
@@ -239,7 +240,8 @@ def test_a_wrong_entry_with_valid_checksums_is_discarded_and_rebuilt(tmp_path, c
 
 def test_an_entry_of_another_model_is_discarded(tmp_path, captures, poptorch_logs):
     """A well-formed entry holding another model's program (other weight shapes),
-    placed under this model's key, is not used."""
+    placed under this model's key, is not used (issue 29, item 2: the entry records the
+    key it was written for)."""
     class Wide(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -258,7 +260,7 @@ def test_an_entry_of_another_model_is_discarded(tmp_path, captures, poptorch_log
     os.replace(wide, mine)
     out = poptorch.inferenceModel(model, cached(tmp_path / "mlp"))(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
-    assert "weight fc1.weight does not match the model" in poptorch_logs.text
+    assert f"Invalid file {mine}: it was written for the key" in poptorch_logs.text
     assert len(captures) == 3
 
 
@@ -459,3 +461,28 @@ def test_the_code_key_covers_helpers_in_other_files(tmp_path, captures, monkeypa
     finally:
         sys.modules.pop("helpers_mod", None)
         sys.modules.pop("model_mod", None)
+
+
+def test_an_entry_renamed_to_another_key_is_rebuilt_with_a_warning(tmp_path, captures,
+                                                                    poptorch_logs):
+    """Issue 29, item 2: an entry of the same model class with other code (here
+    ``x * 3`` instead of ``x * 2``: same weights, other program), renamed to this key's
+    name, was used silently (wrong outputs). Every entry records its key: a warning
+    naming the entry, and it is rebuilt."""
+    from poptorch._files.container import read_container
+    x = torch.randn(4, 6)
+    poptorch.inferenceModel(_exec_model("x * 2"), cached(tmp_path))(x)
+    (first,) = entries(tmp_path)
+    poptorch.inferenceModel(_exec_model("x * 3"), cached(tmp_path))(x)
+    (second,) = [e for e in entries(tmp_path) if e != first]
+    os.replace(second, first)  # the x * 3 program under the x * 2 key's name
+    model = _exec_model("x * 2")
+    out = poptorch.inferenceModel(model, cached(tmp_path))(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    warnings = [r.getMessage() for r in poptorch_logs.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert f"Invalid file {first}: it was written for the key" in warnings[0]
+    assert "it is rebuilt" in warnings[0]
+    assert len(captures) == 3
+    meta = json.loads(read_container(first)["metadata.json"])
+    assert meta["key"] == os.path.basename(first)[:-len(".poptorch")]

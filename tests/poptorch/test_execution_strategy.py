@@ -1,5 +1,5 @@
-"""Tests of the block annotations and execution strategies (spec api §9, S-60…S-65)
-and of ``module_repr`` / ``print`` (api §2.12)."""
+"""Tests of the block annotations and execution strategies (docs/api-sections.md api §9,
+docs/semantics.md S-60…S-65) and of ``module_repr`` / ``print`` (docs/api-sections.md api §2.12)."""
 import pickle
 
 import pytest

@@ -1,7 +1,7 @@
-"""The executor's API face (spec api §5, §6): its life cycle (compile, attach, detach,
-destroy, wrapping a model again), attribute forwarding, the wrapped model, copies and
-pickles refused, compilation time and performance counters, and ``setOptimizer`` of
-training models."""
+"""The executor's API face (docs/api-sections.md api §5, §6): its life cycle (compile, attach,
+detach, destroy, wrapping a model again), attribute forwarding, the wrapped model, copies and
+pickles refused, compilation time and performance counters, and ``setOptimizer`` of training
+models."""
 import copy
 import pickle
 
@@ -12,7 +12,8 @@ import poptorch
 from models import Classifier, SingleLinear, assert_same_weights, reference_training
 
 
-# -- life cycle (api §5) ---------------------------------------------------------------
+# -- life cycle (docs/api-sections.md api §5)
+# ---------------------------------------------------------------
 
 def test_lifecycle_state_machine():
     model = poptorch.inferenceModel(SingleLinear())

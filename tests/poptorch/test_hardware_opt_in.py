@@ -1,7 +1,7 @@
 """The opt-in ``POPTORCH_IPU_MODEL_AS_HARDWARE=1`` reports the IPU Model's IPUs as
 hardware, so frameworks that refuse to start without hardware run on the simulator
-(lightning-graphcore's IPUStrategy); off by default (spec api §2.5, §2.6). Physical IPUs
-cannot be acquired; an offline target compiles but never runs."""
+(lightning-graphcore's IPUStrategy); off by default (docs/api-sections.md api §2.5, §2.6). Physical
+IPUs cannot be acquired; an offline target compiles but never runs."""
 import json
 import pathlib
 import subprocess

@@ -1,5 +1,5 @@
 """Dropout in inference models is the identity, even for modules left in training mode;
-training models keep dropout (spec S-34)."""
+training models keep dropout (docs/semantics.md S-34)."""
 import copy
 
 import pytest

@@ -1,4 +1,4 @@
-"""Inputs and outputs of a wrapped model (spec S-14, S-20…S-24): output structures,
+"""Inputs and outputs of a wrapped model (docs/semantics.md S-14, S-20…S-24): output structures,
 fresh output tensors, keyword and nested arguments, non-tensor arguments as compile-time
 constants, the input signature checks and in-place updates written back."""
 import collections
@@ -12,7 +12,8 @@ import poptorch
 from models import SingleLinear
 
 
-# -- output structure (S-14) -----------------------------------------------------------
+# -- output structure (docs/semantics.md S-14)
+# -----------------------------------------------------------
 
 def test_dict_output_keeps_key_order_and_type():
     class M(nn.Module):
@@ -76,7 +77,7 @@ class _ReturnsState(nn.Module):
 
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_inference_outputs_are_fresh_tensors(iterations):
-    """S-14: outputs are fresh tensors. A returned parameter or input is a copy:
+    """docs/semantics.md S-14: outputs are fresh tensors. A returned parameter or input is a copy:
     writing to it changes neither the device weights (the next call) nor the caller's
     input (one device iteration runs the graph directly, two run it vectorized)."""
     torch.manual_seed(0)
@@ -118,7 +119,8 @@ def test_training_outputs_hold_the_forward_values_of_each_iteration():
     torch.testing.assert_close(model.fc.weight, ref.fc.weight)
 
 
-# -- inputs (S-20…S-24) ----------------------------------------------------------------
+# -- inputs (docs/semantics.md S-20…S-24)
+# ----------------------------------------------------------------
 
 class ThreeArgs(nn.Module):
     def forward(self, x, y=None, z=None):

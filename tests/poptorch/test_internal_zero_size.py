@@ -1,6 +1,6 @@
-"""Zero-sized tensors are refused only where the user passes or receives them (S-3):
-intermediate values of PyTorch's own decompositions (``nn.EmbeddingBag``'s offsets,
-GPT-2's empty key/value cache) are computed as in PyTorch."""
+"""Zero-sized tensors are refused only where the user passes or receives them
+(docs/semantics.md S-3): intermediate values of PyTorch's own decompositions (``nn.EmbeddingBag``'s
+offsets, GPT-2's empty key/value cache) are computed as in PyTorch."""
 import copy
 import os
 
@@ -158,7 +158,8 @@ def test_bert_sequence_classification_trains_like_pytorch(monkeypatch):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-# -- zero-sized user inputs and outputs are refused (S-3) ------------------------------
+# -- zero-sized user inputs and outputs are refused (docs/semantics.md S-3)
+# ------------------------------
 
 def test_zero_sized_inputs_are_rejected():
     with pytest.raises(poptorch.Error, match=r"Zero-sized tensors are unsupported \(Got "

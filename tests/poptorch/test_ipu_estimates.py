@@ -1,6 +1,6 @@
 """The IPU Model as a target through the public API: out-of-memory errors on the small
-IPU Model, cycle counts and throughput estimates, the profile report (S-82, S-85,
-api §5.17) and its page rendered in headless Chromium."""
+IPU Model, cycle counts and throughput estimates, the profile report (docs/semantics.md S-82, S-85,
+docs/api-sections.md api §5.17) and its page rendered in headless Chromium."""
 import json
 import logging
 import os

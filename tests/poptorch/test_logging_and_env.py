@@ -1,5 +1,5 @@
 """Logging, environment variables, package-level helpers and the error classes (spec
-api §1.2, §2.7, S-90, options.md §8)."""
+docs/api-sections.md api §1.2, §2.7, docs/semantics.md S-90, docs/api-sections.md options §8)."""
 import logging
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Loss detection follows the loss (spec S-40): a loss op followed by scalar arithmetic
+"""Loss detection follows the loss (docs/semantics.md S-40): a loss op followed by scalar arithmetic
 is still the final loss, and back-propagation starts from the value ``forward``
 returns, so the gradient carries the factor."""
 import copy
@@ -119,7 +119,8 @@ class _Regressor(nn.Module):
 @pytest.mark.parametrize("head", [torch.sqrt, lambda l: l ** 2, torch.log],
                          ids=["rmse_sqrt", "squared", "log"])
 def test_unary_math_after_a_loss_is_the_loss(head):
-    """RMSE written as ``torch.sqrt(mse_loss(...))`` (S-40) trains like PyTorch."""
+    """RMSE written as ``torch.sqrt(mse_loss(...))`` (docs/semantics.md S-40) trains like
+    PyTorch."""
     torch.manual_seed(0)
     model = _Regressor(head)
     ref = copy.deepcopy(model)

@@ -1,4 +1,4 @@
-"""Master-weight mixed precision (spec S-45): weighted ops whose activation and weight
+"""Master-weight mixed precision (docs/semantics.md S-45): weighted ops whose activation and weight
 dtypes differ compute in the activation's dtype; gradients reach the weights in their
 own dtype. (PopTorch tests: ``half_float_test.py``
 ``test_float16_activations_float32_weights``, ``test_master_weight_training``.)"""

@@ -1,5 +1,5 @@
 """Multi-IPU execution: placement from block annotations, execution strategies and
-their rules (spec api §9; semantics S-60, S-63, S-64, S-65)."""
+their rules (docs/api-sections.md api §9; docs/semantics.md S-60, S-63, S-64, S-65)."""
 import copy
 import logging
 
@@ -67,7 +67,8 @@ def layer_placements(wrapper):
     return [found[k] for k in sorted(found)]
 
 
-# -- placement (S-60) ----------------------------------------------------------------------
+# -- placement (docs/semantics.md S-60)
+# ----------------------------------------------------------------------
 
 def test_without_annotations_everything_is_on_ipu_0():
     wrapper = compiled_inference(Chain(), options(replicas=2))
@@ -83,7 +84,7 @@ def test_begin_block_places_every_node_and_counts_ipus():
     exe = wrapper._state.executable
     assert layer_placements(wrapper) == [Placement(i, i, 0) for i in range(4)]
     assert all("placement" in n.meta for n in exe.module.graph.nodes)
-    # S-64: 4 IPUs per replica × 2 replicas.
+    # docs/semantics.md S-64: 4 IPUs per replica × 2 replicas.
     assert exe.num_ipus == 8 and wrapper._state.compiled.device.num_ipus == 8
 
 
@@ -153,8 +154,10 @@ def test_explicit_stages_and_stage_ipu_override():
 
 
 def test_auto_increment_and_revisiting_an_ipu():
-    """S-60 example: IPUs 0, 1, 0 give stages 0, 1, 2 with AutoIncrement; returning to
-    IPU 0 is a change (S-63): F = 3, so training needs gradientAccumulation ≥ 5."""
+    """docs/semantics.md S-60 example: IPUs 0, 1, 0 give stages 0, 1, 2 with AutoIncrement;
+    returning to
+    IPU 0 is a change (docs/semantics.md S-63): F = 3, so training needs gradientAccumulation ≥
+        5."""
     strategy = poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement)
     model = annotate(Chain(3), [0, 1, 0])
     with pytest.raises(poptorch.Error, match=r"number of pipeline stages \(5\)"):
@@ -190,7 +193,8 @@ def test_unknown_block():
         compiled_inference(annotate(Chain(3), [0, 1, 2]), options(strategy=strategy))
 
 
-# -- pipelining constraints (S-63) -------------------------------------------------------------
+# -- pipelining constraints (docs/semantics.md S-63)
+# -------------------------------------------------------------
 
 @pytest.mark.parametrize("accumulation", [4, 5])
 def test_pipelined_training_needs_enough_gradient_accumulation(accumulation):
@@ -213,7 +217,8 @@ def test_pipelined_inference_needs_enough_device_iterations():
                        options(iterations=2, strategy=poptorch.ShardedExecution()))
 
 
-# -- IPU count (S-64) ------------------------------------------------------------------------
+# -- IPU count (docs/semantics.md S-64)
+# ------------------------------------------------------------------------
 
 def test_too_many_ipus_names_the_block():
     with pytest.raises(poptorch.Error, match=r"Too many IPUs requested \(82\).*block 'b1' "
@@ -270,7 +275,8 @@ def test_invalid_ipu_id_names_the_block(ipu):
         compiled_inference(model, options(iterations=2))
 
 
-# -- phased execution (S-65) --------------------------------------------------------------------
+# -- phased execution (docs/semantics.md S-65)
+# --------------------------------------------------------------------
 
 def parallel_phases(second_ipus):
     strategy = poptorch.ParallelPhasedExecution(
@@ -337,7 +343,7 @@ def test_placement_summary_needs_a_compiled_model():
 def test_block_started_inside_an_annotate_scope_outlives_it():
     """A nested ``torch.fx.traceback.annotate`` scope restores the metadata it found
     when it exits; the block started inside it stays active (BeginBlock never ends
-    implicitly, S-60)."""
+    implicitly, docs/semantics.md S-60)."""
     class Model(Chain):
         def forward(self, x):
             with torch.fx.traceback.annotate({"name_scope": "enc"}):
@@ -361,3 +367,40 @@ def test_phase_and_stage_indices_beyond_the_strategy():
     with pytest.raises(poptorch.Error, match=r"Stage 1 does not exist: this phase has 1 "
                        r"stage\(s\)"):
         strategy.phase(0).stage(1)
+
+
+class PoolByIds(nn.Module):
+    """CLIP's text pooling: after the last block, an argmax over the user's ids (the
+    ids converted with ``.to``, which the tracer checks with an assert carrying the
+    metadata of the ids' view, made before the first block) picks each row's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6)
+        self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+        poptorch.BeginBlock(self.layers[1], "last", ipu_id=1)
+
+    def forward(self, ids):
+        flat = ids.view(-1, ids.shape[-1])
+        x = self.layers[1](torch.relu(self.layers[0](self.emb(flat))))
+        pick = flat.to(dtype=torch.int32).argmax(dim=-1)
+        return x[torch.arange(x.shape[0]), pick]
+
+
+def test_op_after_the_last_block_reading_only_inputs_stays_in_that_block():
+    """PopTorch's rule: an op belongs to the block in force when it runs. The argmax
+    over the ids (and the tracer's check of their conversion) run after the last
+    BeginBlock: IPU 1, so the pipeline has 2 stages (not 4: IPU 0, 1, 0, 1)."""
+    torch.manual_seed(0)
+    model = PoolByIds()
+    reference = copy.deepcopy(model)
+    wrapper = poptorch.inferenceModel(model, options(
+        iterations=2, strategy=poptorch.PipelinedExecution()))
+    ids = torch.randint(0, 20, (4, 5))
+    torch.testing.assert_close(wrapper(ids), reference(ids))
+    exe = wrapper._state.executable
+    ops = [n for n in exe.module.graph.nodes if n.op == "call_function"]
+    last = max(i for i, n in enumerate(ops) if "linear" in str(n.target))
+    assert all(n.meta["placement"] == Placement(1, 1, 0) for n in ops[last:])
+    assert any("_assert" in str(n.target) for n in ops[last:])
+    assert wrapper._state.executable.placement.forward_stages == 2

@@ -1,5 +1,5 @@
 """Multi-IPU execution follows the stage schedule and computes what the unpartitioned
-model computes (spec S-60, S-63, S-65): pipelined, sharded and phased models,
+model computes (docs/semantics.md S-60, S-63, S-65): pipelined, sharded and phased models,
 with replication, against plain PyTorch training on the same weights and data."""
 import copy
 

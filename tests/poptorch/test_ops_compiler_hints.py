@@ -1,6 +1,6 @@
-"""Ops that steer the IPU compiler (api §8.8–§8.11, S-66): recomputationCheckpoint,
-serializedMatMul, set_available_memory, set_overlap_for_input/output, and capture from
-a torch.fx GraphModule."""
+"""Ops that steer the IPU compiler (docs/api-sections.md api §8.8–§8.11, docs/semantics.md S-66):
+recomputationCheckpoint, serializedMatMul, set_available_memory, set_overlap_for_input/output, and
+capture from a torch.fx GraphModule."""
 import copy
 
 import pytest

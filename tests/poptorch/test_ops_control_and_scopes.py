@@ -1,5 +1,6 @@
-"""cond, for_loop, nop (api §8.3–§8.5), NameScope / Attribute / MultiConv and module
-name scopes (api §8.17–§8.19, S-16), and the §8 names (api §1.1, S-4)."""
+"""cond, for_loop, nop (docs/api-sections.md api §8.3–§8.5), NameScope / Attribute / MultiConv and
+module name scopes (docs/api-sections.md api §8.17–§8.19, docs/semantics.md S-16), and the §8 names
+(docs/api-sections.md api §1.1, docs/semantics.md S-4)."""
 import copy
 
 import pytest

@@ -1,5 +1,5 @@
-"""Ops doing host work at run time (api §8.2, §8.12, §8.13): ipu_print_tensor, CPU and
-the custom-op registry."""
+"""Ops doing host work at run time (docs/api-sections.md api §8.2, §8.12, §8.13): ipu_print_tensor,
+CPU and the custom-op registry."""
 import copy
 import gc
 

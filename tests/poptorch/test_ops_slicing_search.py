@@ -1,5 +1,6 @@
-"""dynamic_slice / dynamic_update and runtime-offset slicing (api §8.6, §8.7, S-102);
-ctc_beam_search_decoder, fps and nearest (api §8.14–§8.16)."""
+"""dynamic_slice / dynamic_update and runtime-offset slicing (docs/api-sections.md api §8.6, §8.7,
+docs/semantics.md S-102); ctc_beam_search_decoder, fps and nearest
+(docs/api-sections.md api §8.14–§8.16)."""
 import copy
 import itertools
 import math
@@ -24,7 +25,8 @@ class Window(nn.Module):
 def test_runtime_offset_slice_wraps_and_new_offsets_need_no_recompile():
     t = torch.arange(8.0)
     executor = poptorch.inferenceModel(Window(), quiet())
-    assert executor(t, torch.tensor(6)).tolist() == [6.0, 7.0, 0.0, 1.0]  # S-102 example
+    # docs/semantics.md S-102 example
+    assert executor(t, torch.tensor(6)).tolist() == [6.0, 7.0, 0.0, 1.0]
     exe = executor._state.executable
     assert executor(t, torch.tensor(1)).tolist() == [1.0, 2.0, 3.0, 4.0]
     assert executor(t, torch.tensor(3)).tolist() == [3.0, 4.0, 5.0, 6.0]

@@ -1,6 +1,6 @@
 """Optimizer state on the device: ``state_dict`` / ``load_state_dict`` with ``ipu_state``
-and ``ipu_param`` (spec api §10.1, semantics S-56, S-91), checkpoints resumed in a new
-process, and bad state dicts (clear errors, device untouched)."""
+and ``ipu_param`` (docs/api-sections.md api §10.1, docs/semantics.md S-56, S-91), checkpoints
+resumed in a new process, and bad state dicts (clear errors, device untouched)."""
 import copy
 import os
 import subprocess
@@ -84,8 +84,8 @@ def test_sgd_state_names_and_hyper_parameters():
 
 
 def test_load_state_dict_round_trip_after_destroy(tmp_path):
-    """S-56 example: save with torch.save, destroy, new Adam, load, wrap, compile →
-    the new ipu_state equals the saved one."""
+    """docs/semantics.md S-56 example: save with torch.save, destroy, new Adam, load, wrap, compile
+    → the new ipu_state equals the saved one."""
     model = Classifier()
     opt = poptorch.optim.Adam(model.parameters(), lr=1.0)
     training = poptorch.trainingModel(model, optimizer=opt)
@@ -140,7 +140,8 @@ def test_missing_entries_keep_their_device_values(poptorch_logs):
     del state["ipu_param"]["scaledLearningRate0___specific___fc1.bias"]
     state["ipu_state"]["Accl___fc2.bias"] = torch.zeros(4)
     opt.load_state_dict(state)
-    training.setOptimizer(opt)  # attached: writes the pending state now (api §5.12)
+    # attached: writes the pending state now (docs/api-sections.md api §5.12)
+    training.setOptimizer(opt)
     assert "ignoring missing state Accl___fc1.bias" in poptorch_logs.text
     assert "ignoring missing parameter scaledLearningRate0___specific___fc1.bias" in \
         poptorch_logs.text
@@ -313,8 +314,9 @@ def test_checkpoint_resumed_in_a_new_process_is_bit_identical(tmp_path, kind):
 
 
 def test_pickled_optimizer_and_rewrapped_optimizer_upload_their_state():
-    """api §10.1: an unpickled optimizer carrying a state uploads it on first use; an
-    optimizer re-used after destroy() continues with its momentum (api §5.2 step 3)."""
+    """docs/api-sections.md api §10.1: an unpickled optimizer carrying a state uploads it on first
+    use; an optimizer re-used after destroy() continues with its momentum
+    (docs/api-sections.md api §5.2 step 3)."""
     import pickle
     model = Classifier()
     ref = copy.deepcopy(model)
@@ -347,7 +349,8 @@ def test_pickled_optimizer_and_rewrapped_optimizer_upload_their_state():
         assert torch.equal(v, saved[k]), k
 
 
-# -- torch.optim state in saved executables (S-62) -------------------------------------
+# -- torch.optim state in saved executables (docs/semantics.md S-62)
+# -------------------------------------
 
 _MAKERS = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
            "adam": lambda p: torch.optim.Adam(p, lr=0.01),
@@ -370,7 +373,8 @@ def _trained_file(path, make):
 @pytest.mark.parametrize("kind", sorted(_MAKERS))
 def test_optimizer_state_survives_save_and_load(tmp_path, kind):
     """A ``torch.optim`` optimizer keeps its state only on the device: save() lost
-    the momentum / Adam moments, so the loaded model trained differently (S-62)."""
+    the momentum / Adam moments, so the loaded model trained differently
+    (docs/semantics.md S-62)."""
     path = tmp_path / "train.poptorch"
     trainer, x, t = _trained_file(path, _MAKERS[kind])
     expected = [trainer(x, t) for _ in range(3)]

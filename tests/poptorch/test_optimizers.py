@@ -1,10 +1,11 @@
-"""poptorch.optim and optimizer semantics on a training model (spec api §10;
-semantics S-50…S-55, S-57, S-58; the reductions S-41, S-42: ``test_reductions.py``).
+"""poptorch.optim and optimizer semantics on a training model (docs/api-sections.md api §10;
+docs/semantics.md S-50…S-55, S-57, S-58; the reductions docs/semantics.md S-41, S-42:
+``test_reductions.py``).
 
 Numerical comparisons run the same micro-batches through plain PyTorch: per device
-iteration, A × R micro-batches (S-13 order), each loss divided by A × R for ``Mean``
-(S-41), then one ``step()`` of the equivalent ``torch.optim`` optimizer. Tolerance:
-``rtol=1e-5, atol=1e-6`` on the weights after ≥ 10 updates unless stated otherwise.
+iteration, A × R micro-batches (docs/semantics.md S-13 order), each loss divided by A × R for
+``Mean`` (docs/semantics.md S-41), then one ``step()`` of the equivalent ``torch.optim`` optimizer.
+Tolerance: ``rtol=1e-5, atol=1e-6`` on the weights after ≥ 10 updates unless stated otherwise.
 """
 import copy
 import logging
@@ -83,7 +84,7 @@ MATCHES = {
         lambda p: poptorch.optim.LAMB(p, lr=0.01, bias_correction=False, max_weight_norm=2.),
         lambda p: poptorch.optim.LAMB(p, lr=0.01, bias_correction=False,
                                       max_weight_norm=2.)),
-    # the reference backend always bias-corrects AdamW (S-54 quirk)
+    # the reference backend always bias-corrects AdamW (docs/semantics.md S-54 quirk)
     "adamw-bias-correction-off": (
         lambda p: poptorch.optim.AdamW(p, lr=0.01, bias_correction=False),
         lambda p: torch.optim.AdamW(p, lr=0.01)),
@@ -109,7 +110,7 @@ def test_optimizer_matches_torch_over_12_updates(name):
 
 
 def test_sgd_dampening_without_momentum_scales_the_step():
-    """S-54 quirk: momentum 0 still scales the step by (1 − dampening)."""
+    """docs/semantics.md S-54 quirk: momentum 0 still scales the step by (1 − dampening)."""
     model = Classifier()
     ref = copy.deepcopy(model)
     opt = poptorch.optim.SGD(model.parameters(), lr=0.1, dampening=0.25)
@@ -127,7 +128,7 @@ def test_sgd_dampening_without_momentum_scales_the_step():
     lambda p: poptorch.optim.Adam(p, lr=0.01, max_grad_norm=0.05),
 ], ids=["sgd", "sgd-combined", "adam"])
 def test_max_grad_norm_clips_the_global_norm(make):
-    """S-54: gradients scaled by min(1, max_norm / ‖G‖) over all parameters, like
+    """docs/semantics.md S-54: gradients scaled by min(1, max_norm / ‖G‖) over all parameters, like
     torch.nn.utils.clip_grad_norm_ (rtol 1e-4: torch adds 1e-6 to the norm)."""
     model = Classifier()
     ref = copy.deepcopy(model)
@@ -182,7 +183,8 @@ def test_lamb_host_step_matches_the_device():
     assert_same_weights(model, ref)
 
 
-# -- loss scaling (S-51) and automatic loss scaling (S-57) ----------------------------------
+# -- loss scaling (docs/semantics.md S-51) and automatic loss scaling (docs/semantics.md S-57)
+# ----------------------------------
 
 def test_loss_scaling_leaves_float32_training_unchanged():
     """A power-of-two loss scale is exact in float32: identical weights."""
@@ -244,8 +246,8 @@ class ScaledInput(nn.Module):
 
 
 def test_automatic_loss_scaling_halves_on_overflow_and_doubles_otherwise():
-    """S-57 rule (update period 1): halve when a float16 gradient overflows or reaches
-    the top bin (≥ 65504 / 8 = 8188), else double, with the scale capped at 65504;
+    """docs/semantics.md S-57 rule (update period 1): halve when a float16 gradient overflows or
+    reaches the top bin (≥ 65504 / 8 = 8188), else double, with the scale capped at 65504;
     finalLossScale = loss_scaling × factor before the run."""
     opts = options()
     opts.Training.setAutomaticLossScaling(True)
@@ -281,7 +283,8 @@ def test_automatic_loss_scaling_ignores_float32_gradients():
     assert "loss_scaling" not in training._state.binding.description.constant
 
 
-# -- constant and variable attributes (S-52, S-53, S-58) ---------------------------------
+# -- constant and variable attributes (docs/semantics.md S-52, S-53, S-58)
+# ---------------------------------
 
 @pytest.fixture
 def count_captures(monkeypatch):
@@ -297,7 +300,7 @@ def count_captures(monkeypatch):
 
 
 class CountingClassifier(Classifier):
-    """Counts the Python executions of forward (once per capture, S-1)."""
+    """Counts the Python executions of forward (once per capture, docs/semantics.md S-1)."""
 
     def __init__(self):
         super().__init__()
@@ -310,8 +313,8 @@ class CountingClassifier(Classifier):
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_scheduler_drives_set_optimizer_without_recompiling(count_captures, poptorch_logs):
-    """S-58: ExponentialLR + setOptimizer each epoch equals torch with the same schedule;
-    the model is captured (forward executed in Python) exactly once."""
+    """docs/semantics.md S-58: ExponentialLR + setOptimizer each epoch equals torch with the same
+    schedule; the model is captured (forward executed in Python) exactly once."""
     model = CountingClassifier()
     ref = copy.deepcopy(model)
     opt = poptorch.optim.SGD(model.parameters(), lr=0.4, momentum=0.5)
@@ -335,7 +338,8 @@ def test_scheduler_drives_set_optimizer_without_recompiling(count_captures, popt
     params = opt.state_dict()["ipu_param"]
     torch.testing.assert_close(params["scaledLearningRate0___specific___fc2.bias"].item(),
                                0.4 * 0.5 ** 5)
-    # the scheduler added 'initial_lr' to the groups and 'step' to the optimizer (S-53)
+    # the scheduler added 'initial_lr' to the groups and 'step' to the optimizer
+    # (docs/semantics.md S-53)
     text = poptorch_logs.text
     assert "Ignoring unexpected group 0 attribute in SGD optimizer: ['initial_lr']" in text
     assert "Ignoring unexpected optimizer attribute in SGD optimizer: ['step']" in text
@@ -369,8 +373,8 @@ def test_group_loss_scaling_is_ignored_with_a_warning(poptorch_logs):
 
 
 def test_unpassed_attributes_are_constant():
-    """S-52 example: Adam's lr not passed is constant; changing it after compile fails
-    and leaves the device untouched; passing it makes it variable."""
+    """docs/semantics.md S-52 example: Adam's lr not passed is constant; changing it after compile
+    fails and leaves the device untouched; passing it makes it variable."""
     model = Classifier()
     opt = poptorch.optim.Adam(model.parameters())
     assert opt.variable_attrs.isConstant("lr")
@@ -423,8 +427,8 @@ def test_mark_as_constant_and_variable():
 
 
 def test_torch_optimizer_constant_rules():
-    """S-52: torch optimizers — lr variable; others constant iff equal to the default
-    (AdamW weight_decay 1e-2); betas/alpha/nesterov always constant."""
+    """docs/semantics.md S-52: torch optimizers — lr variable; others constant iff equal to the
+    default (AdamW weight_decay 1e-2); betas/alpha/nesterov always constant."""
     def constants(cls, **kw):
         model = Classifier()
         training = poptorch.trainingModel(model, optimizer=cls(model.parameters(), **kw))
@@ -442,7 +446,7 @@ def test_torch_optimizer_constant_rules():
 
 
 def test_per_group_hyper_parameters_and_parameters_in_no_group():
-    """S-55: fc1 in a group with its own lr, fc2.weight in the default group,
+    """docs/semantics.md S-55: fc1 in a group with its own lr, fc2.weight in the default group,
     fc2.bias in no group → trained with optimizer.defaults."""
     model = Classifier()
     ref = copy.deepcopy(model)
@@ -463,7 +467,7 @@ def test_per_group_hyper_parameters_and_parameters_in_no_group():
 
 
 def test_new_optimizer_object_keeps_device_state_and_swaps_hyper_parameters():
-    """S-56: a new optimizer without state does not reset the device momentum."""
+    """docs/semantics.md S-56: a new optimizer without state does not reset the device momentum."""
     model = Classifier()
     ref = copy.deepcopy(model)
     first = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

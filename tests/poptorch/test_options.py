@@ -1,7 +1,6 @@
-"""Tests of ``poptorch.Options`` (spec options.md): defaults and the storage model
-(§1, §2), freezing, cloning and pickling (§1.7, §1.8), the top-level setters (§3). The
-sub-groups, ``toDict`` / ``repr``, loading and deprecated names:
-``test_options_groups.py``."""
+"""Tests of ``poptorch.Options`` (docs/api-sections.md options §1–§9): defaults and the storage
+model (§1, §2), freezing, cloning and pickling (§1.7, §1.8), the top-level setters (§3). The
+sub-groups, ``toDict`` / ``repr``, loading and deprecated names: ``test_options_groups.py``."""
 import copy
 import pickle
 
@@ -9,8 +8,9 @@ import pytest
 import torch
 
 from poptorch import enums
-from poptorch._options.execution_strategy import (ParallelPhasedExecution, Phase, PipelinedExecution,
-                                          SerialPhasedExecution, ShardedExecution, Stage)
+from poptorch._options.execution_strategy import (ParallelPhasedExecution, Phase,
+                                                  PipelinedExecution, SerialPhasedExecution,
+                                                  ShardedExecution, Stage)
 from poptorch.options import Options, TensorLocationSettings
 
 pytestmark = pytest.mark.usefixtures("clean_options_env")

@@ -1,5 +1,5 @@
-"""Tests of ``poptorch.Options`` (spec options.md): the sub-groups (§4), ``toDict`` /
-``repr`` (§7), loading from files and the environment (§6, §2, §8) and the deprecated
+"""Tests of ``poptorch.Options`` (docs/api-sections.md options §1–§9): the sub-groups (§4),
+``toDict`` / ``repr`` (§7), loading from files and the environment (§6, §2, §8) and the deprecated
 names (§9)."""
 import json
 

@@ -126,7 +126,8 @@ def _compare(plan_summary, compiled):
 
 @pytest.mark.parametrize("candidate", [
     # head (norm + LM head) on IPU 0, every layer checkpointed, LM head serialised by 4
-    Candidate(((0, 2), (3, 4)), 5, (True, True, False), (0.6, 0.1), (("serialized_matmul", 4),), False),
+    Candidate(((0, 2), (3, 4)), 5, (True, True, False), (0.6, 0.1),
+              (("serialized_matmul", 4),), False),
     # no head stage; IPU 0 recomputes from its input, IPU 1 checkpoints each layer
     Candidate(((0, 3), (4, 6)), None, (False, True), (0.1, 0.6), (("serialized_matmul", 2),), True),
     # only the LM head on IPU 0 after the pipeline, no recomputation
@@ -492,3 +493,86 @@ def test_command_line_report_default_and_none(monkeypatch, capsys, tmp_path):
     assert not os.listdir(tmp_path)
     assert _cli(capsys, "plan_models:factory")[0] == 0
     assert (tmp_path / "plan_report" / "TinyLM" / "profile.html").is_file()
+
+
+def test_structure_of_nested_layers():
+    """Blocks inside stages are the layers (every depth), within max_units."""
+    model = plan_models.Staged(depths=(1, 3))
+    blocks = ["stages.0.blocks.0"] + [f"stages.1.blocks.{i}" for i in range(3)]
+    assert repeated_layers(model) == blocks
+    assert unit_modules(model, blocks) == ["embed", "stages.0.blocks.0", "stages.0.downsample",
+                                           "stages.1.blocks.0", "stages.1.blocks.1",
+                                           "stages.1.blocks.2", "stages.1.downsample",
+                                           "norm", "head"]
+    # too many units at block depth: the stages are the layers
+    assert repeated_layers(model, max_units=8) == ["stages.0", "stages.1"]
+
+
+def _hand_split(planner, micro, starts, problem):
+    """The plan of a hand split per block (``BeginBlock`` at the units ``starts``, a
+    checkpoint on every block, as Graphcore's code splits its Swin) at every proportion
+    of the planner; the fastest that fits."""
+    names = [u.name for u in problem.units]
+    first = [0] + [names.index(s) for s in starts[1:]]
+    ranges = tuple((a, b - 1) for a, b in zip(first, first[1:] + [len(names)]))
+    best = None
+    for props in itertools.product(PROPORTIONS, repeat=len(ranges)):
+        plan = api._plan_of(planner, micro, Candidate(ranges, None, (True,) * len(ranges),
+                                                      props, (), None))
+        if plan.fits and (best is None or plan.samples_per_second > best.samples_per_second):
+            best = plan
+    return best
+
+
+def test_plan_splits_inside_a_stage(small_ipu):
+    """Stages of 1 and 3 blocks on 2 IPUs: the best plan splits stage 1 after its first
+    block (a split at stage depth cannot balance the blocks), and it is at least as fast
+    as every hand split per block under the same estimate; compiling it gives its
+    estimate and training it the unplaced model's losses."""
+    model = plan_models.Staged(depths=(1, 3))
+    reference = copy.deepcopy(model)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=1e-3)
+    plan = poptorch.plan(model, *model.example_inputs(), ipus=2, global_batch=16,
+                         optimizer=optimizer, available_memory_proportions=PROPORTIONS)
+    starts = [u for u, ipu, _ in plan.units if ipu == 1]
+    assert starts[0].startswith("stages.1.blocks.") and starts[0] != "stages.1.blocks.0"
+    assert plan.layers_per_ipu == [2, 2]
+    planner = _planner(model, model.example_inputs(), optimizer, global_batch=16)
+    problem = planner.planning(plan.micro_batch).problem
+    blocks = [u.name for u in problem.units if u.layer]
+    for cut in range(1, len(blocks)):
+        hand = _hand_split(planner, plan.micro_batch, ["embed", blocks[cut]], problem)
+        assert hand is not None
+        assert plan.samples_per_second >= hand.samples_per_second * (1 - 1e-12)
+    stage_split = _hand_split(planner, plan.micro_batch, ["embed", "stages.1.blocks.0"],
+                              problem)
+    assert plan.samples_per_second > 1.1 * stage_split.samples_per_second
+    _train_both(model, reference, plan)
+
+
+def test_one_ipu_plan_recomputes_only_with_auto_recomputation(small_ipu):
+    """PopTorch turns recomputation on by itself only for a pipeline over several IPUs;
+    on one IPU checkpoints count only with autoRecomputation set (RecomputeAll here).
+    The planner assumes the same. The failing input: six layers, micro-batch 2, Adam
+    state off chip on one IPU fit only with recomputation; the planner assumed it
+    and then found its plan 2.98 MB on a 2.4 MB IPU ("internal error"). Now: no
+    placement fits without recomputation, and with RecomputeAll the applied plan
+    compiles to its estimate."""
+    model = plan_models.TinyLM(layers=6)
+    inputs = model.example_inputs(batch=2)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=1e-3)
+    kw = dict(ipus=1, global_batch=32, optimizer=optimizer, optimizer_state_on_chip=False,
+              available_memory_proportions=PROPORTIONS)
+    planner = _planner(model, inputs, optimizer, global_batch=32)
+    problem = planner.planning(2).problem
+    assert not problem.recomputes(1) and problem.recomputes(2)
+    with pytest.raises(poptorch.Error, match="no placement of TinyLM on 1 IPU"):
+        poptorch.plan(model, *inputs, **kw)
+    options = poptorch.Options()
+    options._Popart.set("autoRecomputation", 4)
+    plan = poptorch.plan(model, *inputs, options=options, **kw)
+    assert plan.fits and plan.stage_checkpoints is not None
+    wrapper = poptorch.trainingModel(model, plan.apply(model, options.clone()), optimizer)
+    wrapper.compile(*model.example_inputs(batch=plan.global_batch))
+    _compare(plan.estimate.summary(), wrapper.ipuModelEstimate())
+    wrapper.destroy()

@@ -39,7 +39,7 @@ def test_dynamic_slice_size_must_divide_the_dimension():
              torch.tensor([2]))
     out = _run(lambda x, s: poptorch.dynamic_slice(x, 0, s, 4, 1), torch.arange(8.0),
                torch.tensor([6]))
-    assert out.tolist() == [6.0, 7.0, 0.0, 1.0]  # a dividing size wraps (S-102)
+    assert out.tolist() == [6.0, 7.0, 0.0, 1.0]  # a dividing size wraps (docs/semantics.md S-102)
 
 
 def test_dynamic_update_dimension_and_dtype_errors():

@@ -1,5 +1,6 @@
-"""Half precision and precision options (spec S-45…S-47, options §4.2); what the IPU
-Model does instead of hardware-only numerics is documented in the README ("Numerics of the IPU Model")."""
+"""Half precision and precision options (docs/semantics.md S-45…S-47,
+docs/api-sections.md options §4.2); what the IPU Model does instead of hardware-only numerics is
+documented in the README ("Numerics of the IPU Model")."""
 import copy
 import os
 
@@ -25,7 +26,7 @@ class Net(nn.Module):
 
 
 def test_half_model_keeps_float16_outputs():
-    """S-45 example: Linear(1, 10).half() with a float16 input returns float16."""
+    """docs/semantics.md S-45 example: Linear(1, 10).half() with a float16 input returns float16."""
     model = nn.Linear(1, 10).half()
     x = torch.randn(3, 1).half()
     out = poptorch.inferenceModel(model)(x)
@@ -121,8 +122,8 @@ def test_bfloat16_inputs_are_rejected():
     lambda o: o.Precision.enableStochasticRounding(True),
 ], ids=["half-partials", "stochastic-rounding"])
 def test_hardware_precision_options_are_accepted_without_numerical_effect(setter):
-    """S-45 [SIM]: partials type and stochastic rounding are ignored by the IPU Model
-    (float partials, round-to-nearest), see the README's "Numerics of the IPU Model"."""
+    """docs/semantics.md S-45 [SIM]: partials type and stochastic rounding are ignored by the IPU
+    Model (float partials, round-to-nearest), see the README's "Numerics of the IPU Model"."""
     model = Net().half()
     x = torch.randn(4, 4).half()
     plain = poptorch.inferenceModel(copy.deepcopy(model))(x)
@@ -140,7 +141,8 @@ def test_readme_documents_the_numerics():
         assert phrase in text
 
 
-# -- floating-point exceptions (S-46) ---------------------------------------------------
+# -- floating-point exceptions (docs/semantics.md S-46)
+# ---------------------------------------------------
 
 class Divide(nn.Module):
     def forward(self, x, y):
@@ -155,7 +157,8 @@ def _fp(enabled):
 
 @pytest.mark.parametrize("d", [1, 3])
 def test_division_by_zero_raises_with_exceptions_on(d):
-    """S-46 example: x / 0 raises with the option on and returns inf with it off."""
+    """docs/semantics.md S-46 example: x / 0 raises with the option on and returns inf with it
+    off."""
     x, y = torch.ones(d * 2, 2), torch.zeros(d * 2, 2)
     opts = _fp(True).deviceIterations(d)
     with pytest.raises(poptorch.Error, match="Floating point exception") as info:

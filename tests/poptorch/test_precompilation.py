@@ -1,6 +1,7 @@
 """Precompiled executables: ``compileAndExport``, ``save``, ``poptorch.load``,
-``loadExecutable``, ``importPoptorchMetadataFromFile`` (spec api §2.3, §2.13,
-§5.4-§5.6; S-62, S-81, S-96), the file format's checks and the no-unpickling rule."""
+``loadExecutable``, ``importPoptorchMetadataFromFile`` (docs/api-sections.md api §2.3, §2.13,
+§5.4-§5.6; docs/semantics.md S-62, S-81, S-96), the file format's checks and the no-unpickling
+rule."""
 import copy
 import json
 import os
@@ -62,7 +63,7 @@ def test_inference_export_and_load_match_the_model(tmp_path, captures):
 
 
 def test_training_continues_bit_identically_after_load(tmp_path):
-    """Weights, Adam state and the dropout RNG stream carry over (S-62, S-96)."""
+    """Weights, Adam state and the dropout RNG stream carry over (docs/semantics.md S-62, S-96)."""
     model = Net(p=0.5)
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01, loss_scaling=2.0)
     opts = poptorch.Options().randomSeed(7)
@@ -296,7 +297,8 @@ def test_unpickle_model_restores_the_python_model(tmp_path):
 
 
 def test_offline_precompilation_and_edit_opts_fn(tmp_path):
-    """S-62 / S-81: precompile with useOfflineIpuTarget, run after poptorch.load."""
+    """docs/semantics.md S-62 / S-81: precompile with useOfflineIpuTarget, run after
+    poptorch.load."""
     x, _ = data()
     model = Net().eval()
     path = tmp_path / "offline.poptorch"
@@ -308,7 +310,7 @@ def test_offline_precompilation_and_edit_opts_fn(tmp_path):
         (o.connection_type, o.exists("ipu_version"))))
     assert seen == [(poptorch.ConnectionType.Always.value, False)]
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
-    # S-62: only run-time options may change after loading
+    # docs/semantics.md S-62: only run-time options may change after loading
     with pytest.raises(poptorch.Error, match="compile-time option replication_factor"):
         poptorch.load(str(path), edit_opts_fn=lambda o: o.replicationFactor(2))
 
@@ -331,7 +333,7 @@ def test_import_metadata_describes_the_file(exported):
 
 
 def test_loaded_models_are_not_connected(tmp_path):
-    """S-62: a loaded inference model does not follow a loaded training model."""
+    """docs/semantics.md S-62: a loaded inference model does not follow a loaded training model."""
     x, t = data()
     trainer = poptorch.trainingModel(Net())
     trainer.compileAndExport(str(tmp_path / "t.poptorch"), x, t)
@@ -483,7 +485,7 @@ def test_a_pipelined_training_model_keeps_its_placement_after_load(tmp_path):
 
 def test_every_options_group_can_be_stored_in_an_executable_file(tmp_path):
     """``Options.Backend`` lives in its own module: save() refused it and every
-    save / compileAndExport failed (api §5.4)."""
+    save / compileAndExport failed (docs/api-sections.md api §5.4)."""
     opts = poptorch.Options()
     decoded = _serialization.decode(_serialization.encode(opts))
     assert decoded.Backend.compilerName == opts.Backend.compilerName

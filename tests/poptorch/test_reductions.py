@@ -1,4 +1,4 @@
-"""Gradient reductions over accumulated micro-batches and replicas (spec S-41, S-42):
+"""Gradient reductions over accumulated micro-batches and replicas (docs/semantics.md S-41, S-42):
 the ``Mean`` strategies (Running, Post) and ``Sum`` against one big batch or a larger
 learning rate, float16 accumulators on the running mean, and ``identity_loss``
 reductions against plain PyTorch. Tolerance ``rtol=1e-5, atol=1e-6``."""
@@ -46,8 +46,8 @@ def _train_l1(base, a, r, reduction=None, strategy=None, lr=0.01, accum_type=Non
                                       poptorch.MeanReductionStrategy.Running])
 @pytest.mark.parametrize("a,r", [(4, 1), (2, 2), (1, 4)])
 def test_mean_reduction_strategies_equal_one_big_batch(strategy, a, r):
-    """S-41 example: Mean over A × R micro-batches of 2 == one batch of 2·A·R (L1 mean
-    loss), for both the running and the post mean (rtol 1e-5)."""
+    """docs/semantics.md S-41 example: Mean over A × R micro-batches of 2 == one batch of 2·A·R (L1
+    mean loss), for both the running and the post mean (rtol 1e-5)."""
     base = L1Model()
     x, t = torch.randn(8, 3), torch.randn(8, 1)
     model, training = _train_l1(base, a, r, strategy=strategy)
@@ -65,7 +65,8 @@ def test_mean_reduction_strategies_equal_one_big_batch(strategy, a, r):
 
 
 def test_sum_reduction_equals_larger_learning_rate():
-    """S-41 example: with Sum, A=2 and lr=0.01 equals A=1 (mean over 4) with lr=0.02."""
+    """docs/semantics.md S-41 example: with Sum, A=2 and lr=0.01 equals A=1 (mean over 4) with
+    lr=0.02."""
     base = L1Model()
     x, t = torch.randn(4, 3), torch.randn(4, 1)
     summed, training = _train_l1(base, 2, 1, reduction=poptorch.ReductionType.Sum)
@@ -78,7 +79,7 @@ def test_sum_reduction_equals_larger_learning_rate():
 
 
 def test_float16_accumulators_switch_to_running_mean(poptorch_logs):
-    """S-41: float16 accum_type (not SGD combined) → Running before compile; after
+    """docs/semantics.md S-41: float16 accum_type (not SGD combined) → Running before compile; after
     compiling with Post it is a ValueError; the combined SGD variant keeps Post."""
     base = L1Model()
     _, training = _train_l1(base, 2, 1, accum_type=torch.float16)
@@ -141,7 +142,8 @@ def test_identity_loss_reductions_train_like_plain_pytorch(reduction):
         opt.zero_grad()
         y = ref.fc(x[2 * i:2 * i + 2]) ** 2
         last = {"sum": y.sum(), "mean": y.mean(), "none": y}[reduction]
-        last.sum().backward()  # a non-scalar final loss behaves like its sum (S-40)
+        # a non-scalar final loss behaves like its sum (docs/semantics.md S-40)
+        last.sum().backward()
         opt.step()
     assert out.shape == last.shape
     torch.testing.assert_close(out, last.detach(), **TOL)

@@ -1,7 +1,7 @@
-"""Every call is all-or-nothing (S-73): an error or a Ctrl-C during a run leaves device
-weights, optimizer state, buffers, RNG and the host view as before the call; a failed
-first call commits no compilation; Ctrl-C during capture is deferred; a retry sees the
-user's fixes to the module's containers."""
+"""Every call is all-or-nothing (docs/semantics.md S-73): an error or a Ctrl-C during a run leaves
+device weights, optimizer state, buffers, RNG and the host view as before the call; a failed first
+call commits no compilation; Ctrl-C during capture is deferred; a retry sees the user's fixes to the
+module's containers."""
 import contextlib
 import copy
 import signal
@@ -246,8 +246,8 @@ def test_sigint_during_capture_is_deferred(default_sigint):
 def test_failed_first_call_does_not_freeze_the_signature(dtype):
     """Issue 14 item 5: a first call with the wrong dtype fails, commits nothing, and
     the next float32 call compiles and equals PyTorch. (A float16 ``x`` into a float32
-    ``Linear`` is not an error: it computes in float16, S-45's master-weight rule; see
-    test_master_weights.py.)"""
+    ``Linear`` is not an error: it computes in float16, docs/semantics.md S-45's master-weight rule;
+    see test_master_weights.py.)"""
     model = nn.Linear(4, 3)
     inference = poptorch.inferenceModel(model)
     bad = torch.ones(2, 4, dtype=dtype)

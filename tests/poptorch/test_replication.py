@@ -1,5 +1,5 @@
-"""Replication with input replica groups and replica-grouped weights (spec api §5.22;
-semantics S-25…S-27, S-36, S-41)."""
+"""Replication with input replica groups and replica-grouped weights
+(docs/api-sections.md api §5.22; docs/semantics.md S-25…S-27, S-36, S-41)."""
 import copy
 
 import pytest
@@ -14,7 +14,7 @@ VRM = poptorch.VariableRetrievalMode
 
 
 def replica_groups(kind, shards, r):
-    """Group index of each replica per S-27."""
+    """Group index of each replica per docs/semantics.md S-27."""
     if kind == CGT.All:
         return [0] * r
     if kind == CGT.NoGrouping:
@@ -24,7 +24,8 @@ def replica_groups(kind, shards, r):
     return [i % (r // shards) for i in range(r)]
 
 
-# -- input replica grouping (S-26) --------------------------------------------------------
+# -- input replica grouping (docs/semantics.md S-26)
+# --------------------------------------------------------
 
 class RowSums(nn.Module):
     def forward(self, x):
@@ -33,7 +34,7 @@ class RowSums(nn.Module):
 
 @pytest.mark.parametrize("kind", [CGT.Consecutive, CGT.Orthogonal])
 def test_input_replica_groups_share_streams(kind):
-    """S-26 example scaled to R=4, groups of 2, B=3: the input has 2×3 rows; each
+    """docs/semantics.md S-26 example scaled to R=4, groups of 2, B=3: the input has 2×3 rows; each
     replica sums the rows of its stream; a scalar output returns one value per
     replica."""
     opts = poptorch.Options().replicationFactor(4).inputReplicaGrouping(2, kind)
@@ -72,7 +73,8 @@ def test_training_with_input_groups_matches_plain_pytorch():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-# -- replica-grouped weights (S-27) --------------------------------------------------------
+# -- replica-grouped weights (docs/semantics.md S-27)
+# --------------------------------------------------------
 
 class Grouped(nn.Module):
     def __init__(self, w):
@@ -123,9 +125,9 @@ def test_inference_uses_each_groups_value(kind, shards, groups):
 
 @pytest.mark.parametrize("kind", [CGT.Consecutive, CGT.Orthogonal])
 def test_training_reduces_within_groups_and_divides_by_a_times_r(kind):
-    """S-27/S-41: W_g gets Σ over its replicas' micro-batches / (A × R); the ungrouped
-    fc is reduced over all replicas. OnePerGroup brings [G, ...] back; the optimizer
-    state has the group dimension."""
+    """docs/semantics.md S-27/S-41: W_g gets Σ over its replicas' micro-batches / (A × R); the
+    ungrouped fc is reduced over all replicas. OnePerGroup brings [G, ...] back; the optimizer state
+    has the group dimension."""
     r, a, shards = 4, 2, 2
     w = torch.randn(2, 3, 4)
     model = Grouped(w.clone())
@@ -170,7 +172,8 @@ def test_all_replicas_retrieval_returns_one_value_per_replica():
     torch.testing.assert_close(model.W[0], model.W[2])  # replicas 0 and 2: group 0
     torch.testing.assert_close(model.W[1], model.W[3])
     assert not torch.equal(model.W[0], model.W[1])
-    assert training._state.binding.optimizer.state_dict()["ipu_state"]["Accl1___W"].shape == (2, 3, 4)
+    state = training._state.binding.optimizer.state_dict()["ipu_state"]
+    assert state["Accl1___W"].shape == (2, 3, 4)
     training.copyWeightsToDevice()  # [R, ...] host values are accepted back
     training(x, t)
 
@@ -200,7 +203,8 @@ def test_replica_grouping_errors():
     inference(torch.randn(4, 3))  # fixed: compiles
 
 
-# -- buffers and replication (S-36) -----------------------------------------------------
+# -- buffers and replication (docs/semantics.md S-36)
+# -----------------------------------------------------
 
 def test_per_replica_batchnorm_statistics_in_training():
     """broadcastBuffers(False): each replica's running statistics follow its own data;
@@ -229,7 +233,8 @@ def test_per_replica_batchnorm_statistics_in_training():
     torch.testing.assert_close(model.bn.running_var, replica0.bn.running_var)
 
 
-# -- input replica grouping of inference (S-26) ----------------------------------------
+# -- input replica grouping of inference (docs/semantics.md S-26)
+# ----------------------------------------
 
 @pytest.mark.parametrize("group_type,expected", [
     (poptorch.CommGroupType.Consecutive, [0, 0, 1, 1]),

@@ -1,5 +1,5 @@
 """Device random numbers: seeds, ``rng_state``, dropout and ``torch.rand*`` inside the
-model (spec api §5.16; semantics S-95…S-97)."""
+model (docs/api-sections.md api §5.16; docs/semantics.md S-95…S-97)."""
 import copy
 
 import pytest
@@ -38,7 +38,7 @@ def seeded(seed=42, **kw):
 
 
 def test_same_seed_same_numbers_across_wrappers():
-    """S-95 example: two wrappers with randomSeed(42) return identical tensors."""
+    """docs/semantics.md S-95 example: two wrappers with randomSeed(42) return identical tensors."""
     x = torch.zeros(4, 3)
     a = poptorch.inferenceModel(Noise(), seeded(42))(x)
     b = poptorch.inferenceModel(Noise(), seeded(42))(x)
@@ -67,8 +67,8 @@ def test_numbers_differ_between_iterations_replicas_and_calls():
 
 
 def test_rng_state_before_and_after_runs():
-    """S-97: before any run [seed] (or None without a seed); a model without random
-    ops reports seed 0."""
+    """docs/semantics.md S-97: before any run [seed] (or None without a seed); a model without
+    random ops reports seed 0."""
     model = poptorch.inferenceModel(Noise(), seeded(3))
     with pytest.raises(poptorch.Error, match="Model has not been compiled"):
         model.rng_state
@@ -86,8 +86,8 @@ def test_rng_state_before_and_after_runs():
 
 
 def test_restoring_rng_state_replays_random_numbers():
-    """S-96 example: s = m.rng_state; a = m(x); m.rng_state = s; b = m(x) → a == b.
-    (Dropout is the identity in inference models, S-34: random masks come from
+    """docs/semantics.md S-96 example: s = m.rng_state; a = m(x); m.rng_state = s; b = m(x) → a ==
+    b. (Dropout is the identity in inference models, docs/semantics.md S-34: random masks come from
     torch.rand here.)"""
     class Mask(nn.Module):
         def forward(self, x):

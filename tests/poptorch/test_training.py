@@ -1,6 +1,6 @@
 """trainingModel: losses, accumulation, replication, optimizers, weight sync
-(spec api §2.1, §6; semantics S-10…S-13, S-31…S-36, S-40…S-43). Wrapping, detaching,
-destroying and ``setOptimizer``: ``test_executor.py``."""
+(docs/api-sections.md api §2.1, §6; docs/semantics.md S-10…S-13, S-31…S-36, S-40…S-43). Wrapping,
+detaching, destroying and ``setOptimizer``: ``test_executor.py``."""
 import copy
 import io
 import pickle
@@ -28,7 +28,7 @@ def test_sgd_momentum_matches_plain_pytorch(d, a, r):
         x, t = torch.randn(n, 6), torch.randint(0, 4, (n,))
         out, loss = training(x, t)
         ref_outs, ref_losses = reference_training(ref, ref_opt, x, t, d, a, r)
-        # Final: the last micro-batch of each replica (S-12)
+        # Final: the last micro-batch of each replica (docs/semantics.md S-12)
         assert out.shape == (r * 3, 4)
         assert loss.shape == ((r,) if r > 1 else ())
         torch.testing.assert_close(loss.reshape(-1), torch.stack(ref_losses[-r:]),
@@ -74,7 +74,8 @@ def test_default_optimizer_is_sgd_lr_001():
 
 
 def test_sum_reduction_matches_larger_learning_rate():
-    """S-41: with Sum, A=2 and lr=0.01 equals A=1 with lr=0.02 on the same samples."""
+    """docs/semantics.md S-41: with Sum, A=2 and lr=0.01 equals A=1 with lr=0.02 on the same
+    samples."""
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -110,7 +111,7 @@ def test_sum_reduction_matches_larger_learning_rate():
 
 
 def test_training_output_modes():
-    """S-12: training D=1000-style shapes, scaled down to D=8."""
+    """docs/semantics.md S-12: training D=1000-style shapes, scaled down to D=8."""
     def run(mode=None, period=None, d=8, r=1):
         opts = poptorch.Options().deviceIterations(d).replicationFactor(r)
         if mode is not None:
@@ -143,7 +144,7 @@ def test_sum_output_equals_sum_of_losses():
 
 
 def test_forward_values_use_weights_before_the_update():
-    """S-43: the first call returns the loss of the initial weights."""
+    """docs/semantics.md S-43: the first call returns the loss of the initial weights."""
     model = Classifier()
     x, t = torch.randn(4, 6), torch.randint(0, 4, (4,))
     with torch.no_grad():
@@ -155,7 +156,8 @@ def test_forward_values_use_weights_before_the_update():
     assert second < first
 
 
-# -- losses (S-40, S-42) -----------------------------------------------------------------
+# -- losses (docs/semantics.md S-40, S-42)
+# -----------------------------------------------------------------
 
 class Linear2(nn.Module):
     def __init__(self):
@@ -256,7 +258,7 @@ def test_frozen_parameters_are_not_updated():
 
 
 def test_parameters_outside_param_groups_use_defaults():
-    """S-55: fc2 is not in the optimizer, still trained with the defaults."""
+    """docs/semantics.md S-55: fc2 is not in the optimizer, still trained with the defaults."""
     m = Classifier()
     before = m.fc2.weight.detach().clone()
     opt = poptorch.optim.SGD(m.fc1.parameters(), lr=0.1)
@@ -280,7 +282,8 @@ def test_non_scalar_final_loss_behaves_like_its_sum():
     assert_same_weights(m, ref, rtol=1e-5, atol=1e-6)
 
 
-# -- weight synchronisation (S-31…S-34, api §6) -------------------------------------------
+# -- weight synchronisation (docs/semantics.md S-31…S-34, docs/api-sections.md api §6)
+# -------------------------------------------
 
 def test_training_model_is_instrumented_and_syncs_lazily(poptorch_logs):
     m = Classifier()
@@ -336,7 +339,8 @@ def test_inference_wrapper_follows_training_with_one_copy_each_way(poptorch_logs
 
 
 def test_copy_weights_to_device_restores_initial_weights():
-    """S-32: without touching the host, copyWeightsToDevice discards device training."""
+    """docs/semantics.md S-32: without touching the host, copyWeightsToDevice discards device
+    training."""
     m = Classifier()
     initial = copy.deepcopy(m.state_dict())
     training = poptorch.trainingModel(m)
@@ -386,7 +390,8 @@ def test_batchnorm_statistics_update_on_device():
 
 
 def test_buffer_updated_per_micro_batch_like_cpu():
-    """S-35 training example: buffer += conv.bias[0], D=3, A=5, 10 calls → 150 steps."""
+    """docs/semantics.md S-35 training example: buffer += conv.bias[0], D=3, A=5, 10 calls → 150
+    steps."""
     class M(nn.Module):
         def __init__(self):
             super().__init__()

@@ -146,5 +146,5 @@ def test_bert_style_sdpa_inference_prints_no_vmap_note(monkeypatch, capfd):
     err = capfd.readouterr().err
     assert "performance drop" not in err and "file us an issue" not in err
     assert not [str(w.message) for w in record if "performance drop" in str(w.message)]
-    bert.eval()  # dropout is the identity in inference models (S-34)
+    bert.eval()  # dropout is the identity in inference models (docs/semantics.md S-34)
     torch.testing.assert_close(out, Logits()(ids, mask), rtol=1e-5, atol=1e-5)

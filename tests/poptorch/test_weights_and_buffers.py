@@ -1,4 +1,4 @@
-"""Weights and buffers between host and device (spec semantics S-30…S-36, S-40):
+"""Weights and buffers between host and device (spec docs/semantics.md S-30…S-36, S-40):
 frozen parameters, buffers, host changes and copies, ``load_state_dict``, and several
 wrappers of one host model."""
 import copy
@@ -40,7 +40,7 @@ def data(n, seed=0):
     lambda p: poptorch.optim.LAMB(p, lr=0.1),
 ], ids=["sgd", "sgd-combined", "adamw", "lamb"])
 def test_frozen_parameters_are_not_updated(make):
-    """S-40: requires_grad=False is never updated — not even by weight decay."""
+    """docs/semantics.md S-40: requires_grad=False is never updated — not even by weight decay."""
     model = BNNet()
     model.fc1.weight.requires_grad_(False)
     frozen = model.fc1.weight.detach().clone()
@@ -78,8 +78,8 @@ def test_batchnorm_buffers_in_training_then_inference():
 
 
 def test_inference_batchnorm_in_train_mode_updates_device_buffers_only():
-    """S-35: an inference wrapper updates buffers on the device; the host sees them
-    after copyWeightsToHost."""
+    """docs/semantics.md S-35: an inference wrapper updates buffers on the device; the host sees
+    them after copyWeightsToHost."""
     model = nn.BatchNorm1d(3).train()
     ref = copy.deepcopy(model)
     inference = poptorch.inferenceModel(model)
@@ -92,7 +92,8 @@ def test_inference_batchnorm_in_train_mode_updates_device_buffers_only():
 
 
 def test_alternating_training_and_inference_always_sees_the_latest_weights():
-    """S-31: every switch pulls the trainer's weights once and uploads them once."""
+    """docs/semantics.md S-31: every switch pulls the trainer's weights once and uploads them
+    once."""
     model = BNNet()
     training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.2))
@@ -112,7 +113,8 @@ def test_alternating_training_and_inference_always_sees_the_latest_weights():
 
 
 def test_first_compile_uses_the_weights_at_compile_time():
-    """S-33: wrap, train on the CPU, then the first call compiles with the CPU weights."""
+    """docs/semantics.md S-33: wrap, train on the CPU, then the first call compiles with the CPU
+    weights."""
     model = nn.Linear(4, 2)
     inference = poptorch.inferenceModel(model)
     with torch.no_grad():
@@ -123,8 +125,9 @@ def test_first_compile_uses_the_weights_at_compile_time():
 
 
 def test_cases_that_need_explicit_copies():
-    """S-32: host edits after compilation are not pushed implicitly; copyWeightsToDevice
-    on a trainer without touching the host restores the weights it last uploaded."""
+    """docs/semantics.md S-32: host edits after compilation are not pushed implicitly;
+    copyWeightsToDevice on a trainer without touching the host restores the weights it last
+    uploaded."""
     model = BNNet()
     inference = poptorch.inferenceModel(model)
     probe = torch.randn(3, 4)
@@ -146,7 +149,8 @@ def test_cases_that_need_explicit_copies():
         assert torch.equal(v, initial[k]), k
 
 
-# -- weights and buffers of inference models (S-30…S-35) -------------------------------
+# -- weights and buffers of inference models (docs/semantics.md S-30…S-35)
+# -------------------------------
 
 def test_buffer_persists_between_calls_and_needs_explicit_copy_to_host():
     class M(nn.Module):
@@ -162,7 +166,7 @@ def test_buffer_persists_between_calls_and_needs_explicit_copy_to_host():
     model = poptorch.inferenceModel(m)
     assert model(torch.zeros(1)).tolist() == [1.0]
     assert model(torch.zeros(1)).tolist() == [2.0]
-    assert m.i.tolist() == [0.0]  # S-35: inference never marks the host stale
+    assert m.i.tolist() == [0.0]  # docs/semantics.md S-35: inference never marks the host stale
     model.copyWeightsToHost()
     assert m.i.tolist() == [2.0]
 
@@ -175,7 +179,7 @@ def test_shallow_copy_shares_tensors_not_attributes():
     with torch.no_grad():
         m.fc.weight.fill_(0)
         m.fc.bias.fill_(1)
-    assert torch.equal(model(torch.randn(2, 6)), torch.ones(2, 20))  # S-33
+    assert torch.equal(model(torch.randn(2, 6)), torch.ones(2, 20))  # docs/semantics.md S-33
 
 
 def test_host_changes_need_copy_weights_to_device():
@@ -185,7 +189,7 @@ def test_host_changes_need_copy_weights_to_device():
     before = model(x)
     with torch.no_grad():
         m.fc.bias.add_(1)
-    assert torch.equal(model(x), before)  # S-32
+    assert torch.equal(model(x), before)  # docs/semantics.md S-32
     model.copyWeightsToDevice()
     torch.testing.assert_close(model(x), before + 1)
 
@@ -226,7 +230,8 @@ def test_deep_copy_of_model_is_independent():
     torch.testing.assert_close(model(x), m(x).detach())
 
 
-# -- a second trainer of the model (S-31) ----------------------------------------------
+# -- a second trainer of the model (docs/semantics.md S-31)
+# ----------------------------------------------
 
 class _Classifier(nn.Module):
     def __init__(self):
@@ -240,10 +245,10 @@ class _Classifier(nn.Module):
 
 @pytest.mark.parametrize("drop", ["destroy", "garbage_collect"])
 def test_inference_sees_weights_of_a_second_trainer_of_the_model(drop):
-    """S-31: an inference wrapper uploads the trained weights of whichever trainer wraps
-    its model now. A second ``trainingModel`` of the model (after the first one was
-    destroyed or freed) counts its host copies from 1 again; its first copy must not be
-    taken for the first trainer's copy that the inference wrapper already uploaded."""
+    """docs/semantics.md S-31: an inference wrapper uploads the trained weights of whichever trainer
+    wraps its model now. A second ``trainingModel`` of the model (after the first one was destroyed
+    or freed) counts its host copies from 1 again; its first copy must not be taken for the first
+    trainer's copy that the inference wrapper already uploaded."""
     torch.manual_seed(0)
     model = _Classifier()
     ref = copy.deepcopy(model)

@@ -1,7 +1,8 @@
 """The device optimizer (optim/device_optimizer.py) on its own: accumulation and
-reductions (S-41), the update rules against ``torch.optim`` (S-54), the ``foreach``
-update, loss scaling (S-51, S-57), replica-grouped weights (S-27), changes that need a
-recompilation, and the same updates on CUDA. Nothing here imports ``poptorch``."""
+reductions (docs/semantics.md S-41), the update rules against ``torch.optim``
+(docs/semantics.md S-54), the ``foreach`` update, loss scaling (docs/semantics.md S-51, S-57),
+replica-grouped weights (docs/semantics.md S-27), changes that need a recompilation, and the same
+updates on CUDA. Nothing here imports ``poptorch``."""
 import copy
 import math
 
@@ -120,8 +121,8 @@ def test_sum_reduction_does_not_divide():
 
 @pytest.mark.parametrize("running", [False, True])
 def test_grouped_weights_reduce_within_groups_and_divide_by_a_times_r(running):
-    """S-27/S-41: Orthogonal groups of 2 over R=4: W[g] gets the sum of its replicas'
-    gradients / (A × R)."""
+    """docs/semantics.md S-27/S-41: Orthogonal groups of 2 over R=4: W[g] gets the sum of its
+    replicas' gradients / (A × R)."""
     r, a = 4, 2
     groups = [0, 1, 0, 1]
     w = torch.zeros(2, 3)
@@ -154,7 +155,8 @@ def test_lamb_trust_ratio_is_per_group_for_grouped_weights():
 
 
 def test_rmsprop_tensorflow_variant():
-    """S-54: square average starts at 1, eps inside the sqrt, lr in the momentum."""
+    """docs/semantics.md S-54: square average starts at 1, eps inside the sqrt, lr in the
+    momentum."""
     w = torch.tensor([1.0, 2.0])
     desc = description("RMSprop", lr=0.1, alpha=0.9, eps=1e-3, weight_decay=0.0,
                        momentum=0.5, centered=False)
@@ -265,7 +267,7 @@ def test_sgd_dampening_without_momentum_scales_the_step():
     p = [torch.ones(2)]
     opt = DeviceOptimizer(description("SGD", lr=0.5, momentum=0.0, dampening=0.5), ["w"], p)
     opt.step(p, [torch.ones(2)])
-    assert p[0].tolist() == [0.75, 0.75]  # lr * (1 - dampening) (S-54 quirk)
+    assert p[0].tolist() == [0.75, 0.75]  # lr * (1 - dampening) (docs/semantics.md S-54 quirk)
 
 
 def test_lamb_follows_the_formula():

@@ -1,6 +1,6 @@
 """``check_buffers`` (passes/checks.py): buffers written in place while replicas take
-different data need ``broadcastBuffers(False)`` (S-36). Graph in, the same graph out,
-or an ``Error``."""
+different data need ``broadcastBuffers(False)`` (docs/semantics.md S-36). Graph in, the same graph
+out, or an ``Error``."""
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
 """``check_inputs`` (passes/checks.py): the dtypes the IPU takes as inputs and outputs
-(S-45; complex values only inside the graph) and no zero-sized user input or output
-(S-3). Graph in, the same graph out, or an ``Error``."""
+(docs/semantics.md S-45; complex values only inside the graph) and no zero-sized user input or
+output (docs/semantics.md S-3). Graph in, the same graph out, or an ``Error``."""
 import pytest
 import torch
 import torch.nn as nn

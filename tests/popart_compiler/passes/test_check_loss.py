@@ -1,5 +1,5 @@
 """``check_loss`` (passes/checks.py): a training graph has exactly one final loss,
-returned once by ``forward`` (S-40); its output index becomes ``c.loss_index``."""
+returned once by ``forward`` (docs/semantics.md S-40); its output index becomes ``c.loss_index``."""
 import pytest
 import torch
 import torch.nn as nn

@@ -1,7 +1,6 @@
 """``check_options`` (passes/checks.py): output-mode periods against
-``device_iterations`` (S-12), positive batching factors, no gradient accumulation in
-inference, a valid distributed process id. Graph in, the same graph out, or an
-``Error``."""
+``device_iterations`` (docs/semantics.md S-12), positive batching factors, no gradient accumulation
+in inference, a valid distributed process id. Graph in, the same graph out, or an ``Error``."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""``check_overlapped_io`` (passes/compiler_hints.py): S-66's rules for the
+"""``check_overlapped_io`` (passes/compiler_hints.py): docs/semantics.md S-66's rules for the
 ``set_overlap_for_input`` / ``set_overlap_for_output`` markers. The graphs hold the
 ``poptorch::`` ops, so this file imports their registration (``poptorch._ops.library``)."""
 import pytest

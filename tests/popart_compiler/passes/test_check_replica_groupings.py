@@ -1,5 +1,5 @@
 """``check_replica_groupings`` (passes/checks.py): replica-grouped weights are
-parameters whose grouping fits the replicas (S-27)."""
+parameters whose grouping fits the replicas (docs/semantics.md S-27)."""
 import pytest
 import torch
 

@@ -1,5 +1,5 @@
 """``demote_float64`` (passes/dtypes.py): ``torch.float64`` in op arguments becomes
-``torch.float32`` (S-44), with PopTorch's warning."""
+``torch.float32`` (docs/semantics.md S-44), with PopTorch's warning."""
 import pytest
 import torch
 import torch.nn as nn

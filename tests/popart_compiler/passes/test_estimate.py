@@ -1,5 +1,6 @@
 """``estimate`` (passes/estimate.py): the IPU Model's memory and cycles of the placed
-program (``c.estimate``), the profile report when asked for (S-85) and the report of a
+program (``c.estimate``), the profile report when asked for (docs/semantics.md S-85) and the report
+of a
 program that does not fit: a warning, as Poplar's IPU Model, or the error in strict
 mode."""
 import json
@@ -97,8 +98,8 @@ class Exps(nn.Module):
 
 
 def test_a_demoted_float64_program_is_estimated_as_float32():
-    """S-44: the IPU has no 64-bit type; a float64 program runs, and is estimated, as
-    the float32 one."""
+    """docs/semantics.md S-44: the IPU has no 64-bit type; a float64 program runs, and is estimated,
+    as the float32 one."""
     x = torch.randn(256, 256)
     memory = {}
     for dtype in (torch.float32, torch.float64):

@@ -53,6 +53,7 @@ def test_inductor_compiles_a_copy_at_its_first_call(run_pass):
     assert c.stage_runner.keywords == {"random": False}
     assert inductor.compile_count() == before  # nothing compiled yet
     ops = {str(n.target) for n in c.runner._gm.graph.nodes if n.op == "call_function"}
-    if torch.backends.mkldnn.is_available():  # on the CPU: oneDNN linears
-        assert "popart_compiler.onednn_linear.default" in ops
+    if torch.backends.mkldnn.is_available():  # on the CPU, inference: prepacked linears
+        assert "popart_compiler.onednn_linear_packed.default" in ops
+        assert "popart_compiler.onednn_linear.default" not in ops
     assert "aten.linear.default" in {str(n.target) for n in g.module.graph.nodes}

@@ -1,5 +1,5 @@
 """``name_tensors`` (passes/anchors.py): ``c.tensor_names``, every tensor name of the
-program (S-16, ``PoplarExecutor.getTensorNames()``)."""
+program (docs/semantics.md S-16, ``PoplarExecutor.getTensorNames()``)."""
 import torch
 import torch.nn as nn
 

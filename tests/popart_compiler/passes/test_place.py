@@ -1,5 +1,5 @@
 """``place`` (passes/placement.py) and the execution-strategy checks it runs: graph
-in, placed graph out (spec S-60, S-63, S-64, S-65). Nothing here imports
+in, placed graph out (docs/semantics.md S-60, S-63, S-64, S-65). Nothing here imports
 ``poptorch``: the capture's block tags are written by the model itself."""
 import pytest
 import torch

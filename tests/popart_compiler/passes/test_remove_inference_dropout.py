@@ -1,5 +1,5 @@
 """``remove_inference_dropout`` and the rewrite under it, ``remove_dropout``
-(passes/dropout.py): in inference sessions every dropout is the identity (spec S-34),
+(passes/dropout.py): in inference sessions every dropout is the identity (docs/semantics.md S-34),
 whatever mode the module was captured in; training keeps it."""
 import pytest
 import torch

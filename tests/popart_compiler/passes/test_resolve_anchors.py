@@ -1,7 +1,6 @@
-"""``resolve_anchors`` (passes/anchors.py): requested anchors (S-15) sorted into state
-anchors (weights, gradients, updated weights, optimizer state, loss scaling) and
-activation anchors, whose values are appended to the graph's outputs after the user
-outputs, in order."""
+"""``resolve_anchors`` (passes/anchors.py): requested anchors (docs/semantics.md S-15) sorted into
+state anchors (weights, gradients, updated weights, optimizer state, loss scaling) and activation
+anchors, whose values are appended to the graph's outputs after the user outputs, in order."""
 import pytest
 import torch
 

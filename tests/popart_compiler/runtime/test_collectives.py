@@ -1,4 +1,5 @@
-"""The cross-process reduction of weight updates (S-28, S-41, S-57) without launching
+"""The cross-process reduction of weight updates (docs/semantics.md S-28, S-41, S-57) without
+launching
 processes: two "processes" are two threads whose ``StepSettings.all_reduce`` meets at a
 barrier and sums their tensors, as ``collectives.ProcessGroup.all_reduce_sum`` does.
 Nothing here imports ``poptorch``."""

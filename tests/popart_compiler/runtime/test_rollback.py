@@ -1,4 +1,4 @@
-"""Sessions roll a failed run back (S-73) and defer SIGINT where a half-done step
+"""Sessions roll a failed run back (docs/semantics.md S-73) and defer SIGINT where a half-done step
 would corrupt state. Nothing here imports ``poptorch``."""
 import signal
 import threading

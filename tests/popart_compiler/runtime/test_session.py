@@ -1,6 +1,7 @@
 """The inference session (runtime/session.py) on its own: output modes and periods
-(S-12), replicas and input groups (S-13, S-26), the reduction of outputs, the device
-RNG (S-95) and floating-point checks (S-46). Nothing here imports ``poptorch``."""
+(docs/semantics.md S-12), replicas and input groups (docs/semantics.md S-13, S-26), the reduction of
+outputs, the device RNG (docs/semantics.md S-95) and floating-point checks (docs/semantics.md S-46).
+Nothing here imports ``poptorch``."""
 import pytest
 import torch
 import torch.nn as nn
@@ -53,7 +54,7 @@ def test_reduce_output_scalar_rules():
 
 
 def test_rng_state_roundtrip_and_seed():
-    class Drop(nn.Module):  # dropout is the identity in inference sessions (S-34)
+    class Drop(nn.Module):  # dropout is the identity in inference sessions (docs/semantics.md S-34)
         def forward(self, x):
             return x * (torch.rand_like(x) > 0.5)
 

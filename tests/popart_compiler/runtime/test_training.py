@@ -1,6 +1,6 @@
 """The training session (runtime/training.py) on its own: device iterations and
-gradient accumulation against a manual PyTorch loop (S-10, S-41, S-56), and a
-floating-point exception that undoes the run (S-46, S-73). Nothing here imports
+gradient accumulation against a manual PyTorch loop (docs/semantics.md S-10, S-41, S-56), and a
+floating-point exception that undoes the run (docs/semantics.md S-46, S-73). Nothing here imports
 ``poptorch``."""
 import copy
 
@@ -47,7 +47,7 @@ def test_training_session_matches_manual_loop():
     weights = session.readWeights()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=1e-5, atol=1e-6)
-    # velocity and (A > 1) gradient accumulator of every weight (S-56)
+    # velocity and (A > 1) gradient accumulator of every weight (docs/semantics.md S-56)
     assert set(session.readOptimizerState()) == {
         f"{kind}___{n}" for n, _ in ref.named_parameters() for kind in ("Accl", "Accum")}
 

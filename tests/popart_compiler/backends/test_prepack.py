@@ -1,0 +1,53 @@
+"""``popart_compiler.backends.prepack``: convolutions whose weight is a graph input become
+the prepacked oneDNN kernel, give eager's results, and follow in-place weight writes."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from popart_compiler.backends import prepack
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="oneDNN is not available")
+
+
+def _conv(x, w, b):
+    return torch.ops.aten.convolution.default(x, w, b, [1, 1], [1, 1], [1, 1], False,
+                                              [0, 0], 1)
+
+
+def _graph():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
+    return make_fx(_conv, tracing_mode="fake")(x, w, b), (x, w, b)
+
+
+def test_a_convolution_on_a_weight_input_is_prepacked_and_matches_eager():
+    gm, (x, w, b) = _graph()
+    prepack.prepack_inference(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.popart_compiler.onednn_conv2d.default in targets
+    assert torch.ops.aten.convolution.default not in targets
+    out = gm(x, w, b)
+    assert out.shape == (2, 4, 8, 8) and out.dtype == torch.float32
+    torch.testing.assert_close(out, _conv(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_an_in_place_write_to_the_weight_is_used_at_the_next_call():
+    gm, (x, w, b) = _graph()
+    prepack.prepack_inference(gm)
+    gm(x, w, b)
+    assert prepack.packed_weights() >= 1
+    with torch.no_grad():
+        w.mul_(-2.0)  # bumps the version counter: packed again
+    torch.testing.assert_close(gm(x, w, b), _conv(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_computed_weight_is_not_rewritten():
+    def conv_of_computed(x, w, b):
+        return _conv(x, w * 2.0, b)
+    _, (x, w, b) = _graph()
+    gm = make_fx(conv_of_computed, tracing_mode="fake")(x, w, b)
+    prepack.prepack_inference(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.convolution.default in targets
+    torch.testing.assert_close(gm(x, w, b), conv_of_computed(x, w, b))

@@ -1,0 +1,171 @@
+"""Inference on the CPU with prepacked oneDNN weights and channels-last convolutions
+(issue 30, ``popart_compiler/backends/prepack.py``): same results as eager PyTorch, and
+weights uploaded with ``copyWeightsToDevice`` are used at the next call without a
+recompilation.
+
+Most tests replace TorchInductor's compilation by the graph itself (the rewritten
+graph then runs the prepacking kernels uncompiled); one compiles for real (slow).
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import poptorch
+from popart_compiler.backends import inductor as inductor_backend
+from popart_compiler.backends import prepack
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2, bias=False), nn.ReLU(),
+            nn.Conv2d(8, 4, 1))
+        self.fc = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.fc(self.features(x).flatten(1))
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    compiled = []
+
+    def fake(gm, example_inputs, *, random):  # pylint: disable=unused-argument
+        compiled.append(gm)
+        return gm
+    monkeypatch.setattr(inductor_backend, "_inductor", fake)
+    return compiled
+
+
+def _targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _model(iterations=2):
+    torch.manual_seed(0)
+    m = _Net().eval()
+    with torch.no_grad():  # BatchNorm statistics that do something
+        m.features[1].running_mean.uniform_(-0.5, 0.5)
+        m.features[1].running_var.uniform_(0.5, 2.0)
+    opts = poptorch.Options().deviceIterations(iterations)
+    opts.Backend.compiler("inductor")
+    return m, poptorch.inferenceModel(m, opts)
+
+
+def test_inference_graphs_run_prepacked_kernels_and_match_eager(stand_in):
+    m, model = _model()
+    x = torch.randn(6, 3, 8, 8)
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    targets = [t for gm in stand_in for t in _targets(gm)]
+    assert targets.count("popart_compiler.onednn_conv2d.default") >= 3
+    assert "popart_compiler.onednn_linear_packed.default" in targets
+    assert "aten.convolution.default" not in targets
+    assert "aten.conv2d.default" not in targets
+    assert prepack.packed_weights() >= 4
+
+
+def test_uploaded_weights_are_repacked_without_recompiling(stand_in):
+    m, model = _model()
+    x = torch.randn(6, 3, 8, 8)
+    before = model(x)
+    compiled = len(stand_in)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(-1.5).add_(0.25)
+    model.copyWeightsToDevice()
+    after = model(x)
+    torch.testing.assert_close(after, m(x).detach(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after, before)
+    assert len(stand_in) == compiled  # no new compilation
+    model.copyWeightsToDevice()  # the same values again: still the right results
+    torch.testing.assert_close(model(x), after, rtol=0, atol=0)
+
+
+def test_training_graphs_keep_plain_convolutions(stand_in):
+    torch.manual_seed(0)
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _Net()
+
+        def forward(self, x, t):
+            out = self.net(x)
+            return out, nn.functional.cross_entropy(out, t)
+    m = WithLoss()
+    opts = poptorch.Options()
+    opts.Backend.compiler("inductor")
+    model = poptorch.trainingModel(m, opts, poptorch.optim.SGD(m.parameters(), lr=0.1))
+    model(torch.randn(3, 3, 8, 8), torch.randint(0, 5, (3,)))
+    targets = [t for gm in stand_in for t in _targets(gm)]
+    assert "aten.conv2d.default" in targets or "aten.convolution.default" in targets
+    assert not [t for t in targets if "onednn_conv2d" in t or "linear_packed" in t]
+
+
+def test_prepacked_conv_kernel_matches_conv2d_and_follows_in_place_writes():
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 9, 9)
+    w, b = torch.randn(4, 3, 3, 3), torch.randn(4)
+    conv = torch.ops.popart_compiler.onednn_conv2d
+    out = conv(x, w, b, [2, 2], [1, 1], [1, 1], 2)
+    ref = nn.functional.conv2d(x, w, b, 2, 1, 1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    w.mul_(2.0)  # an in-place write: packed again
+    torch.testing.assert_close(conv(x, w, b, [2, 2], [1, 1], [1, 1], 2),
+                               nn.functional.conv2d(x, w, b, 2, 1, 1, 2),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_real_inductor_compilation_uses_uploaded_weights():
+    m, model = _model()
+    x = torch.randn(6, 3, 8, 8)
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    count = inductor_backend.compile_count()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.5).add_(-0.1)
+    model.copyWeightsToDevice()
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    assert inductor_backend.compile_count() == count
+
+
+def test_a_convolution_as_the_output_keeps_its_values(stand_in):
+    """The prepacked convolution returns channels-last results; as a user output they
+    are the same values as eager PyTorch's."""
+    torch.manual_seed(0)
+    m = nn.Conv2d(3, 4, 3, padding=1).eval()
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Backend.compiler("inductor")
+    model = poptorch.inferenceModel(m, opts)
+    x = torch.randn(4, 3, 5, 5)
+    out = model(x)
+    assert out.shape == (4, 4, 5, 5)
+    torch.testing.assert_close(out, m(x).detach(), rtol=1e-5, atol=1e-5)
+    assert any("onednn_conv2d" in t for gm in stand_in for t in _targets(gm))
+
+
+def test_calls_under_inference_mode_run(stand_in):
+    """Under ``torch.inference_mode`` (tensors without a version counter) the kernels
+    run on the plain weights: same values."""
+    m, model = _model()
+    x = torch.randn(6, 3, 8, 8)
+    with torch.inference_mode():
+        out = model(x)
+        again = model(x)
+    torch.testing.assert_close(out, m(x).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    x_inf = torch.randn(2, 3, 8, 8)
+    with torch.inference_mode():
+        w = torch.randn(4, 3, 3, 3)
+        out = torch.ops.popart_compiler.onednn_conv2d(x_inf, w, None, [1, 1], [1, 1],
+                                                      [1, 1], 1)
+        lin = torch.ops.popart_compiler.onednn_linear_packed(x_inf.flatten(1),
+                                                             torch.randn(5, 192), None)
+    torch.testing.assert_close(out, nn.functional.conv2d(x_inf, w, None, 1, 1),
+                               rtol=1e-5, atol=1e-5)
+    assert lin.shape == (2, 5)
