@@ -142,6 +142,9 @@ class Optimizer:
         self._state_dict = {"ipu_state": state_dict["ipu_state"],
                             "ipu_param": state_dict["ipu_param"]}
         self._state_pending = state_dict["ipu_state"] is not None
+        # Loaded hyper-parameter tensors are written with the state (PopTorch's
+        # ipu_param); a state read back from the device and re-uploaded is not.
+        self._params_loaded = self._state_pending and state_dict["ipu_param"] is not None
 
     def get_state_dict(self) -> Dict[str, Any]:
         """The host copy of the IPU state (no device read)."""
@@ -240,12 +243,20 @@ def store_device_state(optimizer: Optimizer, ipu_state: Dict[str, torch.Tensor],
 def drop_pending_state(optimizer: Optimizer) -> None:
     """Forget a loaded state that did not fit the device."""
     optimizer._state_pending = False
+    optimizer._params_loaded = False
     optimizer._state_dict = dict(optimizer._state_dict, ipu_state=None, ipu_param=None)
 
 
 def written_to_device(optimizer: Optimizer) -> None:
     """The pending state is now on the device."""
     optimizer._state_pending = False
+    optimizer._params_loaded = False
+
+
+def params_loaded(optimizer: Optimizer) -> bool:
+    """The pending state's ``ipu_param`` came from ``load_state_dict``: the device
+    uses those hyper-parameter values until the param groups change."""
+    return bool(getattr(optimizer, "_params_loaded", False))
 
 
 def _check_tensor_dict(key: str, value: Any) -> None:

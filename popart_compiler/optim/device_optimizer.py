@@ -45,6 +45,7 @@ import torch
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.optim.description import OptimizerDescription, describe_change
+from popart_compiler.optim.loaded_params import LoadedParams
 from popart_compiler.optim.step_settings import StepSettings
 from popart_compiler.optim.updates import UpdateRules, float32_work
 
@@ -56,7 +57,7 @@ FLOAT16_MAX = 65504.0
 _FLOAT16_MIN_NORMAL = 2.0 ** -14
 
 
-class DeviceOptimizer(UpdateRules):
+class DeviceOptimizer(UpdateRules, LoadedParams):
     """The optimizer state and update of one training session.
 
     Args:
@@ -84,6 +85,8 @@ class DeviceOptimizer(UpdateRules):
         # gradient rather than from zero).
         self._started_names: Set[str] = set()
         self._signature = description.compile_signature()
+        self._written: Dict[str, torch.Tensor] = {}  # ipu_param values written (S-56)
+        self._host_description: Optional[OptimizerDescription] = None
         self._params = list(params)
         self._allocate(params)
         if self.settings.auto_loss_scaling:
@@ -195,37 +198,6 @@ class DeviceOptimizer(UpdateRules):
                 else:
                     self._started_names.discard(base)
 
-    def hyper_parameters(self) -> Dict[str, torch.Tensor]:
-        """Hyper-parameter tensors by PopART name (``ipu_param``, docs/semantics.md S-56)."""
-        d = self.description
-        out: Dict[str, torch.Tensor] = {}
-        scale = d.loss_scaling
-
-        def put(kind: str, name: str, h: Dict[str, Any]):
-            lr = float(h.get("lr", 0.0))
-            suffix = f"___{kind}___{name}" if name else f"___{kind}___FLOAT"
-            if d.type == "SGD":
-                damp = float(h.get("dampening", 0.0))
-                wd = float(h.get("weight_decay", 0.0))
-                out["scaledLearningRate0" + suffix] = torch.tensor(lr * (1 - damp) / scale)
-                out["weightDecayScaleFactor0" + suffix] = torch.tensor(
-                    1 - lr * (1 - damp) * wd)
-                if "momentum" in h:
-                    out["momentum0" + suffix] = torch.tensor(float(h["momentum"]))
-                if d.use_combined_accum:
-                    out["velocityScaling" + suffix] = torch.tensor(
-                        float(h.get("velocity_scaling", 1.0)))
-            else:
-                out["learningRate" + suffix] = torch.tensor(lr)
-                out["weightDecay" + suffix] = torch.tensor(float(h.get("weight_decay", 0.0)))
-                if "eps" in h:
-                    out["eps" + suffix] = torch.tensor(float(h["eps"]))
-        put("default", "", d.defaults)
-        for name in self.names:
-            put("specific", name, d.hyper(name))
-        out["lossScaling_FLOAT"] = torch.tensor(float(scale))
-        return out
-
     def state_tensors(self) -> List[torch.Tensor]:
         """The optimizer-state tensors a weight update writes in place."""
         return list(self.state.values())
@@ -285,6 +257,7 @@ class DeviceOptimizer(UpdateRules):
             Error: see :meth:`check_update`; nothing changes in that case.
         """
         self.check_update(description)
+        self.forget_written()
         self.description = description
 
     # -- one weight update -------------------------------------------------------------

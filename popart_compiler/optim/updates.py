@@ -51,6 +51,14 @@ def _norms(t: torch.Tensor, grouped: bool) -> torch.Tensor:
     return torch.linalg.vector_norm(t.float())
 
 
+def _real_corrections(step: torch.Tensor, beta1: float, beta2: float) -> bool:
+    """Whether torch.optim's Python-float bias corrections for the next step are real
+    and non-zero (a user-written step count may make them complex)."""
+    t = float(step) + 1
+    c1, c2 = 1 - complex(beta1) ** t, 1 - complex(beta2) ** t
+    return c1.imag == 0 and c2.imag == 0 and c1.real != 0 and c2.real > 0
+
+
 class UpdateRules:
     """``step`` and the per-type rules it dispatches to (``_step_<type>``). Uses the
     optimizer's ``description``, ``settings``, ``names``, ``state`` (PopART-named
@@ -107,6 +115,14 @@ class UpdateRules:
 
     def _adam_like(self, h: Dict[str, Any], items, fn, **extra) -> None:
         beta1, beta2 = (float(b) for b in h.get("betas", (0.9, 0.999)))
+        odd = [it for it in items
+               if not _real_corrections(self.state[f"Step___{it[0]}"], beta1, beta2)]
+        if odd:  # a step count written by the user: the device computes NaN, not complex
+            for n, p, g in odd:
+                self._adam_ieee(h, n, p, g, fn is _adamw.adamw, beta1, beta2)
+            items = [it for it in items if all(it is not o for o in odd)]
+            if not items:
+                return
         names = [n for n, _, _ in items]
         with float32_work([p for _, p, _ in items]) as params, \
                 float32_work([self.state[f"Accl1___{n}"] for n in names]) as m, \
@@ -117,6 +133,27 @@ class UpdateRules:
                lr=float(h["lr"]),
                weight_decay=float(h.get("weight_decay", 0.0)),
                eps=float(h.get("eps", 1e-8)), maximize=False, **extra)
+
+    def _adam_ieee(self, h, n, p, g, decoupled: bool, beta1: float, beta2: float) -> None:
+        """torch.optim's Adam / AdamW update with the bias corrections as float32
+        tensors (a negative base gives NaN, as on the device, not a complex number)."""
+        lr, eps = float(h["lr"]), float(h.get("eps", 1e-8))
+        wd = float(h.get("weight_decay", 0.0))
+        step = self.state[f"Step___{n}"]
+        step.add_(1)
+        with float32_work([p]) as (w,), float32_work([self.state[f"Accl1___{n}"],
+                                              self.state[f"Accl2___{n}"]]) as (m, v):
+            if decoupled:
+                w.mul_(1 - lr * wd)
+            elif wd:
+                g = g.add(w, alpha=wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            t = step.float()
+            correction1 = 1 - torch.pow(torch.tensor(beta1), t)
+            correction2 = 1 - torch.pow(torch.tensor(beta2), t)
+            denom = v.sqrt() / correction2.sqrt() + eps
+            w.sub_(lr / correction1 * m / denom)
 
     def _step_Adam(self, h, items) -> None:
         self._adam_like(h, items, _adam.adam)
@@ -132,6 +169,9 @@ class UpdateRules:
         names = [n for n, _, _ in items]
         momentum = float(h.get("momentum", 0.0))
         centered = bool(h.get("centered", False))
+        if momentum < 0:  # only a written value (torch.optim would drop the momentum)
+            self._rmsprop_negative_momentum(h, items, momentum, centered)
+            return
         with float32_work([p for _, p, _ in items]) as params, \
                 float32_work([self.state[f"Accl1___{n}"] for n in names]) as sq, \
                 float32_work([self.state[f"Accl2___{n}"] for n in names] if centered
@@ -145,6 +185,27 @@ class UpdateRules:
                 eps=float(h.get("eps", 1e-8)),
                 weight_decay=float(h.get("weight_decay", 0.0)),
                 momentum=momentum, centered=centered)
+
+    def _rmsprop_negative_momentum(self, h, items, momentum: float, centered: bool) -> None:
+        """torch.optim's RMSprop formulas with a negative momentum written through
+        ``ipu_param`` (the device applies the momentum whatever its sign)."""
+        lr, alpha = float(h["lr"]), float(h.get("alpha", 0.99))
+        eps, wd = float(h.get("eps", 1e-8)), float(h.get("weight_decay", 0.0))
+        for n, p, g in items:
+            states = [self.state[f"Accl1___{n}"], self.state.get(f"Accl2___{n}"),
+                      self.state[f"Accl3___{n}"]]
+            with float32_work([p]) as (w,), float32_work(states) as (sq, avg, buf):
+                if wd:
+                    g = g + wd * w
+                sq.mul_(alpha).addcmul_(g, g, value=1 - alpha)
+                if centered:
+                    avg.lerp_(g, 1 - alpha)
+                    denom = sq.addcmul(avg, avg, value=-1).sqrt_().add_(eps)
+                else:
+                    denom = sq.sqrt().add_(eps)
+                buf.mul_(momentum).addcdiv_(g, denom)
+                w.add_(buf, alpha=-lr)
+            self.state[f"Step___{n}"].add_(1)
 
     def _step_RMSprop_tf(self, h, items) -> None:
         """TensorFlow RMSprop: squared average starting at one, ``eps`` inside the
@@ -190,7 +251,7 @@ class UpdateRules:
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 if d.bias_correction:
-                    t = float(step)
+                    t = step.double()  # a written step count may be fractional: NaN
                     m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
                 else:
                     m_hat, v_hat = m, v

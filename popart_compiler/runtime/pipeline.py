@@ -325,6 +325,10 @@ class PipelineTrainingSession(_PipelineSession, TrainingSession):
         with self.provider.writing(("optimizer",)):
             super().writeOptimizerState(state)
 
+    def writeOptimizerParams(self, params):
+        with self.provider.writing(("optimizer",)):
+            super().writeOptimizerParams(params)
+
     def _run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         self.layout.group.begin_call()
         o = self.options

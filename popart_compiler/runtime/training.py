@@ -28,6 +28,11 @@ __all__ = ["TrainingSession"]
 _AUTOGRAD_LOCK = threading.Lock()
 
 
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` / ``float16`` for the optimizer log line."""
+    return str(dtype).rpartition(".")[2]
+
 class TrainingSession(Session):
     """Runs a training executable: per device iteration, ``A`` forward/backward
     micro-batches on each replica, the reduction of docs/semantics.md S-41, then one optimizer step.
@@ -88,7 +93,14 @@ class TrainingSession(Session):
     @staticmethod
     def _log_optimizer(description: OptimizerDescription) -> None:
         lines = description.describe()
-        logger.debug("Updating graph optimizer with %s", lines[0])
+        d = description
+        first = d.velocity_accum_type if d.type == "SGD" else d.first_order_type
+        # PopTorch's words: the storage types and the variant follow the values.
+        logger.debug("Updating graph optimizer with %s, accumType=%s, "
+                     "firstOrderMomentumAccumType=%s, secondOrderMomentumAccumType=%s, "
+                     "useTfVariant=%d, maxGradNorm=%s", lines[0], _dtype_name(d.accum_type),
+                     _dtype_name(first), _dtype_name(d.second_order_type),
+                     d.use_tf_variant, d.max_grad_norm)
         for i, line in enumerate(lines[1:]):
             logger.debug("Updating group %d optimizer with %s", i, line)
 
@@ -274,3 +286,13 @@ class TrainingSession(Session):
     def readOptimizerParams(self) -> Dict[str, torch.Tensor]:
         """Hyper-parameter tensors by PopART name (``ipu_param``, docs/semantics.md S-56)."""
         return self.optimizer.hyper_parameters()
+
+    def writeOptimizerParams(self, params: Dict[str, torch.Tensor]) -> None:
+        """Write hyper-parameter tensors by PopART name (``ipu_param``, docs/semantics.md
+        S-56): the following weight updates use them until :meth:`setOptimizer` sends
+        new values. Unknown names are ignored, missing ones keep their values.
+
+        Raises:
+            TypeError: a value is not a one-element tensor.
+        """
+        self.optimizer.write_hyper_parameters(params)

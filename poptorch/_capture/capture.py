@@ -25,7 +25,7 @@ from popart_compiler.errors import Error, backend_error, py_error
 from popart_compiler.ir import Graph
 from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 from poptorch import _impl
-from poptorch._capture import data_dependence, number_reads
+from poptorch._capture import data_dependence, eager_words, number_reads, storage_reads
 from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
 from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
 from poptorch._capture.dtype_rules import DtypeRulesMode
@@ -533,12 +533,14 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             strategy = PipelinedExecution()
         blocks = strategy._placements(history)
     except Exception as exc:
+        eager_words.in_eager_words(exc)  # never name the capture's stand-ins (FakeTensor, ...)
         try:
             _check_state_unchanged(model, before)  # docs/semantics.md S-5 explains most failures
         finally:
             _restore_state(model, before)
         if isinstance(exc, Error):
             raise
+        storage_reads.raise_if_storage_read(exc)  # e.g. Lightning's self.log in a step
         if data_dependence.is_data_dependent(exc):
             raise data_dependence.data_dependent_error(exc) from None
         frame = _user_frame(exc)

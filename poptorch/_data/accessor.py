@@ -26,6 +26,7 @@ from poptorch._data import protocol, worker
 from poptorch._data.protocol import (CTRL_SIZE, END, FREE, JOIN_TIMEOUT_S, LIVENESS_PERIOD_S,
                                      MAX_BACKOFF_S, REQ, STATE, STOP, TAG, DatasetPayload,
                                      RemoteTraceback, unpack_exception)
+from poptorch._logging import logger
 from poptorch.enums import SharingStrategy
 
 
@@ -240,7 +241,10 @@ class AsynchronousDataAccessor:
                       self._slots, payload, settings),
                 name="PopTorchAsyncDataWorker",
                 daemon=False)
+            logger.debug("AsynchronousDataAccessor parent process: %d", os.getpid())
             process.start()
+            # PopTorch's debug line: the PID to signal or inspect the worker by.
+            logger.debug("AsynchronousDataAccessor worker process: %d", process.pid)
         except Exception as exc:
             parent_conn.close()
             child_conn.close()

@@ -22,7 +22,7 @@ __all__ = ["bind", "check_input_storage", "device_inputs", "validate_inputs",
 
 def _no_backward(*args, **kwargs):
     raise py_error("backward() cannot be called explicitly on outputs of a PopTorch "
-                   "model. If you're using a trainingModel, the backward pass is "
+                   "model. If you're using a trainingModel, the backwards pass is "
                    "performed automatically when invoking the model. If you're using an "
                    "inferenceModel, you should use a trainingModel instead.")
 

@@ -24,7 +24,7 @@ from popart_compiler.session_options import (Anchor, ReplicaGrouping, SessionOpt
                                              ipu_model_env)
 from poptorch._capture.args import BoundArgs, Spec
 from poptorch._capture.capture import capture
-from poptorch._executor import call_io, instrument
+from poptorch._executor import call_io, host_sync, instrument
 from poptorch._executor.progress import ProgressBar
 from poptorch._executor.replica_grouping import check_per_replica_params, one_replica_slices
 from poptorch._executor.state import Compiled, ExecutorState
@@ -135,6 +135,7 @@ def compile_program(state: ExecutorState, bound: Optional[BoundArgs],
     sess_opts, progress = session_options(state)
     state.progress = progress
     check_per_replica_params(state.user_model, sess_opts)
+    host_sync.check_updatable_buffers(state)
     use_model, explicit, small = model_selection(o)
     sess_opts.small_ipu_model = small
     offline = sess_opts.connection_type is ConnectionType.Never

@@ -360,15 +360,26 @@ class PoplarExecutor(InspectionMethods):
         host_sync.copy_to_host(self._state)
 
     @serialised
-    def _implicitCopyWeightsToHost(self) -> None:
+    def _implicitCopyWeightsToHost(self) -> bool:
         # the host's view (HostWeights.pull): another thread may have copied meanwhile
-        lifecycle.pull_weights_if_stale(self._state)
+        override = self.__dict__.get("copyWeightsToHost")
+        if callable(override):
+            # As PopTorch, the implicit copy calls the instance's copyWeightsToHost, so
+            # a method the user set on the wrapper (to count or log copies) runs.
+            if self._state.compiled is None or not self._state.host.stale:
+                return False
+            logger.debug("Implicit copyWeightsToHost()")
+            override()
+            return True
+        return lifecycle.pull_weights_if_stale(self._state)
 
     @serialised
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy device → host if a run happened since the last copy; returns whether it
-        copied. Always ``False`` for inference executors (docs/api-sections.md api §5.9)."""
-        return lifecycle.pull_weights_if_stale(self._state)
+        copied. Always ``False`` for inference executors (docs/api-sections.md api §5.9).
+        The copy calls the wrapper's ``copyWeightsToHost`` when one was set on the
+        instance (as PopTorch)."""
+        return self._implicitCopyWeightsToHost()
 
     @serialised
     def copyWeightsToDevice(self) -> None:

@@ -80,6 +80,23 @@ def copy_to_device(state: ExecutorState) -> None:
     state.host.uploaded = (weakref.ref(source.owner), source.version)
 
 
+def check_updatable_buffers(state: ExecutorState) -> None:
+    """Every name given to ``Options.updatableNamedBuffers`` is a buffer of the model
+    (checked at compile, as PopTorch does, and by ``copyNamedBuffersToDevice``).
+
+    Raises:
+        poptorch.Error: a listed name that is not a buffer of the model.
+    """
+    names = state.options._Popart.options.get("updatableNamedBuffers") or []
+    buffers = {n for n, _ in state.user_model.named_buffers()}
+    unknown = [n for n in names if n not in buffers]
+    if unknown:
+        raise py_error(f"updatableNamedBuffers lists {', '.join(map(repr, unknown))}, which "
+                       "is not a buffer of the model (its buffers: "
+                       f"{', '.join(sorted(buffers)) or 'none'}): name buffers as "
+                       "model.named_buffers() does.")
+
+
 def copy_named_buffers_to_device(state: ExecutorState) -> None:
     """Upload only the buffers listed with ``Options.updatableNamedBuffers``.
 
@@ -92,13 +109,7 @@ def copy_named_buffers_to_device(state: ExecutorState) -> None:
     if not names:
         raise py_error("No named buffers marked as updatable via "
                        "updatableNamedBuffers option")
-    buffers = {n for n, _ in state.user_model.named_buffers()}
-    unknown = [n for n in names if n not in buffers]
-    if unknown:
-        raise py_error(f"updatableNamedBuffers lists {', '.join(map(repr, unknown))}, which "
-                       "is not a buffer of the model (its buffers: "
-                       f"{', '.join(sorted(buffers)) or 'none'}): name buffers as "
-                       "model.named_buffers() does.")
+    check_updatable_buffers(state)
     host = host_tensors(state.user_model)
     with instrument.syncing():
         state.session.writeWeights({n: host[n].detach() for n in names})

@@ -53,11 +53,13 @@ def compilation_time(state: ExecutorState) -> datetime.timedelta:
     Raises:
         poptorch.Error: not compiled, or the progress bar was disabled.
     """
-    if not state.options._show_compilation_progress_bar:
-        raise py_error("Compilation time is only available if you set "
-                       "showCompilationProgressBar option to True.")
-    if state.compiled is None or state.progress is None or state.progress.elapsed is None:
+    # PopTorch's order and words: not compiled first, then the progress bar.
+    if state.compiled is None:
         raise py_error("Please compile the model before obtaining compilation time.")
+    if not state.options._show_compilation_progress_bar or state.progress is None or \
+            state.progress.elapsed is None:
+        raise py_error("Please set showCompilationProgressBar option to obtain compilation "
+                       "time.")
     return datetime.timedelta(seconds=state.progress.elapsed)
 
 

@@ -241,5 +241,8 @@ class OptimizerBinding:
         if description != self.description:
             self.description = description
             session.setOptimizer(description)
+        if isinstance(loaded_params, dict) and optim.params_loaded(opt):
+            # PopTorch's ipu_param: used until the param groups change
+            session.writeOptimizerParams(loaded_params)
         optim.written_to_device(opt)
         self.state_stale = True

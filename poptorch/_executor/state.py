@@ -162,8 +162,8 @@ def executor_options(options: Optional[Options], training: bool) -> Options:
         raise py_error(
             "You must set poptorch.Options().Training.gradientAccumulation to 1 or "
             "leave it as its default value (1) when running a poptorch.inferenceModel()."
-            + (" Use poptorch.Options().deviceIterations() to process a larger number "
-               "of batches simultaneously instead." if pipelined else ""))
+            + (" Use poptorch.Options().deviceIterations to process a sufficient number "
+               "of batches each run for pipelined execution instead." if pipelined else ""))
     for entry in opts.anchored_tensors.values():
         if entry[1]:  # the mode was not given: inherit the model's
             entry[2] = enums.OutputMode(opts.output_mode)

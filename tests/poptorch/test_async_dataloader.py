@@ -483,6 +483,19 @@ def test_worker_failed_to_start(strategy):
         AsynchronousDataAccessor(Unpicklable(4), sharing_strategy=strategy)
 
 
+def test_worker_pid_is_logged_at_debug(poptorch_logs):
+    """As PopTorch: "AsynchronousDataAccessor worker process: <pid>" at debug level."""
+    acc = AsynchronousDataAccessor(IndexDataset(4), **FORK)
+    try:
+        found = re.findall(r"AsynchronousDataAccessor worker process: (\d+)",
+                           poptorch_logs.text)
+        assert found == [str(acc._process.pid)]  # pylint: disable=protected-access
+        assert f"AsynchronousDataAccessor parent process: {os.getpid()}" in \
+            poptorch_logs.text
+    finally:
+        acc.terminate()
+
+
 def test_killed_worker_raises_instead_of_hanging():
     acc = AsynchronousDataAccessor(IndexDataset(1000, delay=0.01), buffer_size=2, **FORK)
     it = iter(acc)

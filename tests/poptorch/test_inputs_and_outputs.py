@@ -57,6 +57,10 @@ def test_outputs_cannot_be_backpropagated():
     out = poptorch.inferenceModel(SingleLinear())(torch.randn(2, 6))
     with pytest.raises(poptorch.Error, match="backward\\(\\) cannot be called explicitly"):
         out.backward()
+    with pytest.raises(poptorch.Error) as info:
+        out.backward()
+    assert "If you're using a trainingModel, the backwards pass is performed " \
+        "automatically when invoking the model." in str(info.value)  # PopTorch 3.x's words
 
 
 class _ReturnsState(nn.Module):

@@ -618,3 +618,19 @@ def test_plain_optimizers_do_not_warn_about_subclassing(poptorch_logs):
         poptorch.trainingModel(model, optimizer=optimizer_class(model.parameters(),
                                                                 lr=0.1))(*data(4))
     assert not [r for r in poptorch_logs.records if "Subclassed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("accum_type", [torch.float16, torch.float32])
+def test_graph_optimizer_log_names_the_storage_types(poptorch_logs, accum_type):
+    """The "Updating graph optimizer" line gives the accumulation types in PopTorch's
+    words (accumType=, firstOrderMomentumAccumType=, secondOrderMomentumAccumType=)."""
+    model = Classifier()
+    opt = poptorch.optim.Adam(model.parameters(), lr=0.01, accum_type=accum_type,
+                              first_order_momentum_accum_type=torch.float16,
+                              second_order_momentum_accum_type=torch.float32)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training.compile(*data(4))
+    line = [ln for ln in poptorch_logs.text.splitlines() if "graph optimizer" in ln][-1]
+    name = str(accum_type).rpartition(".")[2]
+    assert f"accumType={name}, firstOrderMomentumAccumType=float16, " \
+        "secondOrderMomentumAccumType=float32, useTfVariant=0, maxGradNorm=inf" in line

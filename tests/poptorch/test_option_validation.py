@@ -144,3 +144,9 @@ def test_gradient_accumulation_is_rejected_for_inference():
     opts.Training.gradientAccumulation(2)
     with pytest.raises(poptorch.Error, match="gradientAccumulation to 1.*deviceIterations"):
         poptorch.inferenceModel(SingleLinear(), opts)
+    # The advice PopTorch 3.x gives for pipelined execution, word for word.
+    with pytest.raises(poptorch.Error) as info:
+        poptorch.inferenceModel(SingleLinear(), opts)
+    assert str(info.value).endswith(
+        "Use poptorch.Options().deviceIterations to process a sufficient number of batches "
+        "each run for pipelined execution instead.")

@@ -246,16 +246,22 @@ class _Buffered(torch.nn.Module):
         return x + self.b
 
 
-def test_copy_named_buffers_refuses_a_name_that_is_not_a_buffer():
+def test_updatable_named_buffers_refuses_a_name_that_is_not_a_buffer():
+    # Refused when the model compiles, as PopTorch does.
     opts = poptorch.Options()
     opts.updatableNamedBuffers(["b", "nope"])
+    executor = poptorch.inferenceModel(_Buffered(), opts)
+    with pytest.raises(poptorch.Error, match=r"'nope', which is not a buffer of the model"):
+        executor(torch.zeros(2))
+    assert not executor.isCompiled()
+    opts = poptorch.Options()
+    opts.updatableNamedBuffers(["b"])
     model = _Buffered()
     executor = poptorch.inferenceModel(model, opts)
     executor(torch.zeros(2))
     model.b.fill_(3.0)
-    with pytest.raises(poptorch.Error, match=r"'nope', which is not a buffer of the model"):
-        executor.copyNamedBuffersToDevice()
-    assert executor(torch.zeros(2)).tolist() == [1.0, 1.0]  # nothing was uploaded
+    executor.copyNamedBuffersToDevice()
+    assert executor(torch.zeros(2)).tolist() == [3.0, 3.0]
 
 
 class _BlockFunctions(torch.nn.Module):

@@ -276,3 +276,38 @@ def test_inference_sees_weights_of_a_second_trainer_of_the_model(drop):
     second = trainer()
     second(xs[1], ys[1])
     torch.testing.assert_close(inference(probe), expected[1])
+
+
+class _WithLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, target=None):
+        out = self.fc(x)
+        return out if target is None else (out, F.mse_loss(out, target))
+
+
+def test_implicit_copy_calls_the_wrappers_copy_weights_to_host():
+    """As PopTorch: the implicit device → host copy goes through the wrapper's
+    ``copyWeightsToHost``, so a method set on the instance sees every implicit copy."""
+    torch.manual_seed(0)
+    model = _WithLoss()
+    initial = model.fc.weight.detach().clone()
+    trainer = poptorch.trainingModel(model)
+    calls = []
+    real = trainer.copyWeightsToHost
+    trainer.copyWeightsToHost = lambda: (calls.append(1), real())[1]
+    x, target = torch.randn(2, 4), torch.randn(2, 4)
+    for _ in range(3):
+        trainer(x, target)
+    assert calls == []  # training needs no copy
+    assert not torch.equal(model.fc.weight.detach(), initial)  # the trained weights
+    assert calls == [1]
+    model.fc(x)
+    assert calls == [1]  # the host copy is current
+    inference = poptorch.inferenceModel(model)
+    trainer(x, target)
+    inference(x)  # uploads the trainer's latest weights: one implicit copy first
+    assert calls == [1, 1]
+    assert trainer.copyWeightsToHostIfNeeded() is False
