@@ -7,6 +7,7 @@ or by ``torch.distributed.run``). Each process writes ``<out_dir>/rank<i>.pt`` (
 or ``<out_dir>/rank<i>.txt`` (an error message).
 """
 import os
+import signal
 import sys
 import time
 
@@ -157,8 +158,15 @@ def _scenario_fault(rank, world, fault):
             raise RuntimeError(f"process {rank} failed on purpose")
         if fault == "interrupt":
             raise KeyboardInterrupt
+        if fault == "exit":  # catches its error and exits with status 1
+            try:
+                raise RuntimeError(f"process {rank} failed on purpose")
+            except RuntimeError:
+                sys.exit(1)
         if fault == "die":
             os._exit(3)
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # "hang": never reaches the weight update (killed by the test)
     start = time.monotonic()
     try:

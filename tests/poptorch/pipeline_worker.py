@@ -269,6 +269,11 @@ def _scenario_fault(rank, world, fault, out_dir):
             raise RuntimeError("stage 1 failed on purpose")
         if fault == "die":
             os._exit(3)
+        if fault == "exit":  # catches its error and exits with status 1
+            try:
+                raise RuntimeError("stage 1 failed on purpose")
+            except RuntimeError:
+                sys.exit(1)
         return None
     return _timed_error(lambda: [training(tokens, target) for _ in range(3)])
 
