@@ -27,7 +27,7 @@ collective timeout. Hooks (:attr:`ProcessGroup.exit_hooks`) run when a process's
 script ends and before it leaves the run.
 
 A process whose script ends normally (status 0) records its exit in the store and
-waits (at most ``_EXIT_BARRIER_S``, polling the store) until every process recorded its
+waits (at most the collective timeout, polling the store) until every process recorded its
 own; when one waits in a pipeline call this process never made (each pipeline call is
 counted in the store), it leaves at once recording "process <i> of <n> ended normally
 (its script finished, exit status 0) after <k> pipeline calls while ... waits in
@@ -139,6 +139,8 @@ class ProcessGroup:
         #: what this process does in the run (" (pipeline stage 1 of 2 (IPU 1))"),
         #: part of every error message that names it
         self.role = ""
+        #: the collective timeout; also the longest wait for the others at exit
+        self.timeout = collective_timeout()
         self.stats: Dict[str, float] = {"all_reduce_calls": 0, "all_reduce_bytes": 0,
                                         "all_reduce_seconds": 0.0}
         if dist.is_initialized():
@@ -156,7 +158,7 @@ class ProcessGroup:
             return
         _check_launcher(self.rank, self.size)
         self.backend = backend_for(device)
-        timeout = collective_timeout()
+        timeout = self.timeout
         join = rendezvous.join_timeout(timeout)
         env = config.launcher()
         if self.backend == "nccl" and env["local_rank"]:
@@ -184,7 +186,7 @@ class ProcessGroup:
     def shutdown(self) -> None:
         """Leave the run cleanly (at exit, for a group this process created): record
         in the rendezvous store that this process ended normally after its calls, wait
-        (at most ``_EXIT_BARRIER_S``) until every process got here, then destroy the
+        (at most the collective timeout) until every process got here, then destroy the
         group, so that no process closes its connections while another still uses
         them (gloo aborts the process then). A process found waiting in a later
         pipeline call than this one's last (mismatched calls) will never get here:
@@ -229,11 +231,12 @@ class ProcessGroup:
     def _wait_for_exits(self, end: exit_status.Ending) -> Optional[str]:
         """Record this process's exit and wait until every process recorded its own.
         Returns what to record for the others when one of them waits in a call this
-        process never makes (or did not get here in ``_EXIT_BARRIER_S``), else
+        process never makes (or did not get here within the collective timeout), else
         ``None``."""
         calls = f"{self.calls} pipeline call{'s' if self.calls != 1 else ''}"
         ended = f"{self.name()} {end.describe()} after {calls}"
-        deadline = time.monotonic() + _EXIT_BARRIER_S
+        barrier = self.timeout.total_seconds()
+        deadline = time.monotonic() + barrier
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set(f"{_EXIT_KEY}/{self.rank}", str(self.calls))
@@ -251,7 +254,7 @@ class ProcessGroup:
                                 "same calls (the same training / inference steps), "
                                 "mismatched calls leave the others waiting")
                 if others and time.monotonic() > deadline:
-                    return (f"{ended} and left after waiting {_EXIT_BARRIER_S} s for "
+                    return (f"{ended} and left after waiting {barrier:g} s for "
                             f"{' and '.join(self.name(r) for r in others)} to end: every "
                             "process must make the same calls")
                 if others:
@@ -393,9 +396,9 @@ class ProcessGroup:
                     logger.debug("destroy_process_group after a failure: %s", shutdown)
             cause = report or (
                 "another process died, raised an error or did not reach the same point "
-                f"within the collective timeout ({TIMEOUT_ENV}, default "
-                f"{DEFAULT_TIMEOUT_S:.0f} s); no process recorded an error, so one was "
-                "killed or stopped participating")
+                f"within the collective timeout ({self.timeout.total_seconds():g} s, set "
+                f"by {TIMEOUT_ENV}, default {DEFAULT_TIMEOUT_S:.0f} s); no process "
+                "recorded an error, so one was killed or stopped participating")
             raise backend_error(
                 f"Distributed {what} failed in {self.name()}: "
                 f"{cause}. Check the other processes' output. torch.distributed said: "
@@ -501,8 +504,6 @@ class ProcessGroup:
 
 
 _GROUP: Optional[ProcessGroup] = None
-#: Longest wait (seconds) for the other processes when a process leaves the run.
-_EXIT_BARRIER_S = 30
 #: Rendezvous-store key of the first failure a process recorded, and the counter of
 #: processes that read it.
 _FAILURE_KEY = "poptorch/failure"

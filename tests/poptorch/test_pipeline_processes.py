@@ -10,6 +10,7 @@ import torch
 
 import poptorch
 import processes
+from popart_compiler.config import JOIN_TIMEOUT_ENV
 from popart_compiler.runtime import collectives
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -198,8 +199,9 @@ def test_process_never_joining_is_detected_within_the_timeout(tmp_path):
     detected after 87 s with a 45 s timeout (the rendezvous waited the timeout, then
     init_process_group waited it again). Now process 0 fails once the timeout set has
     passed (from the start of its join; twice that was the fault), naming process 1."""
-    timeout = round(10 * processes.load_factor())
-    message = _torchrun("never_join", tmp_path, **{collectives.TIMEOUT_ENV: str(timeout)})
+    timeout = round(10 * processes.time_scale())
+    message = _torchrun("never_join", tmp_path, **{collectives.TIMEOUT_ENV: str(timeout),
+                                                   JOIN_TIMEOUT_ENV: ""})
     seconds = float(message.split("s ", 1)[0])
     assert timeout <= seconds < 2 * timeout, message
     assert f"Process 0 of 2 could not join the other processes: process 1 of 2 did not " \
