@@ -166,10 +166,12 @@ def listen(listener: Callable[[Ending], None]) -> None:
 
 def _ended_the_script(error: BaseException) -> bool:
     """Whether ``error`` (a SystemExit raised by ``sys.exit``) ended the script rather
-    than being caught: the outermost frame its traceback reached stopped at the
-    instruction it passed through (a frame that caught it went on)."""
+    than being caught. Python sets an exception's traceback when a handler (``except``,
+    ``finally``, ``with``) takes it: none took it (no traceback), or the outermost
+    frame that did stopped at the instruction the exception passed through (it
+    re-raised it; a frame that caught it went on)."""
     tb = error.__traceback__
-    return tb is not None and tb.tb_lasti == tb.tb_frame.f_lasti
+    return tb is None or tb.tb_lasti == tb.tb_frame.f_lasti
 
 
 def ending() -> Ending:

@@ -368,3 +368,57 @@ def test_process_count_differing_from_torchrun_fails_at_once(monkeypatch):
                              r"but the options say process 1 of 3"):
         ProcessGroup(1, 3)
     assert not dist.is_initialized()
+
+
+# -- how a process ends (issue 29 item 4) ---------------------------------------------
+
+_ENDING = """
+import atexit, os, sys
+from popart_compiler.runtime import exit_status
+exit_status.install()
+PID = os.getpid()
+atexit.register(lambda: os.getpid() == PID and print("ENDING", exit_status.ending().describe(),
+                                                   flush=True))
+def caught():
+    try:
+        sys.exit(5)
+    except SystemExit:
+        pass
+caught()
+case = sys.argv[1]
+if case == "exit_after_catching":
+    try:
+        raise ValueError("bad input")
+    except ValueError:
+        sys.exit(1)
+elif case == "exit_0":
+    sys.exit()
+elif case == "builtin_exit":
+    exit(2)
+elif case == "uncaught":
+    raise RuntimeError("boom")
+elif case == "forked_child_exit":
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(7)  # the child's own end: not this process's
+    os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.parametrize("case, status, said", [
+    ("finished", 0, "ended normally (its script finished, exit status 0)"),
+    ("exit_after_catching", 1, "exited with status 1 (sys.exit(1)) after catching "
+     "ValueError: bad input"),
+    ("exit_0", 0, "exited with status 0 (sys.exit())"),
+    ("builtin_exit", 2, "exited with status 2 (exit(2)) without an error being raised"),
+    ("uncaught", 1, "ended with RuntimeError: boom (uncaught, exit status 1)"),
+    ("forked_child_exit", 0, "ended normally (its script finished, exit status 0)")])
+def test_how_a_process_ends_is_recorded(tmp_path, case, status, said):
+    """What a process records about its end for the others: a SystemExit the script
+    caught (sys.exit(5) in a try) is not its end; a forked child's is not either."""
+    script = tmp_path / "ending.py"
+    script.write_text(_ENDING)
+    codes, logs = _run([[sys.executable, str(script), case]], [_env()], wait_s=60)
+    assert codes == [status], logs
+    endings = [line for line in logs[0].splitlines() if line.startswith("ENDING")]
+    assert endings == [f"ENDING {said}"], logs
