@@ -104,8 +104,9 @@ class ProcessGroup:
     """This process's view of the processes of a distributed run.
 
     Initialises the default ``torch.distributed`` process group if the user has not
-    (rendezvous ``env://`` when ``MASTER_ADDR`` and ``MASTER_PORT`` are set, as under
-    ``torchrun``; otherwise ``tcp://127.0.0.1:29500``), or reuses theirs.
+    (the processes meet in the store at ``MASTER_ADDR:MASTER_PORT``, as under
+    ``torchrun``, else ``127.0.0.1:29500``, within the join timeout: see
+    :mod:`.rendezvous`), or reuses theirs.
 
     Args:
         process_id: this process's index ``0 ≤ process_id < num_processes``.
@@ -119,7 +120,7 @@ class ProcessGroup:
     Raises:
         Error: ``torch.distributed`` is unavailable; an existing process group whose
             rank or size differs from ``process_id`` / ``num_processes``; the
-            rendezvous failed or timed out.
+            rendezvous failed, or a process did not join within the join timeout.
     """
 
     def __init__(self, process_id: int, num_processes: int, device: str = "cpu"):
@@ -153,6 +154,7 @@ class ProcessGroup:
                     "process group (or leave it to the launcher's RANK / WORLD_SIZE).")
             self.backend = str(dist.get_backend())
             rendezvous.joined()
+            atexit.register(self.shutdown)
             _install_exit_hooks()
             self.set_role("")
             return
@@ -191,12 +193,16 @@ class ProcessGroup:
         them (gloo aborts the process then). A process found waiting in a later
         pipeline call than this one's last (mismatched calls) will never get here:
         this process then leaves at once, recording why, and that process's call
-        fails naming this one (see :meth:`leave`)."""
-        if not self.owned or self.failed is not None or not dist.is_initialized():
+        fails naming this one (see :meth:`leave`). A process that ends with an error
+        (a non-zero exit status, :mod:`.exit_status`) leaves at once, recording it,
+        also from a group the script created."""
+        if self.failed is not None or not dist.is_initialized():
             return
         end = exit_status.ending()
         if end.failed:  # sys.exit(1) after catching its error: leave as if it raised
             self.leave(f"{self.name()} {end.describe()}")
+            return
+        if not self.owned:  # the script's own group: it leaves the run itself
             return
         self._run_hooks("ending")
         mismatch = self._wait_for_exits(end)
@@ -549,7 +555,7 @@ def _on_end(end: exit_status.Ending) -> None:
     record = f"{group.name()} {end.describe()}"
     if end.via == "exception":
         group.leave(record)
-    elif end.failed:  # os._exit: the connections close with the process
+    else:  # os._exit, any status: the connections close with the process
         group.failed = record
         with contextlib.suppress(RuntimeError, ValueError):
             dist.distributed_c10d._get_default_store().compare_set(_FAILURE_KEY, "", record)

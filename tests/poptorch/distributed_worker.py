@@ -151,6 +151,8 @@ def _fault_model(world, rank, accumulation=1, batch=BATCH):
 def _scenario_fault(rank, world, fault):
     """One process fails at its second call (process 1; process 0 for ``raise0``,
     which hosts the rendezvous store); the other reports what it saw."""
+    if fault == "exit_own_group":  # the script's own process group (PopTorch reuses it)
+        torch.distributed.init_process_group("gloo")
     training, x, t = _fault_model(world, rank)
     try:
         training(x, t)
@@ -161,7 +163,7 @@ def _scenario_fault(rank, world, fault):
             raise RuntimeError(f"process {rank} failed on purpose")
         if fault == "interrupt":
             raise KeyboardInterrupt
-        if fault == "exit":  # catches its error and exits with status 1
+        if fault in ("exit", "exit_own_group"):  # catches its error, exits with status 1
             try:
                 raise RuntimeError(f"process {rank} failed on purpose")
             except RuntimeError:

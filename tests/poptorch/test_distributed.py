@@ -94,6 +94,8 @@ def test_two_processes_inference_each_on_its_partition(tmp_path):
      "(uncaught, killed by SIGINT)"),
     ("exit", 1, 0, 1, "Process 1 of 2 exited with status 1 (sys.exit(1)) after catching "
      "RuntimeError: process 1 failed on purpose"),
+    ("exit_own_group", 1, 0, 1, "Process 1 of 2 exited with status 1 (sys.exit(1)) after "
+     "catching RuntimeError: process 1 failed on purpose"),
     ("die", 1, 0, 3, "Process 1 of 2 exited with status 3 (os._exit(3)) without an error "
      "being raised"),
     ("kill", 1, 0, -signal.SIGKILL, "Process 1 of 2 ended without reporting an error "
@@ -106,7 +108,8 @@ def test_failed_process_makes_the_other_fail_naming_it(tmp_path, fault, failed,
     collective fails with an error naming it, its exit status and whether it raised.
     Issue 29 item 4: a process that catches its error and calls sys.exit(1) was
     reported as having "ended normally (its script finished)" after 30 s; one that
-    calls os._exit(3) is named with its status; a killed one as killed."""
+    calls os._exit(3) is named with its status; a killed one as killed. Also when the
+    script created the process group itself."""
     codes, logs = _launch(fault, tmp_path, **{collectives.TIMEOUT_ENV: ""})
     assert codes[reporter] == 0, logs
     assert codes[failed] == code, logs  # its own exit, not killed by the test

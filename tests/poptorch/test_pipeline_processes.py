@@ -134,9 +134,9 @@ def test_process_ending_normally_makes_the_one_waiting_in_a_call_fail(tmp_path,
     assert seconds < collectives.DEFAULT_TIMEOUT_S, message  # not the timeout
     assert "Distributed pipeline step failed in process 0 of 2 (pipeline stage 0 of 2 " \
         "(IPU 0)): Process 1 of 2 (pipeline stage 1 of 2 (IPU 1)) ended normally (its " \
-        "script finished, exit status 0) after 1 pipeline call while process 0 of 2 (pipeline stage 0 " \
-        "of 2 (IPU 0)) waits in pipeline call 2: every process of the pipeline must " \
-        "make the same calls" in message
+        "script finished, exit status 0) after 1 pipeline call while process 0 of 2 " \
+        "(pipeline stage 0 of 2 (IPU 0)) waits in pipeline call 2: every process of the " \
+        "pipeline must make the same calls" in message
     if collectives.dist.is_initialized():
         pytest.skip("a process group already exists in this test process")
     for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
