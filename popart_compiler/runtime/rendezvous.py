@@ -20,7 +20,7 @@ import atexit
 import contextlib
 import datetime
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -30,7 +30,7 @@ from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.runtime import exit_status
 
-__all__ = ["join", "join_timeout", "joined", "address"]
+__all__ = ["join", "join_timeout", "joined", "address", "wait_for_peers"]
 
 _DEFAULT_ADDR = "127.0.0.1"
 _DEFAULT_PORT = "29500"
@@ -118,6 +118,33 @@ def join(rank: int, size: int, timeout: datetime.timedelta):
     joined()
     deadline = time.monotonic() + timeout.total_seconds()
     store = _connect(rank, size, timeout)
+    wait_for_peers(rank, size, timeout, store=store, deadline=deadline)
+    return dist.PrefixStore("default_pg", store)
+
+
+def wait_for_peers(rank: int, size: int, timeout: datetime.timedelta, store=None,
+                   deadline: Optional[float] = None) -> None:
+    """Say in ``store`` (default: torchrun's agent store; without one, return at
+    once) that this process joins, and poll it until every process said so.
+
+    Args:
+        timeout: the join timeout, for the message.
+        deadline: ``time.monotonic()`` when to give up (default: ``timeout`` from now).
+
+    Raises:
+        Error: another process ended without joining (recorded under torchrun),
+            naming it and how it ended; or did not come before ``deadline``.
+    """
+    if deadline is None:
+        deadline = time.monotonic() + timeout.total_seconds()
+    if store is None:
+        try:
+            store = _agent_store(datetime.timedelta(seconds=10))
+        except (RuntimeError, ValueError) as e:
+            raise backend_error(f"Process {rank} of {size} could not reach torchrun's "
+                                f"store: {str(e).strip()[:300]}") from None
+        if store is None:
+            return
     store.set(_run_key("joining", rank), "1")
     waiting = [r for r in range(size) if r != rank]
     while waiting:
@@ -140,7 +167,6 @@ def join(rank: int, size: int, timeout: datetime.timedelta):
                 f"{JOIN_TIMEOUT_ENV}.")
         if waiting:
             time.sleep(0.05)
-    return dist.PrefixStore("default_pg", store)
 
 
 def _ended(store, rank: int, size: int) -> str:

@@ -425,3 +425,23 @@ def test_how_a_process_ends_is_recorded(tmp_path, case, status, said):
     assert codes == [status], logs
     endings = [line for line in logs[0].splitlines() if line.startswith("ENDING")]
     assert endings == [f"ENDING {said}"], logs
+
+
+def test_join_names_who_did_not_come_and_how_one_ended():
+    """The join polls the rendezvous store until its deadline, then names the process
+    that did not come (issue 29 item 6: it then waited the timeout again); a process
+    that ended without joining is named with the exit status it recorded."""
+    import datetime
+    from popart_compiler.runtime import rendezvous
+    store = dist.TCPStore("127.0.0.1", _free_port(), is_master=True,
+                          timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    with pytest.raises(Error, match=r"Process 0 of 2 could not join the other processes: "
+                       r"process 1 of 2 did not come to join the run within 0.5 s \(the "
+                       r"join timeout: POPTORCH_DISTRIBUTED_JOIN_TIMEOUT, else "
+                       r"POPTORCH_DISTRIBUTED_TIMEOUT\)"):
+        rendezvous.wait_for_peers(0, 2, datetime.timedelta(seconds=0.5), store=store)
+    store.set("poptorch/0/ended/1", "exited with status 1 (sys.exit(1)) after catching "
+              "ValueError: bad input")
+    with pytest.raises(Error, match=r"process 1 of 2 exited with status 1 \(sys.exit\(1\)\) "
+                       r"after catching ValueError: bad input without joining the run"):
+        rendezvous.wait_for_peers(0, 2, datetime.timedelta(seconds=30), store=store)
