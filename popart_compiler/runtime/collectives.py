@@ -355,8 +355,14 @@ class ProcessGroup:
         with ..."``, ``None`` when none did, or a note that the store is gone."""
         try:
             store = dist.distributed_c10d._get_default_store()
-            if not store.check([_FAILURE_KEY]):
+            # a killed process closes its connections a moment before it is gone
+            deadline = time.monotonic() + _DEATH_S
+            dead = []
+            while not store.check([_FAILURE_KEY]) and not dead and \
+                    time.monotonic() < deadline:
                 dead = self._dead_processes()
+                time.sleep(0 if dead else 0.05)
+            if not store.check([_FAILURE_KEY]):
                 if not dead:
                     return None
                 # no record: a killed process; name it for every process that asks
@@ -518,6 +524,8 @@ _SEEN_KEY = "poptorch/failure_seen"
 #: of its normal exit (:meth:`ProcessGroup.shutdown`).
 _CALLS_KEY = "poptorch/calls"
 _EXIT_KEY = "poptorch/exited"
+#: Longest wait (seconds) for a peer whose connections closed to be gone or say why.
+_DEATH_S = 2.0
 #: Longest time (seconds) a failed process hosting the store keeps it for the others.
 _FAILURE_READ_S = 5.0
 #: Rendezvous-store key prefix of each process's host, pid and role.
