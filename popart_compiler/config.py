@@ -17,7 +17,7 @@ __all__ = ["Variable", "VARIABLES", "text", "flag", "parse_flag", "FLAG_ON", "FL
            "log_level", "log_dest",
            "ipu_model_version", "engine_options_text", "ipu_model_flags", "verify_graphs",
            "strict_memory",
-           "collective_timeout_text", "launcher", "TIMEOUT_ENV"]
+           "collective_timeout_text", "launcher", "TIMEOUT_ENV", "JOIN_TIMEOUT_ENV"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,8 @@ class Variable:
 
 #: Environment variable holding the collective timeout in seconds.
 TIMEOUT_ENV = "POPTORCH_DISTRIBUTED_TIMEOUT"
+#: Environment variable holding the join (rendezvous) timeout in seconds.
+JOIN_TIMEOUT_ENV = "POPTORCH_DISTRIBUTED_JOIN_TIMEOUT"
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_LOG_LEVEL", "WARN",
@@ -51,6 +53,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "where the auto backend records its decisions (default: "
              "~/.cache/poptorch/auto-decisions)"),
     Variable(TIMEOUT_ENV, "300", "seconds a collective of a multi-process run may wait"),
+    Variable(JOIN_TIMEOUT_ENV, "",
+             "seconds the processes of a run may take to join it (default: the "
+             "collective timeout)"),
     Variable("TORCHELASTIC_RUN_ID", "", "set by torchrun: the process was launched"),
     Variable("TORCHELASTIC_USE_AGENT_STORE", "",
              "set by torchrun: its agent, not process 0, hosts the rendezvous store"),

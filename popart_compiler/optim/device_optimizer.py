@@ -85,7 +85,8 @@ class DeviceOptimizer(UpdateRules, LoadedParams):
         # gradient rather than from zero).
         self._started_names: Set[str] = set()
         self._signature = description.compile_signature()
-        self._written: Dict[str, torch.Tensor] = {}  # ipu_param values written (S-56)
+        # ipu_param values written (docs/semantics.md S-56)
+        self._written: Dict[str, torch.Tensor] = {}
         self._host_description: Optional[OptimizerDescription] = None
         self._params = list(params)
         self._allocate(params)

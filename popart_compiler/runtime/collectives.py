@@ -15,21 +15,23 @@ seconds, default :data:`DEFAULT_TIMEOUT_S`, read when this module creates the pr
 group). A peer that died, raised or stopped participating makes the collective fail, and
 the failure is re-raised as a ``poptorch.Error`` that says so.
 
-A process that leaves with an uncaught exception (``sys.excepthook``, KeyboardInterrupt
-included) records "process <i> of <n> ended with <exception>" in the rendezvous store
-and closes its connections at once instead of waiting in the exit barrier: the others'
-pending or next collective fails within moments, naming it. A killed process (SIGKILL,
-``os._exit``) closes its connections too; only one that stops participating without
-ending is detected by the collective timeout. Hooks (:attr:`ProcessGroup.exit_hooks`)
-run when a process's script ends and before it leaves the run.
+A process that leaves with an error records how it ended (:mod:`.exit_status`: its
+exit status and whether it raised) in the rendezvous store and closes its connections
+at once instead of waiting in the exit barrier: "process <i> of <n> ended with
+<exception> (uncaught, exit status 1)" (``sys.excepthook``, KeyboardInterrupt
+included), "... exited with status 1 (sys.exit(1)) after catching <exception>" (at
+exit, for any non-zero status), "... exited with status 3 (os._exit(3))". The others'
+pending or next collective fails within moments, naming it. A killed process closes its
+connections too; only one that stops participating without ending is detected by the
+collective timeout. Hooks (:attr:`ProcessGroup.exit_hooks`) run when a process's
+script ends and before it leaves the run.
 
-A process whose script ends normally records its exit in the store and waits (at most
-``_EXIT_BARRIER_S``, polling the store) until every process recorded its own; when one
-waits in a pipeline call this process never made (each pipeline call is counted in the
-store), it leaves at once recording "process <i> of <n> ended normally ... after <k>
-pipeline calls while ... waits in pipeline call <k+1>". Under torchrun, a process that
-ends without ever joining the run records it in the agent's store, and the others
-fail when they join instead of waiting in the rendezvous.
+A process whose script ends normally (status 0) records its exit in the store and
+waits (at most the collective timeout, polling the store) until every process recorded its
+own; when one waits in a pipeline call this process never made (each pipeline call is
+counted in the store), it leaves at once recording "process <i> of <n> ended normally
+(its script finished, exit status 0) after <k> pipeline calls while ... waits in
+pipeline call <k+1>". Joining is bounded by the join timeout (:mod:`.rendezvous`).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from popart_compiler import config
 from popart_compiler.config import TIMEOUT_ENV
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
-from popart_compiler.runtime import rendezvous
+from popart_compiler.runtime import exit_status, rendezvous
 from popart_compiler.runtime.signature import program_signature
 
 __all__ = ["ProcessGroup", "process_group", "program_signature", "collective_timeout",
@@ -57,9 +59,6 @@ __all__ = ["ProcessGroup", "process_group", "program_signature", "collective_tim
 
 #: Collective timeout (seconds) when :data:`TIMEOUT_ENV` is not set.
 DEFAULT_TIMEOUT_S = float(config.VARIABLES[TIMEOUT_ENV].default)
-
-_DEFAULT_ADDR = "127.0.0.1"
-_DEFAULT_PORT = "29500"
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -105,8 +104,9 @@ class ProcessGroup:
     """This process's view of the processes of a distributed run.
 
     Initialises the default ``torch.distributed`` process group if the user has not
-    (rendezvous ``env://`` when ``MASTER_ADDR`` and ``MASTER_PORT`` are set, as under
-    ``torchrun``; otherwise ``tcp://127.0.0.1:29500``), or reuses theirs.
+    (the processes meet in the store at ``MASTER_ADDR:MASTER_PORT``, as under
+    ``torchrun``, else ``127.0.0.1:29500``, within the join timeout: see
+    :mod:`.rendezvous`), or reuses theirs.
 
     Args:
         process_id: this process's index ``0 ≤ process_id < num_processes``.
@@ -120,7 +120,7 @@ class ProcessGroup:
     Raises:
         Error: ``torch.distributed`` is unavailable; an existing process group whose
             rank or size differs from ``process_id`` / ``num_processes``; the
-            rendezvous failed or timed out.
+            rendezvous failed, or a process did not join within the join timeout.
     """
 
     def __init__(self, process_id: int, num_processes: int, device: str = "cpu"):
@@ -140,6 +140,8 @@ class ProcessGroup:
         #: what this process does in the run (" (pipeline stage 1 of 2 (IPU 1))"),
         #: part of every error message that names it
         self.role = ""
+        #: the collective timeout; also the longest wait for the others at exit
+        self.timeout = collective_timeout()
         self.stats: Dict[str, float] = {"all_reduce_calls": 0, "all_reduce_bytes": 0,
                                         "all_reduce_seconds": 0.0}
         if dist.is_initialized():
@@ -152,53 +154,60 @@ class ProcessGroup:
                     "process group (or leave it to the launcher's RANK / WORLD_SIZE).")
             self.backend = str(dist.get_backend())
             rendezvous.joined()
-            _install_excepthook()
+            atexit.register(self.shutdown)
+            _install_exit_hooks()
             self.set_role("")
             return
         _check_launcher(self.rank, self.size)
         self.backend = backend_for(device)
-        timeout = collective_timeout()
+        timeout = self.timeout
+        join = rendezvous.join_timeout(timeout)
         env = config.launcher()
         if self.backend == "nccl" and env["local_rank"]:
             torch.cuda.set_device(int(env["local_rank"]))
-        if env["master_addr"] and env["master_port"]:
-            init_method = "env://"
-        else:
-            init_method = f"tcp://{_DEFAULT_ADDR}:{_DEFAULT_PORT}"
+        host, port = rendezvous.address()
         logger.info("Initialising the torch.distributed process group: %s, process %d "
-                    "of %d, %s, timeout %.0f s", self.backend, self.rank, self.size,
-                    init_method, timeout.total_seconds())
-        rendezvous.joined()
-        rendezvous.wait_for_peers(self.rank, self.size, timeout)
+                    "of %d, rendezvous %s:%d, join timeout %g s, collective timeout %g s",
+                    self.backend, self.rank, self.size, host, port,
+                    join.total_seconds(), timeout.total_seconds())
+        store = rendezvous.join(self.rank, self.size, join)
         try:
-            dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
+            dist.init_process_group(self.backend, store=store, rank=self.rank,
                                     world_size=self.size, timeout=timeout)
         except (RuntimeError, ValueError) as e:
             raise backend_error(
                 f"Process {self.rank} of {self.size} could not join the other processes "
-                f"({init_method}, timeout {timeout.total_seconds():.0f} s set by "
+                f"(rendezvous {host}:{port}, timeout {timeout.total_seconds():g} s set by "
                 f"{TIMEOUT_ENV}): {e}. Start every process (torchrun or poprun does) with "
                 "the same MASTER_ADDR / MASTER_PORT.") from None
         self.owned = True
         atexit.register(self.shutdown)
-        _install_excepthook()
+        _install_exit_hooks()
         self.set_role("")
 
     def shutdown(self) -> None:
         """Leave the run cleanly (at exit, for a group this process created): record
         in the rendezvous store that this process ended normally after its calls, wait
-        (at most ``_EXIT_BARRIER_S``) until every process got here, then destroy the
+        (at most the collective timeout) until every process got here, then destroy the
         group, so that no process closes its connections while another still uses
         them (gloo aborts the process then). A process found waiting in a later
         pipeline call than this one's last (mismatched calls) will never get here:
         this process then leaves at once, recording why, and that process's call
-        fails naming this one (see :meth:`_leave`)."""
-        if not self.owned or self.failed is not None or not dist.is_initialized():
+        fails naming this one (see :meth:`leave`). A process that ends with an error
+        (a non-zero exit status, :mod:`.exit_status`) leaves at once, recording it,
+        also from a group the script created."""
+        if self.failed is not None or not dist.is_initialized():
+            return
+        end = exit_status.ending()
+        if end.failed:  # sys.exit(1) after catching its error: leave as if it raised
+            self.leave(f"{self.name()} {end.describe()}")
+            return
+        if not self.owned:  # the script's own group: it leaves the run itself
             return
         self._run_hooks("ending")
-        mismatch = self._wait_for_exits()
+        mismatch = self._wait_for_exits(end)
         if mismatch is not None:
-            self._leave(mismatch)
+            self.leave(mismatch)
             return
         self.owned = False
         self._run_hooks("leaving")
@@ -225,14 +234,15 @@ class ProcessGroup:
         except (RuntimeError, ValueError) as e:
             logger.debug("Could not record the call in the store: %s", e)
 
-    def _wait_for_exits(self) -> Optional[str]:
+    def _wait_for_exits(self, end: exit_status.Ending) -> Optional[str]:
         """Record this process's exit and wait until every process recorded its own.
         Returns what to record for the others when one of them waits in a call this
-        process never makes (or did not get here in ``_EXIT_BARRIER_S``), else
+        process never makes (or did not get here within the collective timeout), else
         ``None``."""
         calls = f"{self.calls} pipeline call{'s' if self.calls != 1 else ''}"
-        ended = f"{self.name()} ended normally (its script finished) after {calls}"
-        deadline = time.monotonic() + _EXIT_BARRIER_S
+        ended = f"{self.name()} {end.describe()} after {calls}"
+        barrier = self.timeout.total_seconds()
+        deadline = time.monotonic() + barrier
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set(f"{_EXIT_KEY}/{self.rank}", str(self.calls))
@@ -250,7 +260,7 @@ class ProcessGroup:
                                 "same calls (the same training / inference steps), "
                                 "mismatched calls leave the others waiting")
                 if others and time.monotonic() > deadline:
-                    return (f"{ended} and left after waiting {_EXIT_BARRIER_S} s for "
+                    return (f"{ended} and left after waiting {barrier:g} s for "
                             f"{' and '.join(self.name(r) for r in others)} to end: every "
                             "process must make the same calls")
                 if others:
@@ -306,12 +316,12 @@ class ProcessGroup:
 
     def leave_after_error(self, what: str) -> None:
         """This process ends with an uncaught error: record ``what`` in the rendezvous
-        store for the other processes and leave (see :meth:`_leave`)."""
+        store for the other processes and leave (see :meth:`leave`)."""
         if self.failed is not None or not dist.is_initialized():
             return
-        self._leave(f"{self.name()} ended with {what}")
+        self.leave(f"{self.name()} ended with {what}")
 
-    def _leave(self, record: str) -> None:
+    def leave(self, record: str) -> None:
         """Record ``record`` ("process 1 of 2 ended with ...") in the rendezvous store
         for the other processes (the first record wins) and close this process's
         connections (for a group it created) so that their collectives fail now
@@ -345,8 +355,14 @@ class ProcessGroup:
         with ..."``, ``None`` when none did, or a note that the store is gone."""
         try:
             store = dist.distributed_c10d._get_default_store()
-            if not store.check([_FAILURE_KEY]):
+            # a killed process closes its connections a moment before it is gone
+            deadline = time.monotonic() + _DEATH_S
+            dead = []
+            while not store.check([_FAILURE_KEY]) and not dead and \
+                    time.monotonic() < deadline:
                 dead = self._dead_processes()
+                time.sleep(0 if dead else 0.05)
+            if not store.check([_FAILURE_KEY]):
                 if not dead:
                     return None
                 # no record: a killed process; name it for every process that asks
@@ -392,9 +408,9 @@ class ProcessGroup:
                     logger.debug("destroy_process_group after a failure: %s", shutdown)
             cause = report or (
                 "another process died, raised an error or did not reach the same point "
-                f"within the collective timeout ({TIMEOUT_ENV}, default "
-                f"{DEFAULT_TIMEOUT_S:.0f} s); no process recorded an error, so one was "
-                "killed or stopped participating")
+                f"within the collective timeout ({self.timeout.total_seconds():g} s, set "
+                f"by {TIMEOUT_ENV}, default {DEFAULT_TIMEOUT_S:.0f} s); no process "
+                "recorded an error, so one was killed or stopped participating")
             raise backend_error(
                 f"Distributed {what} failed in {self.name()}: "
                 f"{cause}. Check the other processes' output. torch.distributed said: "
@@ -500,8 +516,6 @@ class ProcessGroup:
 
 
 _GROUP: Optional[ProcessGroup] = None
-#: Longest wait (seconds) for the other processes when a process leaves the run.
-_EXIT_BARRIER_S = 30
 #: Rendezvous-store key of the first failure a process recorded, and the counter of
 #: processes that read it.
 _FAILURE_KEY = "poptorch/failure"
@@ -510,9 +524,10 @@ _SEEN_KEY = "poptorch/failure_seen"
 #: of its normal exit (:meth:`ProcessGroup.shutdown`).
 _CALLS_KEY = "poptorch/calls"
 _EXIT_KEY = "poptorch/exited"
+#: Longest wait (seconds) for a peer whose connections closed to be gone or say why.
+_DEATH_S = 2.0
 #: Longest time (seconds) a failed process hosting the store keeps it for the others.
 _FAILURE_READ_S = 5.0
-_HOOKED = [False]
 #: Rendezvous-store key prefix of each process's host, pid and role.
 _PROCESS_KEY = "poptorch/process"
 
@@ -531,25 +546,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _install_excepthook() -> None:
-    """Wrap ``sys.excepthook`` (once): an uncaught exception makes this process leave
-    the run at once (:meth:`ProcessGroup.leave_after_error`) after the traceback is
-    printed."""
-    if _HOOKED[0]:
+def _install_exit_hooks() -> None:
+    """Follow how this process ends (:mod:`.exit_status`): an uncaught exception makes
+    it leave the run at once, after the traceback is printed, and ``os._exit`` records
+    how it ended for the others before the process goes."""
+    exit_status.install()
+    exit_status.listen(_on_end)
+
+
+def _on_end(end: exit_status.Ending) -> None:
+    """This process ends now (an uncaught exception, or ``os._exit``): tell the
+    others how (see :meth:`ProcessGroup.leave_after_error`)."""
+    group = _GROUP
+    if group is None or group.failed is not None or not dist.is_initialized():
         return
-    _HOOKED[0] = True
-    previous = sys.excepthook
-
-    def hook(kind, value, traceback):
-        try:
-            previous(kind, value, traceback)
-        finally:
-            group = _GROUP
-            if group is not None:
-                text = f"{kind.__name__}: {value}".strip()
-                group.leave_after_error(text if len(text) <= 300 else text[:297] + "...")
-
-    sys.excepthook = hook
+    record = f"{group.name()} {end.describe()}"
+    if end.via == "exception":
+        group.leave(record)
+    else:  # os._exit, any status: the connections close with the process
+        group.failed = record
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.distributed_c10d._get_default_store().compare_set(_FAILURE_KEY, "", record)
 
 
 def process_group(process_id: int, num_processes: int, device: str = "cpu"

@@ -7,6 +7,7 @@ or by ``torch.distributed.run``). Each process writes ``<out_dir>/rank<i>.pt`` (
 or ``<out_dir>/rank<i>.txt`` (an error message).
 """
 import os
+import signal
 import sys
 import time
 
@@ -151,16 +152,28 @@ def _fault_model(world, rank, accumulation=1, batch=BATCH):
 def _scenario_fault(rank, world, fault):
     """One process fails at its second call (process 1; process 0 for ``raise0``,
     which hosts the rendezvous store); the other reports what it saw."""
+    if fault == "exit_own_group":  # the script's own process group (PopTorch reuses it)
+        torch.distributed.init_process_group("gloo")
     training, x, t = _fault_model(world, rank)
-    training(x, t)
+    try:
+        training(x, t)
+    except poptorch.Error as e:  # e.g. "hang" with a short timeout on a loaded machine
+        return f"first call failed: {e}"
     if rank == (0 if fault == "raise0" else 1):
         if fault in ("raise", "raise0"):
             raise RuntimeError(f"process {rank} failed on purpose")
         if fault == "interrupt":
             raise KeyboardInterrupt
+        if fault in ("exit", "exit_own_group"):  # catches its error, exits with status 1
+            try:
+                raise RuntimeError(f"process {rank} failed on purpose")
+            except RuntimeError:
+                sys.exit(1)
         if fault == "die":
             os._exit(3)
-        time.sleep(60)  # "hang": never reaches the weight update (killed by the test)
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)  # "hang": never reaches the weight update (killed by the test)
     start = time.monotonic()
     try:
         training(x, t)

@@ -269,6 +269,11 @@ def _scenario_fault(rank, world, fault, out_dir):
             raise RuntimeError("stage 1 failed on purpose")
         if fault == "die":
             os._exit(3)
+        if fault == "exit":  # catches its error and exits with status 1
+            try:
+                raise RuntimeError("stage 1 failed on purpose")
+            except RuntimeError:
+                sys.exit(1)
         return None
     return _timed_error(lambda: [training(tokens, target) for _ in range(3)])
 
@@ -286,6 +291,27 @@ def _scenario_inference_in_process_0(rank, world):
     return _timed_error(lambda: poptorch.inferenceModel(Blocks(2), opts)(tokens, target))
 
 
+def _scenario_never_join(rank, world, out_dir):
+    """Process 1 stays alive without joining the run until process 0 wrote its result;
+    process 0 reports how long it waited to join (from the start of the join)."""
+    if rank != 0:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(os.path.join(out_dir, "rank0.txt")) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        return None
+    from popart_compiler.runtime import rendezvous
+    started, join = [], rendezvous.join
+
+    def timed_join(*args):
+        started.append(time.monotonic())
+        return join(*args)
+
+    rendezvous.join = timed_join
+    message = _scenario_inference_in_process_0(rank, world)
+    return f"{time.monotonic() - started[0]:.1f}s joining; {message}"
+
+
 def main(argv):
     scenario, out_dir = argv[1], argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -297,6 +323,8 @@ def main(argv):
         result = _scenario_configs(rank, world, CONFIGS_4)
     elif scenario == "inference_in_process_0":
         result = _scenario_inference_in_process_0(rank, world)
+    elif scenario == "never_join":
+        result = _scenario_never_join(rank, world, out_dir)
     else:
         result = _scenario_fault(rank, world, scenario, out_dir)
     processes.write_result(out_dir, rank, result)

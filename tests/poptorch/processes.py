@@ -12,19 +12,33 @@ import time
 
 import torch
 
+from popart_compiler.config import JOIN_TIMEOUT_ENV
 from popart_compiler.runtime import collectives
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 #: Upper bound for one multi-process scenario on an idle machine; :func:`run` scales it
-#: with the load (:func:`load_factor`).
+#: (:func:`time_scale`).
 WAIT_S = 240
+#: Environment variable multiplying every timeout of the multi-process tests (a float
+#: >= 1; for slow or shared machines).
+TIME_SCALE_ENV = "POPTORCH_TEST_TIME_SCALE"
 
 
 def load_factor():
     """How much slower than idle the machine may run now: the load average per core
     (at least 1, at most 8): timeouts of multi-process tests are multiplied by it."""
     return min(8.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
+def time_scale():
+    """The factor every timeout of the multi-process tests is multiplied by: the
+    larger of :data:`TIME_SCALE_ENV` (default 1) and :func:`load_factor`."""
+    try:
+        scale = float(os.environ.get(TIME_SCALE_ENV, "") or 1)
+    except ValueError:
+        scale = 1.0
+    return max(1.0, scale, load_factor())
 
 
 def load_worker(path):
@@ -44,13 +58,15 @@ def free_port():
 
 def env(**extra):
     """This environment without any launcher's variables, with the repository on the
-    path, a collective timeout of 120 s times :func:`load_factor` (unless given) and
-    ``extra``."""
+    path, a collective timeout and a join timeout of 120 s times :func:`time_scale`
+    (unless given) and ``extra``. A test of a short collective timeout keeps the long
+    join timeout: processes that start slowly on a loaded machine still join."""
     out = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "POPDIST_")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     out["PYTHONPATH"] = ROOT + os.pathsep + out.get("PYTHONPATH", "")
-    out.setdefault(collectives.TIMEOUT_ENV, str(int(120 * load_factor())))
+    out.setdefault(collectives.TIMEOUT_ENV, str(int(120 * time_scale())))
+    out.setdefault(JOIN_TIMEOUT_ENV, str(int(120 * time_scale())))
     out.update(extra)
     return out
 
@@ -66,7 +82,7 @@ def run(commands, envs, wait_s=WAIT_S, wait_for=None):
             procs.append(subprocess.Popen(cmd, env=environment, cwd=ROOT,
                                           start_new_session=True, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + wait_s * load_factor()
+        deadline = time.monotonic() + wait_s * time_scale()
         waited = range(len(procs)) if wait_for is None else wait_for
         outputs = []
         for i in waited:

@@ -86,42 +86,69 @@ def test_two_processes_inference_each_on_its_partition(tmp_path):
 
 # -- faults ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fault, failed, reporter", [
-    ("raise", 1, 0), ("raise0", 0, 1), ("interrupt", 1, 0), ("die", 1, 0)])
+@pytest.mark.parametrize("fault, failed, reporter, code, said", [
+    ("raise", 1, 0, 1, "Process 1 of 2 ended with RuntimeError: process 1 failed on "
+     "purpose (uncaught, exit status 1)"),
+    ("raise0", 0, 1, 1, "Process 0 of 2 ended with RuntimeError: process 0 failed on "
+     "purpose (uncaught, exit status 1)"),
+    ("interrupt", 1, 0, -signal.SIGINT, "Process 1 of 2 ended with KeyboardInterrupt "
+     "(uncaught, killed by SIGINT)"),
+    ("exit", 1, 0, 1, "Process 1 of 2 exited with status 1 (sys.exit(1)) after catching "
+     "RuntimeError: process 1 failed on purpose"),
+    ("exit_own_group", 1, 0, 1, "Process 1 of 2 exited with status 1 (sys.exit(1)) after "
+     "catching RuntimeError: process 1 failed on purpose"),
+    ("die", 1, 0, 3, "Process 1 of 2 exited with status 3 (os._exit(3)) without an error "
+     "being raised"),
+    ("kill", 1, 0, -signal.SIGKILL, "Process 1 of 2 ended without reporting an error "
+     "(killed")])
 def test_failed_process_makes_the_other_fail_naming_it(tmp_path, fault, failed,
-                                                       reporter):
+                                                       reporter, code, said):
     """Issue 19 item 7, with the default collective timeout (300 s, longer than this
     test waits): a process that raises (also process 0, which hosts the rendezvous
     store, and a KeyboardInterrupt) leaves the run at once, and the other's next
-    collective fails with an error naming it; a process that dies is reported as
-    such."""
+    collective fails with an error naming it, its exit status and whether it raised.
+    Issue 29 item 4: a process that catches its error and calls sys.exit(1) was
+    reported as having "ended normally (its script finished)" after 30 s; one that
+    calls os._exit(3) is named with its status; a killed one as killed. Also when the
+    script created the process group itself."""
     codes, logs = _launch(fault, tmp_path, **{collectives.TIMEOUT_ENV: ""})
     assert codes[reporter] == 0, logs
-    # its own exit, not killed by the test: os._exit(3), Python's SIGINT exit, or 1
-    assert codes[failed] == {"die": 3, "interrupt": -signal.SIGINT}.get(fault, 1), logs
+    assert codes[failed] == code, logs  # its own exit, not killed by the test
     message = _read(tmp_path, reporter)
     assert f"Distributed all_reduce of gradients failed in process {reporter} of 2: " \
         in message
-    if fault == "die":  # named: it recorded its pid, and it is gone
-        assert "Process 1 of 2 ended without reporting an error (killed" in message
-    elif fault == "interrupt":
-        assert "Process 1 of 2 ended with KeyboardInterrupt" in message
-    else:
-        assert f"Process {failed} of 2 ended with RuntimeError: process {failed} " \
-            "failed on purpose" in message
+    assert said in message, message
+    assert "ended normally" not in message
+    # the failure, not the collective timeout (300 s): however slow the machine
+    assert "within the collective timeout" not in message
+    assert float(message.split("s ", 1)[0]) < collectives.DEFAULT_TIMEOUT_S, message
 
 
 @pytest.mark.slow
 def test_hung_process_times_out(tmp_path):
     """Process 1 never reaches the weight update: process 0 fails after the collective
-    timeout set by POPTORCH_DISTRIBUTED_TIMEOUT instead of hanging."""
-    codes, logs = _launch("hang", tmp_path, wait_for=[0],
-                          **{collectives.TIMEOUT_ENV: "4"})
-    assert codes[0] == 0, logs
-    message = _read(tmp_path, 0)
+    timeout set by POPTORCH_DISTRIBUTED_TIMEOUT instead of hanging. Issue 29 item 7:
+    with a 4 s timeout, failed on a busy machine because it also bounded the join. The
+    join now has its own (long) timeout; the timeout under test is scaled with the load,
+    and doubled and tried again when the first call (compiled in both processes, which
+    a loaded machine may do seconds apart) already outlasted it."""
+    timeout = 4 * processes.time_scale()
+    for _ in range(4):
+        out = tmp_path / f"timeout{timeout:g}"
+        out.mkdir()
+        codes, logs = _launch("hang", out, wait_for=[0],
+                              **{collectives.TIMEOUT_ENV: f"{timeout:g}"})
+        assert codes[0] == 0, logs
+        message = _read(out, 0)
+        if not message.startswith("first call failed"):
+            break
+        timeout *= 2
     seconds = float(message.split("s ", 1)[0])
-    assert seconds < 100, message
-    assert "within the collective timeout" in message
+    assert seconds >= 0.99 * timeout, message  # waited the timeout set, not less
+    assert "Distributed all_reduce of gradients failed in process 0 of 2: another " \
+        "process died, raised an error or did not reach the same point within the " \
+        f"collective timeout ({timeout:g} s, set by POPTORCH_DISTRIBUTED_TIMEOUT" in message, \
+        message
 
 
 def test_mismatched_options_are_named_at_compile(tmp_path):
@@ -347,3 +374,77 @@ def test_process_count_differing_from_torchrun_fails_at_once(monkeypatch):
                              r"but the options say process 1 of 3"):
         ProcessGroup(1, 3)
     assert not dist.is_initialized()
+
+
+# -- how a process ends (issue 29 item 4) ---------------------------------------------
+
+_ENDING = """
+import atexit, os, sys
+from popart_compiler.runtime import exit_status
+exit_status.install()
+PID = os.getpid()
+atexit.register(lambda: os.getpid() == PID and print("ENDING", exit_status.ending().describe(),
+                                                   flush=True))
+def caught():
+    try:
+        sys.exit(5)
+    except SystemExit:
+        pass
+caught()
+case = sys.argv[1]
+if case == "exit_after_catching":
+    try:
+        raise ValueError("bad input")
+    except ValueError:
+        sys.exit(1)
+elif case == "exit_0":
+    sys.exit()
+elif case == "builtin_exit":
+    exit(2)
+elif case == "uncaught":
+    raise RuntimeError("boom")
+elif case == "forked_child_exit":
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(7)  # the child's own end: not this process's
+    os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.parametrize("case, status, said", [
+    ("finished", 0, "ended normally (its script finished, exit status 0)"),
+    ("exit_after_catching", 1, "exited with status 1 (sys.exit(1)) after catching "
+     "ValueError: bad input"),
+    ("exit_0", 0, "exited with status 0 (sys.exit())"),
+    ("builtin_exit", 2, "exited with status 2 (exit(2)) without an error being raised"),
+    ("uncaught", 1, "ended with RuntimeError: boom (uncaught, exit status 1)"),
+    ("forked_child_exit", 0, "ended normally (its script finished, exit status 0)")])
+def test_how_a_process_ends_is_recorded(tmp_path, case, status, said):
+    """What a process records about its end for the others: a SystemExit the script
+    caught (sys.exit(5) in a try) is not its end; a forked child's is not either."""
+    script = tmp_path / "ending.py"
+    script.write_text(_ENDING)
+    codes, logs = _run([[sys.executable, str(script), case]], [_env()], wait_s=60)
+    assert codes == [status], logs
+    endings = [line for line in logs[0].splitlines() if line.startswith("ENDING")]
+    assert endings == [f"ENDING {said}"], logs
+
+
+def test_join_names_who_did_not_come_and_how_one_ended():
+    """The join polls the rendezvous store until its deadline, then names the process
+    that did not come (issue 29 item 6: it then waited the timeout again); a process
+    that ended without joining is named with the exit status it recorded."""
+    import datetime
+    from popart_compiler.runtime import rendezvous
+    store = dist.TCPStore("127.0.0.1", _free_port(), is_master=True,
+                          timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    with pytest.raises(Error, match=r"Process 0 of 2 could not join the other processes: "
+                       r"process 1 of 2 did not come to join the run within 0.5 s \(the "
+                       r"join timeout: POPTORCH_DISTRIBUTED_JOIN_TIMEOUT, else "
+                       r"POPTORCH_DISTRIBUTED_TIMEOUT\)"):
+        rendezvous.wait_for_peers(0, 2, datetime.timedelta(seconds=0.5), store=store)
+    store.set("poptorch/0/ended/1", "exited with status 1 (sys.exit(1)) after catching "
+              "ValueError: bad input")
+    with pytest.raises(Error, match=r"process 1 of 2 exited with status 1 \(sys.exit\(1\)\) "
+                       r"after catching ValueError: bad input without joining the run"):
+        rendezvous.wait_for_peers(0, 2, datetime.timedelta(seconds=30), store=store)

@@ -1,5 +1,5 @@
 """Hyper-parameter tensors written through ``optimizer.load_state_dict`` (``ipu_param``,
-S-56) are used by the following updates and read back as written, until the param
+docs/semantics.md S-56) are used by the following updates and read back as written, until the param
 groups change; user-written step counts give NaN updates, not complex-number errors."""
 import pytest
 import torch
