@@ -33,8 +33,9 @@ two values exactly when a program captured with one is valid for the other, or r
 Everything else is unkeyable: any other object (``types.SimpleNamespace`` and other
 objects of C classes, instances of user classes, a ``torch.nn.Module`` that is not a
 registered sub-module, a ``poptorch.CPU`` host op), a library's builtin function
-without a name, a user module held as a value, a tensor subclass, a sparse, quantized
-or ``meta`` tensor, a container nested deeper than :data:`MAX_DEPTH` or larger than
+without a name, a user module held as a value, ``os.environ`` and the ``os`` functions
+that read it (the environment differs between processes), a tensor subclass, a sparse,
+quantized or ``meta`` tensor, a container nested deeper than :data:`MAX_DEPTH` or larger than
 :data:`MAX_ITEMS`, more than :data:`MAX_VALUES` values in all.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ import collections
 import enum
 import functools
 import hashlib
+import os
 import sys
 import types
 import weakref
@@ -51,7 +53,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 __all__ = ["Unkeyable", "Describer", "MAX_DEPTH", "MAX_ITEMS", "MAX_VALUES", "library_name",
-           "plain_object_class", "is_plain_data"]
+           "plain_object_class", "is_plain_data", "reads_environment", "ENVIRONMENT"]
 
 #: Deepest container nesting described (deeper: unkeyable).
 MAX_DEPTH = 8
@@ -133,6 +135,17 @@ def is_plain_data(value: Any) -> bool:
     other object)."""
     return type(value) in _SCALARS or type(value) in _CONTAINERS or \
         isinstance(value, (torch.Tensor, torch.Size, *_TORCH_NAMED, enum.Enum))
+
+
+#: What :class:`Unkeyable` says of ``os.environ`` and the functions that read it.
+ENVIRONMENT = "the process environment (os.environ)"
+
+
+def reads_environment(value: Any) -> bool:
+    """``value`` is ``os.environ`` (``os.environb``) or a function of ``os`` that reads
+    it: what it gives depends on the process, not on anything the key records."""
+    return any(value is getattr(os, name, None)
+               for name in ("environ", "environb", "getenv", "getenvb"))
 
 
 def _what(value: Any) -> str:
@@ -255,13 +268,16 @@ class Describer:
                 value.layout != torch.strided or value.is_meta or value.is_quantized:
             raise Unkeyable(where, f"a {type(value).__name__} with layout {value.layout} "
                                    f"on device {value.device}")
-        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        data = value.detach().resolve_conj().resolve_neg().cpu().contiguous()
+        data = data.reshape(-1).view(torch.uint8)
         return ["tensor", str(value.dtype), list(value.shape), value.device.type,
                 bool(value.requires_grad),
                 hashlib.sha256(data.numpy().tobytes()).hexdigest()]
 
     def _named(self, value: Any, where: str, depth: int) -> Any:
         """Functions, classes, modules and plain torch / poptorch objects."""
+        if reads_environment(value):
+            raise Unkeyable(where, ENVIRONMENT)
         if isinstance(value, types.ModuleType):
             if not self.is_user_module(value) and sys.modules.get(value.__name__) is value:
                 return ["module", value.__name__]
