@@ -34,7 +34,8 @@ Everything else is unkeyable: any other object (``types.SimpleNamespace`` and ot
 objects of C classes, instances of user classes, a ``torch.nn.Module`` that is not a
 registered sub-module, a ``poptorch.CPU`` host op), a library's builtin function
 without a name, a user module held as a value, ``os.environ`` and the ``os`` functions
-that read it (the environment differs between processes), a tensor subclass, a sparse,
+that read it, functions that read files (``open``, ``pathlib.Path``, ``torch.load``:
+:func:`outside_state`), a tensor subclass, a sparse,
 quantized or ``meta`` tensor, a container nested deeper than :data:`MAX_DEPTH` or larger than
 :data:`MAX_ITEMS`, more than :data:`MAX_VALUES` values in all.
 """
@@ -53,7 +54,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 __all__ = ["Unkeyable", "Describer", "MAX_DEPTH", "MAX_ITEMS", "MAX_VALUES", "library_name",
-           "plain_object_class", "is_plain_data", "reads_environment", "ENVIRONMENT"]
+           "plain_object_class", "is_plain_data", "outside_state"]
 
 #: Deepest container nesting described (deeper: unkeyable).
 MAX_DEPTH = 8
@@ -137,15 +138,29 @@ def is_plain_data(value: Any) -> bool:
         isinstance(value, (torch.Tensor, torch.Size, *_TORCH_NAMED, enum.Enum))
 
 
-#: What :class:`Unkeyable` says of ``os.environ`` and the functions that read it.
-ENVIRONMENT = "the process environment (os.environ)"
+#: Library objects whose results depend on the process, not on anything the key
+#: records: ``(module, attribute)`` and what :class:`Unkeyable` says of them.
+_OUTSIDE_STATE = (
+    (("os", "environ"), ("os", "environb"), ("os", "getenv"), ("os", "getenvb"),
+     "the process environment (os.environ)"),
+    (("builtins", "open"), ("io", "open"), ("io", "open_code"), ("io", "FileIO"),
+     ("os", "open"), ("os", "read"), ("pathlib", "Path"), ("torch", "load"),
+     ("numpy", "load"), ("numpy", "loadtxt"), ("numpy", "fromfile"),
+     ("numpy", "genfromtxt"), "a function that reads files"),
+)
 
 
-def reads_environment(value: Any) -> bool:
-    """``value`` is ``os.environ`` (``os.environb``) or a function of ``os`` that reads
-    it: what it gives depends on the process, not on anything the key records."""
-    return any(value is getattr(os, name, None)
-               for name in ("environ", "environb", "getenv", "getenvb"))
+def outside_state(value: Any) -> Optional[str]:
+    """What ``value`` reads when it is ``os.environ``, a function of ``os`` that reads
+    it, or a function or class that reads files (``open``, ``pathlib.Path``,
+    ``torch.load``): state outside the program and the key, different between
+    processes. ``None`` for any other value."""
+    for *names, what in _OUTSIDE_STATE:
+        for module, attr in names:
+            found = sys.modules.get(module)
+            if found is not None and value is getattr(found, attr, _MISSING):
+                return what
+    return None
 
 
 def _what(value: Any) -> str:
@@ -276,8 +291,9 @@ class Describer:
 
     def _named(self, value: Any, where: str, depth: int) -> Any:
         """Functions, classes, modules and plain torch / poptorch objects."""
-        if reads_environment(value):
-            raise Unkeyable(where, ENVIRONMENT)
+        reads = outside_state(value)
+        if reads is not None:
+            raise Unkeyable(where, reads)
         if isinstance(value, types.ModuleType):
             if not self.is_user_module(value) and sys.modules.get(value.__name__) is value:
                 return ["module", value.__name__]

@@ -35,8 +35,8 @@ import sysconfig
 import types
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from poptorch._files.cache_values import (ENVIRONMENT, Describer, Unkeyable, is_plain_data,
-                                          reads_environment)
+from poptorch._files.cache_values import (Describer, Unkeyable, is_plain_data,
+                                          outside_state)
 
 __all__ = ["code_digest", "CodeDigest", "is_user_code"]
 
@@ -167,7 +167,8 @@ class CodeDigest:
         reads) of it: all of a user module's by value; of a library module, the plain
         data it holds (a value a user stored on it) and the names of its functions and
         classes (a function a user put in its place is seen), following its
-        sub-modules (``torch.nn.functional.gelu``). ``os.environ`` is unkeyable."""
+        sub-modules (``torch.nn.functional.gelu``). ``os.environ`` and file readers
+        are unkeyable (:func:`~poptorch._files.cache_values.outside_state`)."""
         seen = set() if seen is None else seen
         if id(module) in seen:
             return
@@ -179,8 +180,8 @@ class CodeDigest:
             if value is _MISSING:
                 continue
             at = f"{where} ({name}.{attr})"
-            if reads_environment(value):
-                raise Unkeyable(at, ENVIRONMENT)
+            if outside_state(value) is not None:
+                raise Unkeyable(at, outside_state(value))
             if user:
                 self.add(name, attr, self.value(value, at))
             elif isinstance(value, types.ModuleType) and not _is_user_module(value):
@@ -199,8 +200,8 @@ class CodeDigest:
         if isinstance(value, property):
             return [self.library_attribute(f, where)
                     for f in (value.fget, value.fset, value.fdel)]
-        if reads_environment(value):
-            raise Unkeyable(where, ENVIRONMENT)
+        if outside_state(value) is not None:
+            raise Unkeyable(where, outside_state(value))
         if is_plain_data(value) or isinstance(value, (functools.partial,
                                                       types.MethodType)):
             try:

@@ -1,5 +1,5 @@
 """Child process of ``test_cache_key_state.py`` (issue 29, item 1): like
-``cache_key_worker.py``, for state outside the model's attributes: the environment,
+``cache_key_worker.py``, for state outside the model's attributes: the environment, a file,
 torch's process-wide settings, tied weights and shared sub-modules, library functions
 replaced by the user, conjugate tensors. ``argv``: cache directory, variant (``a`` /
 ``b``), result file (JSON: per case the output, the plain PyTorch output, the number of
@@ -34,6 +34,26 @@ class Environ(Base):
 class Getenv(Base):
     def forward(self, x):
         return self.fc(x) * float(os.getenv("CACHE_KEY_TEST_SCALE", "1"))
+
+
+ENV = os.environ
+
+
+def scaled_by_environment(t):
+    return t * float(ENV["CACHE_KEY_TEST_SCALE"])
+
+
+class Helper(Base):
+    """Reads the environment in a helper, through a global holding ``os.environ``."""
+
+    def forward(self, x):
+        return scaled_by_environment(self.fc(x))
+
+
+class ReadsFile(Base):
+    def forward(self, x):
+        with open(os.path.join(CACHE, "scale.txt"), encoding="utf-8") as f:
+            return self.fc(x) * float(f.read())
 
 
 class DefaultDtype(Base):
@@ -95,7 +115,7 @@ def _setting(case):
     return lambda: None
 
 
-CASES = {"environ": Environ, "getenv": Getenv, "default_dtype": DefaultDtype,
+CASES = {"environ": Environ, "getenv": Getenv, "helper": Helper, "reads_file": ReadsFile, "default_dtype": DefaultDtype,
          "deterministic": Deterministic, "tied_weights": lambda: Two("weights" if A else ""),
          "shared_module": lambda: Two("module" if A else ""), "patched_chained": Chained,
          "patched_direct": Direct, "on_library_class": lambda: OnLibraryClass(4, 4),
@@ -115,6 +135,9 @@ class Lines(logging.Handler):
 
 def main():
     os.environ["CACHE_KEY_TEST_SCALE"] = str(SCALE)
+    os.makedirs(CACHE, exist_ok=True)
+    with open(os.path.join(CACHE, "scale.txt"), "w", encoding="utf-8") as f:
+        f.write(str(SCALE))
     if not A:
         torch.nn.functional.gelu = torch.tanh
         F.silu = torch.tanh

@@ -1,5 +1,5 @@
 """Issue 29, item 1: state outside the model's attributes that ``forward`` reads never
-gets another process's program: the environment (cache off), torch's process-wide
+gets another process's program: the environment and files (cache off), torch's process-wide
 settings, tied weights and shared sub-modules, library functions the user replaced
 (keyed), and a conjugate tensor attribute (keyed, never a failed compile). Three
 processes (variant a fills the cache, b has other state, a again) run the cases of
@@ -23,6 +23,9 @@ UNKEYABLE = {
                "environment",
     "getenv": "the global os read by Getenv.forward (os.getenv) holds the process "
               "environment",
+    "helper": "the global ENV read by scaled_by_environment holds the process environment",
+    "reads_file": "the global open read by ReadsFile.forward holds a function that reads "
+                  "files",
 }
 
 
