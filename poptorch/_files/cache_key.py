@@ -175,9 +175,13 @@ def _aliases(named) -> List[List[str]]:
 
 def _torch_state() -> Dict[str, Any]:
     """torch's process-wide settings that code can read or that change what a capture
-    gives: the default dtype and device, deterministic algorithms, backend flags."""
+    gives: grad and inference mode, autocast, the default dtype and device,
+    deterministic algorithms, backend flags."""
     backends = torch.backends
     return {
+        "grad": [torch.is_grad_enabled(), torch.is_inference_mode_enabled()],
+        "autocast": [[torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))]
+                     for d in ("cpu", "cuda")],
         "default_dtype": str(torch.get_default_dtype()),
         "default_device": str(torch.get_default_device()),
         "deterministic": [torch.are_deterministic_algorithms_enabled(),

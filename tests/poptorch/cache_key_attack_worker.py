@@ -66,6 +66,11 @@ class Deterministic(Base):
         return self.fc(x) * (3.0 if torch.are_deterministic_algorithms_enabled() else 2.0)
 
 
+class GradMode(Base):
+    def forward(self, x):
+        return self.fc(x) * (3.0 if torch.is_grad_enabled() else 2.0)
+
+
 class Two(torch.nn.Module):
     def __init__(self, tie):
         super().__init__()
@@ -112,11 +117,15 @@ def _setting(case):
     if case == "deterministic" and not A:
         torch.use_deterministic_algorithms(True)
         return lambda: torch.use_deterministic_algorithms(False)
+    if case == "grad_mode":
+        before = torch.is_grad_enabled()
+        torch.set_grad_enabled(not A)
+        return lambda: torch.set_grad_enabled(before)
     return lambda: None
 
 
 CASES = {"environ": Environ, "getenv": Getenv, "helper": Helper, "reads_file": ReadsFile, "default_dtype": DefaultDtype,
-         "deterministic": Deterministic, "tied_weights": lambda: Two("weights" if A else ""),
+         "deterministic": Deterministic, "grad_mode": GradMode, "tied_weights": lambda: Two("weights" if A else ""),
          "shared_module": lambda: Two("module" if A else ""), "patched_chained": Chained,
          "patched_direct": Direct, "on_library_class": lambda: OnLibraryClass(4, 4),
          "conjugate": Conjugate}
@@ -162,12 +171,12 @@ def main():
         model = build().eval()
         undo = _setting(case)
         try:
-            expected = model(x)
+            expected = model(x).detach()
             opts = poptorch.Options().enableExecutableCaching(os.path.join(CACHE, case))
             out = poptorch.inferenceModel(model, opts)(x)
         finally:
             undo()
-        results[case] = {"out": out.tolist(), "expected": expected.tolist(),
+        results[case] = {"out": out.detach().tolist(), "expected": expected.tolist(),
                          "captures": len(calls), "log": list(lines.lines)}
     with open(RESULT, "w") as f:
         json.dump(results, f)

@@ -12,10 +12,12 @@ import sys
 import pytest
 import torch
 
+import poptorch
+
 _WORKER = os.path.join(os.path.dirname(__file__), "cache_key_attack_worker.py")
 
 #: Cases whose state the key records: one entry per variant.
-KEYED = ["default_dtype", "deterministic", "tied_weights", "shared_module",
+KEYED = ["default_dtype", "deterministic", "grad_mode", "tied_weights", "shared_module",
          "patched_chained", "patched_direct", "on_library_class", "conjugate"]
 #: Cases that turn the cache off, and what the INFO line says.
 UNKEYABLE = {
@@ -67,3 +69,16 @@ def test_state_outside_the_model_never_gets_the_cached_program(runs, case):
         for run in (first, other, again):
             lines = [m for m in run["log"] if m.startswith("Executable cache not used")]
             assert len(lines) == 1 and UNKEYABLE[case] in lines[0], run["log"]
+
+
+def test_an_entry_is_not_used_under_autocast(tmp_path):
+    """Autocast is part of the key: a bfloat16 autocast call is refused as it is without
+    the cache, never served the float32 entry."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4).eval()
+    x = torch.randn(2, 4)
+    opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
+    torch.testing.assert_close(poptorch.inferenceModel(model, opts)(x), model(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(poptorch.Error, match="inside torch.autocast"):
+            poptorch.inferenceModel(model, opts)(x)
