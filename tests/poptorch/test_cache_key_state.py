@@ -72,13 +72,24 @@ def test_state_outside_the_model_never_gets_the_cached_program(runs, case):
 
 
 def test_an_entry_is_not_used_under_autocast(tmp_path):
-    """Autocast is part of the key: a bfloat16 autocast call is refused as it is without
-    the cache, never served the float32 entry."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4).eval()
-    x = torch.randn(2, 4)
-    opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
-    torch.testing.assert_close(poptorch.inferenceModel(model, opts)(x), model(x))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(poptorch.Error, match="inside torch.autocast"):
-            poptorch.inferenceModel(model, opts)(x)
+    """Autocast is part of the key: a bfloat16 autocast call in another process is
+    refused as it is without the cache, never served the float32 entry."""
+    code = ("import sys, torch, poptorch\n"
+            "torch.manual_seed(0)\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()\n"
+            "x = torch.ones(2, 4)\n"
+            "opts = poptorch.Options().enableExecutableCaching(sys.argv[1])\n"
+            "ctx = torch.autocast('cpu', dtype=torch.bfloat16) if sys.argv[2] == 'on' \\\n"
+            "    else torch.no_grad()\n"
+            "with ctx:\n"
+            "    try:\n"
+            "        poptorch.inferenceModel(model, opts)(x)\n"
+            "    except poptorch.Error as exc:\n"
+            "        assert 'inside torch.autocast' in exc.message, exc.message\n"
+            "        sys.exit(3)\n")
+    env = {**os.environ, "POPTORCH_LOG_LEVEL": "ERR"}
+    env.pop("POPTORCH_CACHE_DIR", None)
+    codes = [subprocess.run([sys.executable, "-c", code, str(tmp_path), mode], env=env,
+                            timeout=600, capture_output=True, check=False).returncode
+             for mode in ("off", "on")]
+    assert codes == [0, 3], codes
