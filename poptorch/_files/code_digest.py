@@ -20,9 +20,11 @@ cover):
   describe (an arbitrary object, a ``types.SimpleNamespace``) raises
   :class:`~poptorch._files.cache_values.Unkeyable`: the cache is then not used.
 
-Not covered: code of installed packages other than ``torch`` / ``poptorch`` (upgrade
-one → clear the cache), and behaviour that depends on state outside the code (files,
-environment variables, attributes of other objects).
+Reading ``os.environ`` (``os.getenv``) or a function that reads files (``open``,
+``pathlib.Path``, ``torch.load``) is unkeyable
+(:func:`~poptorch._files.cache_values.outside_state`). Not covered: code of installed
+packages other than ``torch`` / ``poptorch`` (upgrade one → clear the cache), and state
+user code reaches only through a library's code (a library function that reads a file).
 """
 from __future__ import annotations
 
