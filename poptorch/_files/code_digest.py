@@ -196,7 +196,8 @@ class CodeDigest:
         plain data by value (``<library state>`` if it cannot be described); user code
         by its code; a library function or class by its module and qualified name (its
         code is the library's); a property or static / class method by its functions;
-        any other object as ``<object>`` (the library's own state)."""
+        an object of a user class as :meth:`value` does (unkeyable); any other object
+        as ``<object>`` (the library's own state)."""
         if isinstance(value, (staticmethod, classmethod)):
             value = value.__func__
         if isinstance(value, property):
@@ -211,6 +212,8 @@ class CodeDigest:
             except Unkeyable:
                 return "<library state>"
         if isinstance(value, (type, types.FunctionType)) and _is_user_code(value):
+            return self.value(value, where)
+        if _is_user_code(type(value)):  # a library holds no objects of user classes
             return self.value(value, where)
         if callable(value):
             return ["library", getattr(value, "__module__", None),

@@ -93,3 +93,23 @@ def test_an_entry_is_not_used_under_autocast(tmp_path):
                             timeout=600, capture_output=True, check=False).returncode
              for mode in ("off", "on")]
     assert codes == [0, 3], codes
+
+
+class _UserConfig:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class _ReadsLinearConfig(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * self.cfg.scale
+
+
+def test_a_user_object_put_on_a_library_class_turns_the_cache_off(monkeypatch):
+    """``torch.nn.Linear.cfg = <user object>``, read as ``self.cfg``: the key cannot
+    record it, so the model is not cached (it was left out of the key before)."""
+    from poptorch._files.cache_key import model_description
+    from poptorch._files.cache_values import Unkeyable
+    monkeypatch.setattr(torch.nn.Linear, "cfg", _UserConfig(2.0), raising=False)
+    with pytest.raises(Unkeyable, match="Linear.cfg holds a .*_UserConfig object"):
+        model_description(_ReadsLinearConfig(4, 4))
