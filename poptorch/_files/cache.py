@@ -14,14 +14,17 @@ SHA-256 key computed **before** capturing (capture is the work the cache saves;
   code of every class involved and of the user code it reaches with the values that
   code reads (:mod:`poptorch._files.code_digest`: byte code, never source files, so
   classes defined in a notebook, ``exec`` or ``python -c`` are cached too); the name,
-  kind, shape, dtype and ``requires_grad`` of every parameter and buffer;
-* the training flag, every option (except the cache path) and the replica grouping of
-  weights;
+  kind, shape, dtype and ``requires_grad`` of every parameter and buffer, and which
+  weights and sub-modules are shared;
+* the training flag, torch's process-wide state (grad and inference mode, autocast, the
+  default dtype and device, deterministic algorithms, backend flags), every option
+  (except the cache path) and the replica grouping of weights;
 * the input signature: argument names, structure, shapes, dtypes and non-tensor values.
 
 Every value is recorded by value or by a name that resolves to the same library object
 (:mod:`poptorch._files.cache_values`); one that cannot be recorded (an arbitrary object,
-a ``types.SimpleNamespace``, a sub-module in a plain ``dict``, a ``poptorch.CPU`` op)
+a ``types.SimpleNamespace``, a sub-module in a plain ``dict``, a ``poptorch.CPU`` op,
+``os.environ``, a function that reads files)
 turns the cache off for that compile with one INFO line naming it: the cache never
 serves a program captured for other state (issue 29). Code of installed packages other
 than ``torch`` / ``poptorch`` is not part of the key: clear the cache directory after

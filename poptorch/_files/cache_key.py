@@ -18,7 +18,7 @@ from torch.nn.modules import module as _torch_module
 from popart_compiler.errors import Error
 
 from poptorch._executor import instrument as _instrument
-from poptorch._files.cache_values import Unkeyable, is_plain_data
+from poptorch._files.cache_values import Unkeyable
 from poptorch._files.code_digest import CodeDigest, code_digest, is_user_code
 from poptorch._files.container import FORMAT_VERSION, encode
 from poptorch._files.structure import encode_spec
@@ -135,14 +135,16 @@ def model_description(model: torch.nn.Module) -> Dict[str, Any]:
     state += [[n, "b", list(t.shape), str(t.dtype)] for n, t in buffers]
     global_hooks = _global_hooks(digest)
     return {"modules": modules, "state": state, "global_hooks": global_hooks,
+            "aliases": [_aliases(parameters + buffers), _aliases(named)],
             "library_classes": _library_class_data(digest, classes.values()),
             "code": code_digest(classes.values(), (), digest)}
 
 
 def _library_class_data(digest: CodeDigest, classes) -> List[Any]:
-    """The plain data in the bodies of the library classes the model's classes derive
-    from (``torch.nn.Linear.factor = 3`` set by the user is read as ``self.factor``);
-    user classes are in the code digest."""
+    """What the bodies of the library classes the model's classes derive from hold,
+    as :meth:`CodeDigest.library_attribute` describes it: a value or function a user
+    put there (``torch.nn.Linear.factor = 3``, ``torch.nn.Linear.act = ...``, read as
+    ``self.factor``) changes the key; user classes are in the code digest."""
     out = []
     seen = set()
     for cls in classes:
@@ -150,16 +152,44 @@ def _library_class_data(digest: CodeDigest, classes) -> List[Any]:
             if base is object or id(base) in seen or is_user_code(base):
                 continue
             seen.add(id(base))
-            data = []
-            for name, value in sorted(vars(base).items()):
-                if name.startswith("__") or not is_plain_data(value):
-                    continue
-                try:
-                    data.append([name, digest.value(value, f"{base.__qualname__}.{name}")])
-                except Unkeyable:
-                    data.append([name, "<library state>"])
+            data = [[name, digest.library_attribute(value, f"{base.__qualname__}.{name}")]
+                    for name, value in sorted(vars(base).items())
+                    if not name.startswith("__")]
             out.append([f"{base.__module__}.{base.__qualname__}", data])
     return out
+
+
+def _aliases(named) -> List[List[str]]:
+    """``[name, first name]`` for every entry of ``named`` (``(name, object)`` pairs, all
+    duplicates kept) whose object came earlier under another name: tied weights and
+    shared sub-modules, which a program captured with separate ones would not share."""
+    first: Dict[int, str] = {}
+    out = []
+    for name, obj in named:
+        if id(obj) in first:
+            out.append([name, first[id(obj)]])
+        else:
+            first[id(obj)] = name
+    return out
+
+
+def _torch_state() -> Dict[str, Any]:
+    """torch's process-wide settings that code can read or that change what a capture
+    gives: grad and inference mode, autocast, the default dtype and device,
+    deterministic algorithms, backend flags."""
+    backends = torch.backends
+    return {
+        "grad": [torch.is_grad_enabled(), torch.is_inference_mode_enabled()],
+        "autocast": [[torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))]
+                     for d in ("cpu", "cuda")],
+        "default_dtype": str(torch.get_default_dtype()),
+        "default_device": str(torch.get_default_device()),
+        "deterministic": [torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()],
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "backends": [bool(getattr(getattr(backends, b, None), "enabled", False))
+                     for b in ("mkldnn", "cudnn")],
+    }
 
 
 def _drop_keys(value: Any, keys) -> Any:
@@ -186,6 +216,11 @@ def cache_key(request: CacheRequest) -> Optional[str]:
                     "record, so the program is captured at every compile.", exc.where,
                     exc.what)
         return None
+    except Exception as exc:  # noqa: BLE001 - a value that fails to describe itself
+        logger.info("Executable cache not used: describing the model for the cache key "
+                    "failed (%s: %s), so the program is captured at every compile.",
+                    type(exc).__name__, exc)
+        return None
     try:
         options = encode(request.options)
         inputs = encode_spec(request.spec, "the inputs")
@@ -200,6 +235,7 @@ def cache_key(request: CacheRequest) -> Optional[str]:
                      f"{sys.version_info[0]}.{sys.version_info[1]}"],
         "backend": {"name": request.backend, "device": request.device},
         "training": request.training,
+        "torch_state": _torch_state(),
         "model": described,
         "options": options,
         "replica_groupings": groupings,

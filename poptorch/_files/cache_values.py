@@ -33,8 +33,10 @@ two values exactly when a program captured with one is valid for the other, or r
 Everything else is unkeyable: any other object (``types.SimpleNamespace`` and other
 objects of C classes, instances of user classes, a ``torch.nn.Module`` that is not a
 registered sub-module, a ``poptorch.CPU`` host op), a library's builtin function
-without a name, a user module held as a value, a tensor subclass, a sparse, quantized
-or ``meta`` tensor, a container nested deeper than :data:`MAX_DEPTH` or larger than
+without a name, a user module held as a value, ``os.environ`` and the ``os`` functions
+that read it, functions that read files (``open``, ``pathlib.Path``, ``torch.load``:
+:func:`outside_state`), a tensor subclass, a sparse,
+quantized or ``meta`` tensor, a container nested deeper than :data:`MAX_DEPTH` or larger than
 :data:`MAX_ITEMS`, more than :data:`MAX_VALUES` values in all.
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ import collections
 import enum
 import functools
 import hashlib
+import os
 import sys
 import types
 import weakref
@@ -51,7 +54,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 __all__ = ["Unkeyable", "Describer", "MAX_DEPTH", "MAX_ITEMS", "MAX_VALUES", "library_name",
-           "plain_object_class", "is_plain_data"]
+           "plain_object_class", "is_plain_data", "outside_state"]
 
 #: Deepest container nesting described (deeper: unkeyable).
 MAX_DEPTH = 8
@@ -133,6 +136,31 @@ def is_plain_data(value: Any) -> bool:
     other object)."""
     return type(value) in _SCALARS or type(value) in _CONTAINERS or \
         isinstance(value, (torch.Tensor, torch.Size, *_TORCH_NAMED, enum.Enum))
+
+
+#: Library objects whose results depend on the process, not on anything the key
+#: records: ``(module, attribute)`` and what :class:`Unkeyable` says of them.
+_OUTSIDE_STATE = (
+    (("os", "environ"), ("os", "environb"), ("os", "getenv"), ("os", "getenvb"),
+     "the process environment (os.environ)"),
+    (("builtins", "open"), ("io", "open"), ("io", "open_code"), ("io", "FileIO"),
+     ("os", "open"), ("os", "read"), ("pathlib", "Path"), ("torch", "load"),
+     ("numpy", "load"), ("numpy", "loadtxt"), ("numpy", "fromfile"),
+     ("numpy", "genfromtxt"), "a function that reads files"),
+)
+
+
+def outside_state(value: Any) -> Optional[str]:
+    """What ``value`` reads when it is ``os.environ``, a function of ``os`` that reads
+    it, or a function or class that reads files (``open``, ``pathlib.Path``,
+    ``torch.load``): state outside the program and the key, different between
+    processes. ``None`` for any other value."""
+    for *names, what in _OUTSIDE_STATE:
+        for module, attr in names:
+            found = sys.modules.get(module)
+            if found is not None and value is getattr(found, attr, _MISSING):
+                return what
+    return None
 
 
 def _what(value: Any) -> str:
@@ -255,13 +283,17 @@ class Describer:
                 value.layout != torch.strided or value.is_meta or value.is_quantized:
             raise Unkeyable(where, f"a {type(value).__name__} with layout {value.layout} "
                                    f"on device {value.device}")
-        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        data = value.detach().resolve_conj().resolve_neg().cpu().contiguous()
+        data = data.reshape(-1).view(torch.uint8)
         return ["tensor", str(value.dtype), list(value.shape), value.device.type,
                 bool(value.requires_grad),
                 hashlib.sha256(data.numpy().tobytes()).hexdigest()]
 
     def _named(self, value: Any, where: str, depth: int) -> Any:
         """Functions, classes, modules and plain torch / poptorch objects."""
+        reads = outside_state(value)
+        if reads is not None:
+            raise Unkeyable(where, reads)
         if isinstance(value, types.ModuleType):
             if not self.is_user_module(value) and sys.modules.get(value.__name__) is value:
                 return ["module", value.__name__]

@@ -20,13 +20,16 @@ cover):
   describe (an arbitrary object, a ``types.SimpleNamespace``) raises
   :class:`~poptorch._files.cache_values.Unkeyable`: the cache is then not used.
 
-Not covered: code of installed packages other than ``torch`` / ``poptorch`` (upgrade
-one → clear the cache), and behaviour that depends on state outside the code (files,
-environment variables, attributes of other objects).
+Reading ``os.environ`` (``os.getenv``) or a function that reads files (``open``,
+``pathlib.Path``, ``torch.load``) is unkeyable
+(:func:`~poptorch._files.cache_values.outside_state`). Not covered: code of installed
+packages other than ``torch`` / ``poptorch`` (upgrade one → clear the cache), and state
+user code reaches only through a library's code (a library function that reads a file).
 """
 from __future__ import annotations
 
 import builtins
+import functools
 import hashlib
 import os
 import sys
@@ -34,7 +37,8 @@ import sysconfig
 import types
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from poptorch._files.cache_values import Describer, Unkeyable, is_plain_data
+from poptorch._files.cache_values import (Describer, Unkeyable, is_plain_data,
+                                          outside_state)
 
 __all__ = ["code_digest", "CodeDigest", "is_user_code"]
 
@@ -159,22 +163,62 @@ class CodeDigest:
                 continue
             self.add(name, self.value(target, where))
 
-    def module_attributes(self, name: str, module: types.ModuleType, attrs, where: str
-                          ) -> None:
-        """The attributes ``attrs`` (names the code reads) of a module global: all of a
-        user module's; the plain data a library module holds (a value a user stored on
-        it); a library's own functions, classes and modules are its code, which the
-        versions in the key cover."""
+    def module_attributes(self, name: str, module: types.ModuleType, attrs, where: str,
+                          seen: Optional[Set[int]] = None) -> None:
+        """The module global ``name`` and the attributes ``attrs`` (names the code
+        reads) of it: all of a user module's by value; of a library module, the plain
+        data it holds (a value a user stored on it) and the names of its functions and
+        classes (a function a user put in its place is seen), following its
+        sub-modules (``torch.nn.functional.gelu``). ``os.environ`` and file readers
+        are unkeyable (:func:`~poptorch._files.cache_values.outside_state`)."""
+        seen = set() if seen is None else seen
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        self.add(name, "module", module.__name__)
         user = _is_user_module(module)
         for attr in attrs:
             value = vars(module).get(attr, _MISSING)  # no lazy imports
-            if value is _MISSING or not user and not is_plain_data(value):
+            if value is _MISSING:
                 continue
+            at = f"{where} ({name}.{attr})"
+            if outside_state(value) is not None:
+                raise Unkeyable(at, outside_state(value))
+            if user:
+                self.add(name, attr, self.value(value, at))
+            elif isinstance(value, types.ModuleType) and not _is_user_module(value):
+                self.module_attributes(f"{name}.{attr}", value, attrs, where, seen)
+            else:
+                self.add(name, attr, self.library_attribute(value, at))
+
+    def library_attribute(self, value: Any, where: str) -> Any:
+        """The description of ``value``, an attribute of a library module or class:
+        plain data by value (``<library state>`` if it cannot be described); user code
+        by its code; a library function or class by its module and qualified name (its
+        code is the library's); a property or static / class method by its functions;
+        an object of a user class as :meth:`value` does (unkeyable); any other object
+        as ``<object>`` (the library's own state)."""
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if isinstance(value, property):
+            return [self.library_attribute(f, where)
+                    for f in (value.fget, value.fset, value.fdel)]
+        if outside_state(value) is not None:
+            raise Unkeyable(where, outside_state(value))
+        if is_plain_data(value) or isinstance(value, (functools.partial,
+                                                      types.MethodType)):
             try:
-                self.add(name, attr, self.value(value, f"{where} ({name}.{attr})"))
+                return self.value(value, where)
             except Unkeyable:
-                if user:
-                    raise
+                return "<library state>"
+        if isinstance(value, (type, types.FunctionType)) and _is_user_code(value):
+            return self.value(value, where)
+        if _is_user_code(type(value)):  # a library holds no objects of user classes
+            return self.value(value, where)
+        if callable(value):
+            return ["library", getattr(value, "__module__", None),
+                    getattr(value, "__qualname__", None)]
+        return "<object>"
 
     def function(self, fn: Any, where: str) -> None:
         fn = getattr(fn, "__func__", fn)
