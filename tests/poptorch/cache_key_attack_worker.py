@@ -124,8 +124,9 @@ def _setting(case):
     return lambda: None
 
 
-CASES = {"environ": Environ, "getenv": Getenv, "helper": Helper, "reads_file": ReadsFile, "default_dtype": DefaultDtype,
-         "deterministic": Deterministic, "grad_mode": GradMode, "tied_weights": lambda: Two("weights" if A else ""),
+CASES = {"environ": Environ, "getenv": Getenv, "helper": Helper, "reads_file": ReadsFile,
+         "default_dtype": DefaultDtype, "deterministic": Deterministic, "grad_mode": GradMode,
+         "tied_weights": lambda: Two("weights" if A else ""),
          "shared_module": lambda: Two("module" if A else ""), "patched_chained": Chained,
          "patched_direct": Direct, "on_library_class": lambda: OnLibraryClass(4, 4),
          "conjugate": Conjugate}
