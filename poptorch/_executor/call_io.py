@@ -27,14 +27,9 @@ def _no_backward(*args, **kwargs):
                    "inferenceModel, you should use a trainingModel instead.")
 
 
-def bind(state: ExecutorState, args, kwargs, compile_only: bool = False
-         ) -> Tuple[BoundArgs, List[torch.Tensor], Spec]:
+def bind(state: ExecutorState, args, kwargs) -> Tuple[BoundArgs, List[torch.Tensor], Spec]:
     """Bind a call's arguments to ``forward`` and flatten them (docs/semantics.md S-20); check each
     tensor's batch dimension against ``N = D × (R / g) × A`` (docs/semantics.md S-11).
-
-    ``compile_only`` (``compile()``): a model whose weights are all on the ``meta``
-    device takes ``meta`` inputs too (only shapes are needed to compile and estimate,
-    ``ipuModelEstimate()``); a call still refuses them.
 
     Returns:
         ``(bound, tensors, spec)``: the bound arguments, their tensors in order and
@@ -49,11 +44,8 @@ def bind(state: ExecutorState, args, kwargs, compile_only: bool = False
     d, r, g = o.device_iterations, o.replication_factor, o.input_group_size
     a = o.Training.gradient_accumulation if state.training else 1
     factor = d * (r // g) * a
-    params = list(state.user_model.parameters())
-    meta_model = compile_only and bool(params) and all(p.is_meta for p in params)
     for name, t in zip(names, tensors):
-        if not (meta_model and t.is_meta):
-            check_input_storage(name, t)
+        check_input_storage(name, t)
         check_batch(name, t, factor, d, r, g, a)
     return bound, tensors, spec
 

@@ -213,7 +213,7 @@ class PoplarExecutor:
         if self.isCompiled():
             logger.warning("Call to compile() ignored: the executable is already compiled")
             return
-        self._compile(*call_io.bind(self._state, args, kwargs, compile_only=True))
+        self._compile(*call_io.bind(self._state, args, kwargs))
 
     def compileAndExport(self, filename: str, *args, export_model: bool = True,
                          **kwargs) -> None:

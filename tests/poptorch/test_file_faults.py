@@ -166,17 +166,3 @@ def test_inputs_the_program_cannot_take_are_an_error(make, what):
         wrapper(make())
     x, _ = data()
     torch.testing.assert_close(wrapper(x), model(x))  # nothing broken
-
-
-def test_a_meta_model_compiles_with_meta_inputs_for_an_estimate_but_never_runs():
-    with torch.device("meta"):
-        model = torch.nn.Linear(6, 4)
-    opts = poptorch.Options().useOfflineIpuTarget(2)
-    wrapper = poptorch.inferenceModel(model, opts)
-    wrapper.compile(torch.empty(8, 6, device="meta"))
-    estimate = wrapper.ipuModelEstimate()
-    assert estimate["fits"] is True
-    with pytest.raises(AssertionError, match="offline device"):
-        wrapper(torch.empty(8, 6, device="meta"))
-    with pytest.raises(poptorch.Error, match="The input 'input' is on the meta device"):
-        poptorch.inferenceModel(model)(torch.empty(8, 6, device="meta"))
