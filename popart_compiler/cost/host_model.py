@@ -55,7 +55,7 @@ CALL_SECONDS = 1.0e-3
 #: each step of PopART's main loop until the host has serviced the step's streams
 #: (even with synthetic data; counted in the device's run). Fitted to one case of
 #: the validation set (``bench/validation.py``: the tutorial CNN, synthetic data).
-STEP_SYNC_SECONDS = 110e-6
+STEP_SYNC_SECONDS = 85e-6
 
 
 @dataclasses.dataclass(frozen=True)

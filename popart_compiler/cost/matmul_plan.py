@@ -19,7 +19,10 @@ Figures (public; see ``shared/docs/ipu-hardware.md`` and the poplibs sources):
   of the half rate with float32 partials on GC200 / Bow.
 * AMP block: :data:`AMP_DEPTH` input channels (16 half, 8 float) by ``rate × 4 /
   depth`` output channels, 4 cycles per output row (poplibs' AMP vertices); weights
-  of a block are loaded through the tile's 64-bit load path (8 bytes per cycle).
+  of a block are loaded through the tile's 64-bit load path (8 bytes per cycle); each
+  worker's run of rows in a pass has a fixed cost (:data:`AMP_LOOP_CYCLES`, PopLibs'
+  own vertex cycle estimates), so small or thin products (attention heads, Swin's
+  windows) fill the AMP badly, and the first pass of an output block zeroes it.
 * 6 worker threads per tile (docs/ipu-hardware.md): rows are shared between them, so a tile's rows
   are padded to a multiple of 6.
 * Exchange (the caller's ``exchange_bytes_per_cycle``): GC200's 8 TB/s over 1472
@@ -41,7 +44,8 @@ from typing import Tuple
 import numpy as np
 
 __all__ = ["MatmulProblem", "MatmulPlan", "plan", "SYNC_CYCLES", "AMP_DEPTH",
-           "WORKERS", "LOAD_BYTES_PER_CYCLE", "AMP_LOOP_CYCLES"]
+           "WORKERS", "LOAD_BYTES_PER_CYCLE", "AMP_LOOP_CYCLES",
+           "AMP_WORKER_RUN_CYCLES", "AMP_ZERO_CYCLES"]
 
 #: Input channels one AMP block consumes: 16 half / 8 float (poplibs' AMP vertices).
 AMP_DEPTH = {True: 16, False: 8}
@@ -51,9 +55,22 @@ AMP_ROW_CYCLES = 4
 WORKERS = 6
 #: Bytes a tile loads per cycle (64-bit load path): loading an AMP block's weights.
 LOAD_BYTES_PER_CYCLE = 8
-#: Fixed cycles per AMP pass besides the weight load (worker start, loop set-up; an
-#: estimate from poplibs' vertex overheads, not fitted).
-AMP_LOOP_CYCLES = 24
+#: Fixed worker cycles of one worker's run of rows in one AMP pass (PopLibs' cycle
+#: estimate of its 1x1 convolution-partial vertex, ``PerformanceEstimation.hpp``:
+#: 16 cycles to load the work-list pointers and 40 for a run's first three rows, 4 for
+#: each row after: the AMP pipeline fills and drains once per run), so ``4 r + 44``
+#: worker cycles for ``r`` rows. Workers are interleaved (a worker issues every
+#: :data:`WORKERS` th cycle), so a pass costs ``WORKERS`` times its slowest worker.
+AMP_WORKER_RUN_CYCLES = 16 + 40 - 3 * 4
+#: The supervisor's cycles per AMP pass besides the weight load (the same estimate:
+#: 6 per output pass and 11 per output-channel group).
+AMP_SUPERVISOR_CYCLES = 6 + 11
+#: Fixed tile cycles per AMP pass besides the weight load: the workers' run overhead
+#: and the supervisor's (not fitted: PopLibs' published vertex estimates).
+AMP_LOOP_CYCLES = WORKERS * AMP_WORKER_RUN_CYCLES + AMP_SUPERVISOR_CYCLES
+#: Worker cycles of zeroing a run's partial sums in its first input-channel pass: 2,
+#: and 4 per row (the same estimate's ``outputZeroing`` term).
+AMP_ZERO_CYCLES = 2
 #: Synchronisation of all tiles at the end of a compute set or exchange phase (an
 #: estimate, not fitted).
 SYNC_CYCLES = 150
@@ -177,9 +194,13 @@ def _best(problem: MatmulProblem, tiles: int, macs_per_cycle: float,
     c = _ceil(channels, pk)          # input channels per tile
     n = _ceil(p.cols, pn)
     rows_per_worker = _ceil(m, WORKERS)
-    passes = g * _ceil(c, amp_depth) * kernel * _ceil(n, amp_cols)
+    out_blocks = g * _ceil(n, amp_cols)
+    passes = out_blocks * _ceil(c, amp_depth) * kernel
+    # each pass: every worker's run of rows, the block's weight load and the loop's
+    # fixed cycles; the first pass of each output block also zeroes its partials
     compute = passes * (rows_per_worker * WORKERS * AMP_ROW_CYCLES + block_load +
-                        AMP_LOOP_CYCLES)
+                        AMP_LOOP_CYCLES) + \
+        out_blocks * WORKERS * (AMP_ZERO_CYCLES + AMP_ROW_CYCLES * rows_per_worker)
     received = 0.0
     if p.exchange_rows:
         received = received + g * m * c * in_bytes / max(1, p.row_reuse)

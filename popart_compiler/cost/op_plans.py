@@ -73,7 +73,7 @@ def macs_per_cycle(target: IpuTarget, half: bool, half_partials: bool = True) ->
 #: together with :data:`~.op_classes.COMPUTE_SET_CYCLES` (fitted on one case of the
 #: validation set; ``docs/ipu-model-estimates.md``). It also stands in for what the
 #: model leaves out: Poplar's re-layout copies and the exchange's message overheads.
-EXCHANGE_EFFICIENCY = 0.4
+EXCHANGE_EFFICIENCY = 0.9
 
 
 def exchange_bytes_per_cycle(target: IpuTarget) -> float:

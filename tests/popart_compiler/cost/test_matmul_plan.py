@@ -29,13 +29,40 @@ def test_one_tile_pass_follows_the_amp_block():
     the 64-bit load path) and the loop set-up."""
     p = cycles(MatmulProblem(1, 6, 16, 16, half_partials=True), tiles=1)
     per_pass = 6 * 4 + 16 * 16 * 2 / 8 + matmul_plan.AMP_LOOP_CYCLES
-    assert p.split == (1, 1, 1, 1) and p.compute == per_pass
+    zero = 6 * (2 + 4)  # the output block's partials zeroed once, 1 row per worker
+    assert p.split == (1, 1, 1, 1) and p.compute == per_pass + zero
     # a depth of 17 needs a second pass over the AMP block: padding is not free
     assert cycles(MatmulProblem(1, 6, 17, 16, half_partials=True), tiles=1).compute == \
-        2 * per_pass
+        2 * per_pass + zero
     # 7 rows use 2 rows per worker on 6 workers
     assert cycles(MatmulProblem(1, 7, 16, 16, half_partials=True), tiles=1).compute == \
-        2 * 6 * 4 + per_pass - 6 * 4
+        2 * 6 * 4 + per_pass - 6 * 4 + 6 * (2 + 8)
+
+
+def test_each_workers_run_of_rows_has_poplibs_fixed_cost():
+    """PopLibs' 1x1 convolution-partial estimate: 16 + 40 worker cycles for a run's
+    first three rows, 4 for each row after, 6 interleaved workers, 17 supervisor
+    cycles per pass."""
+    assert matmul_plan.AMP_LOOP_CYCLES == 6 * (16 + 40 - 12) + 17 == 281
+    one = cycles(MatmulProblem(1, 6, 16, 16, half_partials=True), tiles=1).compute
+    many = cycles(MatmulProblem(1, 6 * 64, 16, 16, half_partials=True), tiles=1).compute
+    # 64 times the rows in one run cost far less than 64 times the cycles
+    assert many < 64 * one / 4
+    assert many == 6 * 64 * 4 + 64 + matmul_plan.AMP_LOOP_CYCLES + 6 * (2 + 4 * 64)
+
+
+def test_small_windowed_products_fill_the_amp_worse_than_one_large_product():
+    """Swin's 49-token windows, 32-wide heads (float32): the same MACs as one aligned
+    product cost more cycles: the window's rows and columns pad to the workers and the
+    AMP block, and every window pays the runs' fixed cost."""
+    rate = op_plans.macs_per_cycle(GC200, False, False)
+    windows = MatmulProblem(768, 49, 32, 49, exchange_cols=True, half=False)
+    aligned = MatmulProblem(1, 768 * 48, 32, 48, exchange_cols=True, half=False)
+    padded = MatmulProblem(1, 768 * 49, 32, 49, exchange_cols=True, half=False)
+    assert windows.macs == padded.macs
+    assert cycles(windows, rate=rate).compute > 1.3 * cycles(padded, rate=rate).compute
+    # 49 output columns need 7 AMP blocks of 8 where 48 need 6
+    assert cycles(padded, rate=rate).compute > cycles(aligned, rate=rate).compute
 
 
 def test_never_faster_than_the_peak_and_faster_on_more_tiles():
