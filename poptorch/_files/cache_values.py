@@ -178,7 +178,8 @@ def _what(value: Any) -> str:
         return (f"a torch.nn.Module ({type(value).__qualname__}) that is not a registered "
                 "sub-module")
     cls = type(value)
-    return f"a {cls.__module__}.{cls.__qualname__} object"
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} object"
 
 
 class Describer:

@@ -29,6 +29,8 @@ user code reaches only through a library's code (a library function that reads a
 from __future__ import annotations
 
 import builtins
+import dis
+import enum
 import functools
 import hashlib
 import os
@@ -66,11 +68,15 @@ def _is_library_path(path: str) -> bool:
 
 def _file_of(obj: Any) -> str:
     """Where ``obj``'s code comes from: a function's code file name (``<string>`` for
-    ``exec``), a class's first method's, else its module's file ('' if none)."""
+    ``exec``), a class's first method defined in its body's (not one it was given, as
+    an ``enum.Enum`` subclass is given ``Enum.__new__``), else its module's file ('' if
+    none)."""
     code = getattr(getattr(obj, "__func__", obj), "__code__", None)
     if isinstance(obj, type):
+        own = obj.__qualname__ + "."
         code = next((m.__code__ for m in vars(obj).values()
-                     if isinstance(m, types.FunctionType)), None)
+                     if isinstance(m, types.FunctionType)
+                     and m.__qualname__.startswith(own)), None)
     if isinstance(code, types.CodeType):
         return code.co_filename
     module = sys.modules.get(getattr(obj, "__module__", "") or "")
@@ -104,6 +110,26 @@ _SKIPPED_CLASS_ATTRIBUTES = frozenset({
     "__orig_bases__", "__parameters__", "__static_attributes__", "__firstlineno__",
     "__slots__", "__abstractmethods__", "_abc_impl", "__match_args__",
     "__dataclass_fields__", "__dataclass_params__", "__hash__", "__type_params__"})
+
+
+#: Builtins that read variables by a name computed at run time, and attributes that reach
+#: a frame's or a function's variables: code using them can read any global, which the
+#: key cannot follow.
+_DYNAMIC_GLOBALS = frozenset({"globals", "locals", "vars", "eval", "exec", "compile",
+                              "__import__"})
+_DYNAMIC_ATTRIBUTES = frozenset({"f_globals", "f_locals", "f_back", "f_builtins",
+                                 "__globals__", "_getframe", "currentframe", "stack"})
+
+
+def _reads_variables_by_name(code: types.CodeType) -> Optional[str]:
+    """The name by which ``code`` reads variables chosen at run time (``globals()``,
+    ``eval``, a frame's ``f_globals``), or ``None``."""
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in _DYNAMIC_GLOBALS:
+            return f"{ins.argval}()"
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in _DYNAMIC_ATTRIBUTES:
+            return f".{ins.argval}"
+    return None
 
 
 class CodeDigest:
@@ -143,6 +169,10 @@ class CodeDigest:
 
     # -- code ---------------------------------------------------------------------------
     def code(self, code: types.CodeType, scope: Dict[str, Any], owner: str) -> None:
+        dynamic = _reads_variables_by_name(code) if scope else None
+        if dynamic is not None:
+            raise Unkeyable(owner, f"code that reads variables by name at run time "
+                                   f"({dynamic})")
         self.add(code.co_code, code.co_names, code.co_varnames, code.co_freevars,
                  code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
                  code.co_kwonlyargcount, code.co_flags)
@@ -245,9 +275,14 @@ class CodeDigest:
     def cls(self, cls: type) -> None:
         self.add(f"{cls.__module__}.{cls.__qualname__}")
         user = _is_user_code(cls)
+        members = cls.__members__ if issubclass(cls, enum.Enum) else {}
+        for name, member in members.items():  # an enum's members by name and value
+            self.add(name, self.value(member.value, f"{cls.__qualname__}.{name}"))
         for name, member in sorted(vars(cls).items()):
-            if name in _SKIPPED_CLASS_ATTRIBUTES:
-                continue
+            if name in _SKIPPED_CLASS_ATTRIBUTES or name in members or members and not (
+                    isinstance(member, types.FunctionType)
+                    and member.__qualname__.startswith(cls.__qualname__ + ".")):
+                continue  # an enum's machinery: only functions of its own body count
             self.add(name)
             self.tolerating(not user, self.member, cls, name, member)
 

@@ -4,6 +4,8 @@ torch's process-wide settings, tied weights and shared sub-modules, library func
 replaced by the user, conjugate tensors. ``argv``: cache directory, variant (``a`` /
 ``b``), result file (JSON: per case the output, the plain PyTorch output, the number of
 captures and the cache's log lines)."""
+import enum
+import inspect
 import json
 import logging
 import os
@@ -124,12 +126,42 @@ def _setting(case):
     return lambda: None
 
 
+class Scale(enum.Enum):
+    """A user enum whose member's value differs between the variants."""
+    FACTOR = SCALE
+
+
+class EnumMember(Base):
+    def forward(self, x):
+        return self.fc(x) * Scale.FACTOR.value
+
+
+class ByGlobals(Base):
+    def forward(self, x):
+        return self.fc(x) * globals()["SCALE"]
+
+
+class ByEval(Base):
+    def forward(self, x):
+        return self.fc(x) * eval("SCALE")  # pylint: disable=eval-used
+
+
+def scale_of_the_caller():
+    return inspect.currentframe().f_back.f_globals["SCALE"]
+
+
+class ByFrame(Base):
+    def forward(self, x):
+        return self.fc(x) * scale_of_the_caller()
+
+
 CASES = {"environ": Environ, "getenv": Getenv, "helper": Helper, "reads_file": ReadsFile,
          "default_dtype": DefaultDtype, "deterministic": Deterministic, "grad_mode": GradMode,
          "tied_weights": lambda: Two("weights" if A else ""),
          "shared_module": lambda: Two("module" if A else ""), "patched_chained": Chained,
          "patched_direct": Direct, "on_library_class": lambda: OnLibraryClass(4, 4),
-         "conjugate": Conjugate}
+         "conjugate": Conjugate, "enum_member": EnumMember, "by_globals": ByGlobals,
+         "by_eval": ByEval, "by_frame": ByFrame}
 
 
 class Lines(logging.Handler):

@@ -18,7 +18,8 @@ _WORKER = os.path.join(os.path.dirname(__file__), "cache_key_attack_worker.py")
 
 #: Cases whose state the key records: one entry per variant.
 KEYED = ["default_dtype", "deterministic", "grad_mode", "tied_weights", "shared_module",
-         "patched_chained", "patched_direct", "on_library_class", "conjugate"]
+         "patched_chained", "patched_direct", "on_library_class", "conjugate",
+         "enum_member"]
 #: Cases that turn the cache off, and what the INFO line says.
 UNKEYABLE = {
     "environ": "the global os read by Environ.forward (os.environ) holds the process "
@@ -28,6 +29,12 @@ UNKEYABLE = {
     "helper": "the global ENV read by scaled_by_environment holds the process environment",
     "reads_file": "the global open read by ReadsFile.forward holds a function that reads "
                   "files",
+    # the failing inputs of a fresh user's attack: a stale program was served
+    "by_globals": "ByGlobals.forward holds code that reads variables by name at run time "
+                  "(globals())",
+    "by_eval": "ByEval.forward holds code that reads variables by name at run time (eval())",
+    "by_frame": "scale_of_the_caller holds code that reads variables by name at run time "
+                "(.currentframe)",
 }
 
 
