@@ -6,16 +6,13 @@ replaced by the user, conjugate tensors. ``argv``: cache directory, variant (``a
 captures and the cache's log lines)."""
 import enum
 import inspect
-import json
-import logging
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-import poptorch
-from poptorch._logging import logger
+from cache_worker_common import run_cases
 
 CACHE, VARIANT, RESULT = sys.argv[1], sys.argv[2], sys.argv[3]
 A = VARIANT == "a"
@@ -164,17 +161,6 @@ CASES = {"environ": Environ, "getenv": Getenv, "helper": Helper, "reads_file": R
          "by_eval": ByEval, "by_frame": ByFrame}
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if "cache" in message:
-            self.lines.append(message)
-
-
 def main():
     os.environ["CACHE_KEY_TEST_SCALE"] = str(SCALE)
     os.makedirs(CACHE, exist_ok=True)
@@ -184,35 +170,8 @@ def main():
         torch.nn.functional.gelu = torch.tanh
         F.silu = torch.tanh
     torch.nn.Linear.act = staticmethod(torch.relu if A else torch.tanh)
-    calls = []
-    real = torch.export.export
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    torch.export.export = counting
-    poptorch.setLogLevel("INFO")
-    lines = Lines()
-    logger.addHandler(lines)
-    x = torch.linspace(-1, 1, 8, dtype=torch.float32).reshape(2, 4)
-    results = {}
-    for case, build in CASES.items():
-        calls.clear()
-        lines.lines = []
-        torch.manual_seed(0)
-        model = build().eval()
-        undo = _setting(case)
-        try:
-            expected = model(x).detach()
-            opts = poptorch.Options().enableExecutableCaching(os.path.join(CACHE, case))
-            out = poptorch.inferenceModel(model, opts)(x)
-        finally:
-            undo()
-        results[case] = {"out": out.detach().tolist(), "expected": expected.tolist(),
-                         "captures": len(calls), "log": list(lines.lines)}
-    with open(RESULT, "w") as f:
-        json.dump(results, f)
+    run_cases(CASES, CACHE, RESULT, torch.linspace(-1, 1, 8, dtype=torch.float32)
+              .reshape(2, 4), _setting)
 
 
 if __name__ == "__main__":

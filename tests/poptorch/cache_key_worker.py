@@ -4,16 +4,12 @@ through ``poptorch.inferenceModel`` with the executable cache in ``argv[1]/<case
 and writes, per case, the output, the plain PyTorch output, the number of captures
 and the cache's log lines to ``argv[3]`` (JSON)."""
 import functools
-import json
-import logging
-import os
 import sys
 import types
 
 import torch
 
-import poptorch
-from poptorch._logging import logger
+from cache_worker_common import run_cases
 
 CACHE, VARIANT, RESULT = sys.argv[1], sys.argv[2], sys.argv[3]
 A = VARIANT == "a"
@@ -102,42 +98,8 @@ CASES = {"dict": Dict, "function": lambda: Act("function"), "lambda": lambda: Ac
          "global_namespace": GlobalNamespace, "global_float": GlobalFloat}
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if "cache" in message:
-            self.lines.append(message)
-
-
 def main():
-    calls = []
-    real = torch.export.export
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    torch.export.export = counting
-    poptorch.setLogLevel("INFO")
-    lines = Lines()
-    logger.addHandler(lines)
-    x = torch.linspace(-1, 1, 8).reshape(2, 4)
-    results = {}
-    for case in CASES:
-        calls.clear()
-        lines.lines = []
-        torch.manual_seed(0)
-        model = CASES[case]().eval()
-        opts = poptorch.Options().enableExecutableCaching(os.path.join(CACHE, case))
-        out = poptorch.inferenceModel(model, opts)(x)
-        results[case] = {"out": out.tolist(), "expected": model(x).tolist(),
-                         "captures": len(calls), "log": list(lines.lines)}
-    with open(RESULT, "w") as f:
-        json.dump(results, f)
+    run_cases(CASES, CACHE, RESULT, torch.linspace(-1, 1, 8).reshape(2, 4))
 
 
 if __name__ == "__main__":
