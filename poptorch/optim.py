@@ -389,7 +389,8 @@ class AdamW(Optimizer, torch.optim.AdamW):
 
 
 class RMSprop(Optimizer, torch.optim.RMSprop):
-    """RMSprop with PopTorch's attributes (docs/api-sections.md api §10.5). Defaults: lr 1e-2, alpha
+    """RMSprop with PopTorch's attributes (docs/api-sections.md api §10.5). Defaults:
+    lr 1e-2, alpha
     0.99, eps 1e-8, weight_decay 0, momentum 0, centered False, ``use_tf_variant`` False."""
 
 

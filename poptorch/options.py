@@ -153,7 +153,8 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     @property
     def _Popart(self) -> _PopartOptions:
-        """Advanced backend options (:class:`_PopartOptions`, docs/api-sections.md options §4.6)."""
+        """Advanced backend options (:class:`_PopartOptions`, docs/api-sections.md
+        options §4.6)."""
         return self._popart
 
     def _groups(self):

@@ -1,4 +1,5 @@
-"""Trace channels (docs/api-sections.md api §11.1). Tracing needs Graphcore's libpvti, which the IPU
+"""Trace channels (docs/api-sections.md api §11.1). Tracing needs Graphcore's libpvti,
+which the IPU
 Model does not have, so channels are no-ops: ``instrument`` returns the object
 unchanged and ``tracepoint`` returns a do-nothing context manager."""
 import contextlib

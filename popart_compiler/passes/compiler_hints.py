@@ -1,4 +1,5 @@
-"""Compiler passes over the ops that steer the IPU compiler (docs/api-sections.md api §8.10, §8.11).
+"""Compiler passes over the ops that steer the IPU compiler (docs/api-sections.md api
+§8.10, §8.11).
 
 * :func:`check_overlapped_io` applies docs/semantics.md S-66's rules to ``set_overlap_for_input`` /
   ``set_overlap_for_output`` markers whose mode is not ``NoOverlap``.

@@ -6,7 +6,8 @@ created (``node.meta["custom"][BLOCK_KEY]``: the block id, or ``None`` before th
 first block) or with ``node.meta["custom"][NO_ACTIVE_BLOCK_KEY] = True`` when it was
 created after a ``with Block`` scope ended. The caller also gives the
 :class:`Placement` of each block (derived from the execution strategy at capture
-time, docs/api-sections.md api §9.7). :func:`place_nodes` is the graph → graph pass that turns the
+time, docs/api-sections.md api §9.7). :func:`place_nodes` is the graph → graph pass
+that turns the
 tags into ``node.meta["placement"]`` on every node; :func:`plan_placement` runs it and the
 execution-strategy checks and returns a :class:`PlacementPlan`.
 
@@ -241,7 +242,8 @@ def _check_stage_order(gm: fx.GraphModule, block_of: Dict[fx.Node, str]) -> None
 
 def _check_pipeline_batches(plan: PlacementPlan, device_iterations: int,
                             gradient_accumulation: int) -> None:
-    """Pipelined training needs ``A ≥ 2F − 1``, inference ``D ≥ F`` (docs/semantics.md S-63)."""
+    """Pipelined training needs ``A ≥ 2F − 1``, inference ``D ≥ F`` (docs/semantics.md
+    S-63)."""
     f = plan.forward_stages
     if plan.training and gradient_accumulation < 2 * f - 1:
         # PopTorch's wording (its tests match it), then the value that was set

@@ -3,7 +3,8 @@ run it (our PopART ``InferenceSession``; ``TrainingSession`` is in
 :mod:`popart_compiler.runtime.training`).
 
 A run takes the user inputs of one host call, each with a leading dimension of
-``N × B`` (``N = D × G × A``, docs/semantics.md S-11) laid out as docs/semantics.md S-13 describes,
+``N × B`` (``N = D × G × A``, docs/semantics.md S-11) laid out as docs/semantics.md
+S-13 describes,
 executes ``D`` device iterations × ``A`` micro-batches on each of the ``R`` replicas, and returns
 every output reduced according to its output mode (docs/semantics.md S-12). Training sessions run
 forward, backward (PyTorch autograd) and the optimizer update on the device weights. The device

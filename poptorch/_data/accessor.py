@@ -1,4 +1,5 @@
-"""``AsynchronousDataAccessor`` (docs/api-sections.md api §7): loads data in a worker process into a
+"""``AsynchronousDataAccessor`` (docs/api-sections.md api §7): loads data in a worker
+process into a
 ring buffer in shared memory. Follows PopTorch 3.x. The worker and the protocol it shares with this
 class are in ``worker.py`` and ``protocol.py``.
 """

@@ -1,4 +1,5 @@
-"""``poptorch.DataLoader`` (docs/api-sections.md api §7): batches of ``batch_size × deviceIterations
+"""``poptorch.DataLoader`` (docs/api-sections.md api §7): batches of ``batch_size ×
+deviceIterations
 × replicationFactor × gradientAccumulation`` samples, optionally through an
 :class:`AsynchronousDataAccessor`, and per-process partitioning for distributed runs
 (docs/semantics.md S-28). Follows PopTorch 3.x.
@@ -180,7 +181,8 @@ class _ProgressIterator:
 
 class DataLoader(torch.utils.data.DataLoader):
     """A ``torch.utils.data.DataLoader`` yielding **combined batches**: one element per
-    call of a model wrapped with the same options. Follows PopTorch (docs/api-sections.md api §7.1).
+    call of a model wrapped with the same options. Follows PopTorch
+    (docs/api-sections.md api §7.1).
 
     ``combinedBatchSize = batch_size × deviceIterations × (replicationFactor //
     input_group_size) × gradientAccumulation`` (docs/semantics.md S-11); every yielded tensor has

@@ -1,5 +1,6 @@
 """The arguments and results of a :class:`poptorch.PoplarExecutor` call
-(docs/api-sections.md api §5.2; docs/semantics.md S-11, S-20, S-22…S-24, S-44): binding the call's
+(docs/api-sections.md api §5.2; docs/semantics.md S-11, S-20, S-22…S-24, S-44): binding
+the call's
 arguments to ``forward``'s signature and checking their batch dimension, the 32-bit contiguous
 device inputs, the check that later calls match the compiled inputs, the write-back of inputs
 mutated in place, and the output structure. Functions of the executor's state."""

@@ -68,7 +68,8 @@ class PoplarExecutor(InspectionMethods):
     defined here are looked up on the wrapped model (docs/api-sections.md api §5.22). Behaviour
     follows PopTorch.
 
-    Reliability (beyond PopTorch's docs/semantics.md S-73): a call is all-or-nothing — an exception
+    Reliability (beyond PopTorch's docs/semantics.md S-73): a call is all-or-nothing —
+    an exception
         or
     ``KeyboardInterrupt`` during the run leaves device weights, optimizer state,
     buffers, the device RNG and the host's view as before the call, and a first call
@@ -383,7 +384,8 @@ class PoplarExecutor(InspectionMethods):
 
     @serialised
     def copyWeightsToDevice(self) -> None:
-        """Host → device: every parameter and buffer (docs/api-sections.md api §5.8). Does not first
+        """Host → device: every parameter and buffer (docs/api-sections.md api §5.8).
+        Does not first
         pull the device's weights: un-copied training results are overwritten
         (docs/semantics.md S-32).
 

@@ -101,7 +101,8 @@ def attach(state: ExecutorState) -> None:
 
 
 def detach(state: ExecutorState) -> None:
-    """Release the device (docs/api-sections.md api §5.13), keeping the RNG state and, for training,
+    """Release the device (docs/api-sections.md api §5.13), keeping the RNG state and,
+    for training,
     the trained weights and optimizer state on the host.
 
     Raises:

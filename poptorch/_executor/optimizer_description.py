@@ -1,5 +1,6 @@
 """A PopTorch or ``torch.optim`` optimizer as the device runs it: its type, its
-hyper-parameters and which of them are compiled as constants (docs/semantics.md S-50…S-55), and the
+hyper-parameters and which of them are compiled as constants (docs/semantics.md
+S-50…S-55), and the
 warnings about attributes the conversion does not know (docs/semantics.md S-53)."""
 from __future__ import annotations
 

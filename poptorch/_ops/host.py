@@ -1,4 +1,5 @@
-"""Ops that do host work while the device runs: ``ipu_print_tensor`` (docs/api-sections.md api §8.2)
+"""Ops that do host work while the device runs: ``ipu_print_tensor``
+(docs/api-sections.md api §8.2)
 and ``CPU`` (docs/api-sections.md api §8.13).
 
 Both are ``torch.library`` ops registered to run once per micro-batch and replica

@@ -389,7 +389,7 @@ def caught():
     try:
         sys.exit(5)
     except SystemExit:
-        pass
+        return "caught"  # the script goes on: this SystemExit did not end it
 caught()
 case = sys.argv[1]
 if case == "exit_after_catching":

@@ -38,7 +38,7 @@ def test_policy_changes_the_process_policy_inside_the_block_only():
     assert auto.POLICY is before
     with pytest.raises(TypeError):
         with auto.policy(no_such_field=1):
-            pass
+            raise AssertionError("an unknown field must be refused on entering the block")
 
 
 def test_eager_until_hot_then_timed_trials_keep_the_faster_inductor():
