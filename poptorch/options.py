@@ -153,8 +153,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
 
     @property
     def _Popart(self) -> _PopartOptions:
-        """Advanced backend options (:class:`_PopartOptions`, docs/api-sections.md
-        options §4.6)."""
+        """Backend options (:class:`_PopartOptions`, docs/api-sections.md options §4.6)."""
         return self._popart
 
     def _groups(self):
