@@ -79,7 +79,10 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
             stop_after: Optional[str] = None) -> Executable:
     """Compile ``graph`` by running :data:`PASSES` in order (up to ``stop_after``).
 
-    A pass that changed the graph is followed by :meth:`Graph.refresh`; when
+    Each pass gets the :class:`~popart_compiler.passes.base.Compilation` the previous
+    one returned (:attr:`PassResult.compilation`: passes return what they derive, they
+    never write into it), and the executable is built from the last one. A pass that
+    changed the graph is followed by :meth:`Graph.refresh`; when
     ``POPTORCH_VERIFY=1`` every pass is followed by :func:`~popart_compiler.verify.verify`
     with what the pass ensures (:attr:`Pass.ensures`). An exception raised
     by a pass propagates unchanged, with a note naming the pass.
@@ -121,7 +124,7 @@ def compile(graph: Graph, options: SessionOptions, training: bool,  # noqa: A001
         logger.debug("Compiler pass %d/%d: %s", i + 1, len(passes), p.name)
         try:
             result = p(graph, c)
-            graph = result.graph
+            graph, c = result.graph, result.after(c)
             if result.changed:
                 graph.refresh()
             if check:

@@ -8,13 +8,14 @@ name of the program (``PoplarExecutor.getTensorNames()``).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
 import torch.fx as fx
 
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
-from popart_compiler.passes.base import Compilation, PassResult, unchanged
+from popart_compiler.passes.base import Compilation, PassResult, derived
 from popart_compiler.session_options import Anchor
 
 __all__ = ["resolve_anchors", "name_tensors", "STATE_PREFIXES", "LOSS_SCALING_NAMES"]
@@ -26,8 +27,8 @@ LOSS_SCALING_NAMES = ("finalLossScale", "lossScaleUpdateFactor")
 
 
 def resolve_anchors(graph: Graph, c: Compilation) -> PassResult:
-    """Sort ``c.options.anchors`` into ``c.state_anchors`` and
-    ``c.activation_anchors``; append the activations to the graph's outputs.
+    """Sort ``c.options.anchors`` into ``state_anchors`` and ``activation_anchors``
+    (returned on the compilation); append the activations to the graph's outputs.
 
     Raises:
         Error: an anchor names no tensor of the program.
@@ -53,18 +54,19 @@ def resolve_anchors(graph: Graph, c: Compilation) -> PassResult:
             raise backend_error(
                 f"Anchored tensor {name} not found in the graph. Valid names are listed "
                 "by PoplarExecutor.getTensorNames().")
-    c.activation_anchors, c.state_anchors = activation, state
+    result = derived(graph, c, activation_anchors=activation, state_anchors=state)
     if not new_outputs:
-        return unchanged(graph)
+        return result
     out = graph.output_node
     out.args = (tuple(out.args[0]) + tuple(new_outputs),)
     graph.module.recompile()
-    return PassResult(graph, True)
+    return dataclasses.replace(result, changed=True)
 
 
 def name_tensors(graph: Graph, c: Compilation) -> PassResult:
-    """``c.tensor_names``: parameters, buffers, loss scaling, gradients and updated
-    weights of trainable parameters (training), then every activation (docs/semantics.md S-16)."""
+    """``tensor_names`` (returned on the compilation): parameters, buffers, loss
+    scaling, gradients and updated weights of trainable parameters (training), then
+    every activation (docs/semantics.md S-16)."""
     names = list(graph.parameters) + list(graph.buffers)
     if c.training and c.options.auto_loss_scaling:
         names += list(LOSS_SCALING_NAMES)
@@ -73,5 +75,4 @@ def name_tensors(graph: Graph, c: Compilation) -> PassResult:
             if trainable:
                 names += [f"Gradient___{p}", f"UpdatedVar___{p}"]
     names += list(graph.activation_names())
-    c.tensor_names = names
-    return unchanged(graph)
+    return derived(graph, c, tensor_names=names)

@@ -2,17 +2,21 @@
 
 A pass takes the :class:`~popart_compiler.ir.Graph` and the :class:`Compilation` (what
 the compilation was asked for, and what earlier passes derived) and returns a
-:class:`PassResult`: the graph and whether it changed. A pass that rewrites the graph
-does so in place and says so; a check raises ``Error`` or returns the graph unchanged;
-an analysis records its result on the :class:`Compilation` (anchors, placement, stages,
-the vectorized graph, the estimate) and reports no change. Passes write no files and
-build nothing a backend runs: the runtime lowers the result
+:class:`PassResult`: the graph, whether it changed, and the compilation with what the
+pass derived. The :class:`Compilation` is frozen: a pass never writes into it, it
+returns a new one (:func:`derived`, ``dataclasses.replace``), and
+:func:`popart_compiler.compiler.compile` hands that one to the next pass. A pass that
+rewrites the graph does so in place and says so (``changed``; metadata such as
+``node.meta["placement"]`` is no change); a check raises ``Error`` or returns the graph
+unchanged (:func:`unchanged`); an analysis returns its facts (anchors, placement,
+stages, the vectorized graph, the estimate) and reports no change. Passes write no
+files and build nothing a backend runs: the compiler copies the last compilation into
+the plain-data :class:`~popart_compiler.stages.Executable`, and the runtime lowers it
 (:mod:`popart_compiler.runtime.lowering`) and writes the reports. Each pass may state
 what it ensures (:attr:`Pass.ensures`), which :func:`popart_compiler.verify.verify`
-checks after it when ``POPTORCH_VERIFY=1``. The compiler
-(:func:`popart_compiler.compiler.compile`) runs :data:`~popart_compiler.compiler.PASSES`
-in order (torch.fx's ``PassBase`` / ``PassResult`` and ``requires`` / ``ensures`` in
-spirit).
+checks after it, on the compilation it returned, when ``POPTORCH_VERIFY=1``. The
+compiler runs :data:`~popart_compiler.compiler.PASSES` in order (torch.fx's
+``PassBase`` / ``PassResult`` and ``requires`` / ``ensures`` in spirit).
 """
 from __future__ import annotations
 
@@ -31,23 +35,10 @@ if TYPE_CHECKING:  # these modules import this one
     from popart_compiler.passes.placement import PlacementPlan
     from popart_compiler.stages import StagedGraph
 
-__all__ = ["Pass", "PassResult", "Compilation", "unchanged"]
+__all__ = ["Pass", "PassResult", "Compilation", "unchanged", "derived"]
 
 
-@dataclasses.dataclass
-class PassResult:
-    """The graph after a pass and whether the pass changed it (its nodes, their order
-    or their arguments; metadata such as ``node.meta["placement"]`` is no change)."""
-    graph: Graph
-    changed: bool
-
-
-def unchanged(graph: Graph) -> PassResult:
-    """The result of a pass that only checked or analysed ``graph``."""
-    return PassResult(graph, False)
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Compilation:
     """One compilation: its inputs and the facts its passes derive.
 
@@ -84,6 +75,41 @@ class Compilation:
     vectorized_slots: int = 1
     estimate: Optional[IpuEstimate] = None
     defaults: Tuple[ImplicitDefault, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """What a pass returns.
+
+    Attributes:
+        graph: the graph after the pass.
+        changed: whether the pass changed the graph (its nodes, their order or their
+            arguments; metadata such as ``node.meta["placement"]`` is no change).
+        compilation: the compilation with what the pass derived; ``None``: the pass
+            derived nothing (the one it was given holds).
+    """
+    graph: Graph
+    changed: bool
+    compilation: Optional[Compilation] = None
+
+    def after(self, given: Compilation) -> Compilation:
+        """The compilation the next pass gets: :attr:`compilation`, else ``given``."""
+        return given if self.compilation is None else self.compilation
+
+
+def unchanged(graph: Graph) -> PassResult:
+    """The result of a pass that only checked ``graph``: no change, nothing derived."""
+    return PassResult(graph, False)
+
+
+def derived(graph: Graph, c: Compilation, **facts) -> PassResult:
+    """The result of an analysis: ``graph`` unchanged, ``c`` with ``facts`` (fields of
+    :class:`Compilation`, e.g. ``placement=plan``) replaced.
+
+    Raises:
+        TypeError: a name in ``facts`` is no field of :class:`Compilation`.
+    """
+    return PassResult(graph, False, dataclasses.replace(c, **facts))
 
 
 def _nothing(graph: Graph, compilation: Compilation) -> Optional[str]:

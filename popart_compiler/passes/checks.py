@@ -8,7 +8,7 @@ import torch
 from popart_compiler.enums import OutputMode
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
-from popart_compiler.passes.base import Compilation, PassResult, unchanged
+from popart_compiler.passes.base import Compilation, PassResult, derived, unchanged
 
 __all__ = ["UNSUPPORTED_DTYPES", "check_options", "check_inputs", "check_loss",
            "check_buffers", "check_replica_groupings"]
@@ -85,7 +85,7 @@ def check_inputs(graph: Graph, c: Compilation) -> PassResult:
 
 def check_loss(graph: Graph, c: Compilation) -> PassResult:
     """Training: exactly one final loss, returned once by ``forward`` (docs/semantics.md S-40);
-    records its output index as ``c.loss_index``."""
+    returns its output index as ``loss_index`` on the compilation."""
     if not c.training:
         return unchanged(graph)
     finals = graph.final_losses()
@@ -112,8 +112,7 @@ def check_loss(graph: Graph, c: Compilation) -> PassResult:
         raise backend_error(
             "The final loss must be returned by the model's forward (e.g. "
             "`return output, loss`).")
-    c.loss_index = outputs[0]
-    return unchanged(graph)
+    return derived(graph, c, loss_index=outputs[0])
 
 
 def check_buffers(graph: Graph, c: Compilation) -> PassResult:

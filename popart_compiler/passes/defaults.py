@@ -9,7 +9,7 @@ import math
 from popart_compiler.implicit_defaults import (ProgramFacts, implicit_defaults, log_defaults,
                                                with_defaults)
 from popart_compiler.ir import Graph
-from popart_compiler.passes.base import Compilation, PassResult, unchanged
+from popart_compiler.passes.base import Compilation, PassResult, derived
 from popart_compiler.passes.compiler_hints import OVERLAP_INPUT_OP, OVERLAP_OUTPUT_OP
 
 __all__ = ["session_defaults", "program_facts"]
@@ -36,12 +36,11 @@ def program_facts(graph: Graph, c: Compilation) -> ProgramFacts:
 
 
 def session_defaults(graph: Graph, c: Compilation) -> PassResult:
-    """``c.defaults``: the options PopTorch's compiler would set for this program (each
-    logged at DEBUG, "``<option> set to value <v>``"); ``c.options`` becomes the
-    session options with them added (what the estimate, the runtime and the profile
-    report read)."""
+    """``defaults``: the options PopTorch's compiler would set for this program (each
+    logged at DEBUG, "``<option> set to value <v>``"), and ``options``: the session
+    options with them added (what the estimate, the runtime and the profile report
+    read), both returned on the compilation."""
     defaults = implicit_defaults(c.options.raw, program_facts(graph, c))
     log_defaults(defaults)
-    c.defaults = defaults
-    c.options = dataclasses.replace(c.options, raw=with_defaults(c.options.raw, defaults))
-    return unchanged(graph)
+    options = dataclasses.replace(c.options, raw=with_defaults(c.options.raw, defaults))
+    return derived(graph, c, defaults=defaults, options=options)

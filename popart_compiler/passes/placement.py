@@ -41,7 +41,7 @@ from popart_compiler.enums import ExecutionMode, Liveness
 from popart_compiler.errors import backend_error
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
-from popart_compiler.passes.base import Compilation, PassResult, unchanged
+from popart_compiler.passes.base import Compilation, PassResult, derived
 from popart_compiler.session_options import StrategySettings
 
 __all__ = ["Placement", "PlacementPlan", "BLOCK_KEY",
@@ -441,14 +441,14 @@ def log_placement(text: str) -> None:
 
 
 def place(graph: Graph, c: Compilation) -> PassResult:
-    """Place every node (:func:`plan_placement`) and record the plan as
-    ``c.placement``; the placement table is logged at DEBUG. Only metadata is written
+    """Place every node (:func:`plan_placement`) and return the plan as ``placement``
+    on the compilation; the placement table is logged at DEBUG. Only metadata is written
     (``node.meta["placement"]``): the graph is unchanged."""
     o = c.options
-    c.placement = plan_placement(graph.module, graph.blocks, graph.parameters, o.strategy,
-                                 c.training, device_iterations=o.device_iterations,
-                                 gradient_accumulation=o.gradient_accumulation,
-                                 replicas=o.replication_factor)
+    plan = plan_placement(graph.module, graph.blocks, graph.parameters, o.strategy,
+                          c.training, device_iterations=o.device_iterations,
+                          gradient_accumulation=o.gradient_accumulation,
+                          replicas=o.replication_factor)
     if logger.isEnabledFor(logging.DEBUG):
-        log_placement(placement_table(graph.module, c.placement, graph.parameters, None))
-    return unchanged(graph)
+        log_placement(placement_table(graph.module, plan, graph.parameters, None))
+    return derived(graph, c, placement=plan)

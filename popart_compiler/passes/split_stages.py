@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from popart_compiler.ir import Graph
-from popart_compiler.passes.base import Compilation, PassResult, unchanged
+from popart_compiler.passes.base import Compilation, PassResult, derived, unchanged
 from popart_compiler.passes.placement import placement_of
 from popart_compiler.stages import StagedGraph
 
@@ -44,8 +44,8 @@ def split_by_stage(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[int]]:
 
 
 def split_stages(graph: Graph, c: Compilation) -> PassResult:
-    """A program placed on several stages: ``c.stages`` (its :class:`StagedGraph`).
-    The graph itself is unchanged."""
+    """A program placed on several stages: ``stages`` (its :class:`StagedGraph`),
+    returned on the compilation. The graph itself is unchanged."""
     plan = c.placement
     if plan is None or len(plan.stages) <= 1:
         return unchanged(graph)
@@ -56,5 +56,4 @@ def split_stages(graph: Graph, c: Compilation) -> PassResult:
             where = placement_of(node)
             ipu_of.setdefault(where.stage, where.ipu)
     ipus = [ipu_of.get(stage, 0) for stage in segment_stages]
-    c.stages = StagedGraph(split, segment_stages, plan.pipelined, ipus)
-    return unchanged(graph)
+    return derived(graph, c, stages=StagedGraph(split, segment_stages, plan.pipelined, ipus))

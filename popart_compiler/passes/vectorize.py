@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from popart_compiler.backends.tracing import TRACE_LOCK
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
-from popart_compiler.passes.base import Compilation, PassResult, unchanged
+from popart_compiler.passes.base import Compilation, PassResult, derived, unchanged
 from popart_compiler.passes.simplify import simplify
 from popart_compiler.session_options import SessionOptions
 
@@ -35,13 +35,13 @@ VECTORIZE_BUDGET = 2 * 1024 * 1024
 
 
 def vectorize(graph: Graph, c: Compilation) -> PassResult:
-    """Stateless inference running several micro-batches per call: ``c.vectorized``,
-    the graph over ``c.vectorized_slots`` micro-batches (all of them on the inductor
-    backend, whose fused kernels have no cache-size sweet spot; else
-    :func:`chunk_size`). The per-micro-batch graph is unchanged; nothing is vectorized
-    for training, several stages, state written in place, synthetic data, checked
-    floating-point exceptions, replica-grouped weights, host side effects, or when
-    tracing fails (the session then loops)."""
+    """Stateless inference running several micro-batches per call: ``vectorized``,
+    the graph over ``vectorized_slots`` micro-batches, returned on the compilation
+    (all of them on the inductor backend, whose fused kernels have no cache-size sweet
+    spot; else :func:`chunk_size`). The per-micro-batch graph is unchanged; nothing is
+    vectorized for training, several stages, state written in place, synthetic data,
+    checked floating-point exceptions, replica-grouped weights, host side effects, or
+    when tracing fails (the session then loops)."""
     o = c.options
     slots = vectorizable_slots(graph, o, c.training, c.stages is not None)
     if slots <= 1:
@@ -49,9 +49,10 @@ def vectorize(graph: Graph, c: Compilation) -> PassResult:
     chunk = slots if o.backend == "inductor" else chunk_size(graph, slots)
     if chunk <= 1:
         return unchanged(graph)
-    c.vectorized = vectorize_program(graph, o, chunk)
-    c.vectorized_slots = chunk if c.vectorized is not None else 1
-    return unchanged(graph)
+    vectorized = vectorize_program(graph, o, chunk)
+    if vectorized is None:
+        return unchanged(graph)
+    return derived(graph, c, vectorized=vectorized, vectorized_slots=chunk)
 
 
 def vectorizable_slots(graph: Graph, o: SessionOptions, training: bool, staged: bool) -> int:

@@ -2,6 +2,7 @@
 in order, progress and debug logs from the list, a pass's error surfacing with its
 location and a note naming the pass, and the ``Executable`` it returns. Each pass has
 its own graph-in / graph-out test in ``passes/``. Nothing here imports ``poptorch``."""
+import dataclasses
 import pathlib
 
 import pytest
@@ -12,6 +13,7 @@ from models import MLP, Classifier, export
 from popart_compiler import compiler
 from popart_compiler.errors import Error
 from popart_compiler.passes import simplify
+from popart_compiler.passes.base import Pass
 from popart_compiler.session_options import Anchor, SessionOptions
 
 NAMES = ["check_options", "check_inputs", "demote_float64", "retarget_device",
@@ -70,6 +72,28 @@ def test_compile_runs_the_passes_it_is_given():
     assert calls == [(0, 2), (1, 2), (2, 2)]
     assert exe.passes == [("check_options", False), ("place", False)]
     assert exe.estimate is None  # estimate did not run
+
+
+def test_passes_return_what_they_derive():
+    """Each pass gets the compilation the previous one returned and never writes into
+    one (``Compilation`` is frozen); the executable holds what the last one holds."""
+    given = []
+
+    def recording(p):
+        def run(graph, c):
+            given.append(c)
+            return p.run(graph, c)
+        return Pass(p.name, run, p.ensures)
+
+    exe = compiler.compile(export(MLP(), torch.randn(2, 4)), SessionOptions(), False,
+                           passes=[recording(p) for p in compiler.PASSES])
+    first, names = given[0], [p.name for p in compiler.PASSES]
+    assert first.placement is None and first.estimate is None and first.tensor_names == []
+    assert given[names.index("place")].placement is None
+    assert given[names.index("place") + 1].placement is exe.placement
+    assert given[-1].estimate is None and exe.estimate is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.placement = exe.placement
 
 
 def test_a_graph_without_device_work_is_reported(compiler_logs):

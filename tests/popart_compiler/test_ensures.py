@@ -46,9 +46,7 @@ def staged_program():
     with fx_traceback.preserve_node_meta():
         program = torch.export.export(Staged(), (torch.randn(2, 4),), strict=False)
     g = Graph(program, blocks=BLOCKS)
-    c = Compilation(SessionOptions(device_iterations=3), False)
-    place(g, c)
-    return g, c
+    return g, place(g, Compilation(SessionOptions(device_iterations=3), False)).compilation
 
 
 def break_order(gm: fx.GraphModule) -> None:
@@ -153,7 +151,7 @@ def test_placement_complete_after_place():
     g = export(MLP(), torch.randn(2, 4))
     c = Compilation(SessionOptions(), False)
     assert ensures.placement_complete(g, c) == "no placement plan"
-    place(g, c)
+    c = place(g, c).compilation
     assert ensures.placement_complete(g, c) is None
     node = ops(g, "relu")[0]
     node.meta["placement"] = Placement(ipu=3)
@@ -168,36 +166,37 @@ def test_placement_complete_after_place():
 def test_stage_submodules_are_well_formed_after_split_stages():
     g, c = staged_program()
     assert ensures.stages_well_formed(g, c) == "3 stages but no staged graph"
-    split_stages(g, c)
+    c = split_stages(g, c).compilation
     assert ensures.stages_well_formed(g, c) is None
     break_order(c.stages.split.submod_1)  # broken by hand: an op before its input
     problem = ensures.stages_well_formed(g, c)
     assert problem.startswith("stage submodule submod_1: fx lint: ")
     g, c = staged_program()
-    split_stages(g, c)
-    c.stages = dataclasses.replace(c.stages, segment_stages=[0, 1, 2, 3])
+    c = split_stages(g, c).compilation
+    c = dataclasses.replace(c, stages=dataclasses.replace(c.stages, segment_stages=[0, 1, 2, 3]))
     assert ensures.stages_well_formed(g, c) == "the staged graph has an IPU for some of " \
         "its segments only"
-    c.stages = dataclasses.replace(c.stages, segment_ipus=[])
+    c = dataclasses.replace(c, stages=dataclasses.replace(c.stages, segment_ipus=[]))
     assert ensures.stages_well_formed(g, c) == "the staged graph has no submodule submod_3"
 
 
 def test_the_vectorized_graph_is_well_formed_after_vectorize():
     g = export(MLP(), torch.randn(2, 4))
     c = Compilation(SessionOptions(device_iterations=3), False)
-    vectorize(g, c)
+    c = vectorize(g, c).compilation
     assert isinstance(c.vectorized, fx.GraphModule)
     assert ensures.vectorized_well_formed(g, c) is None
     vectorized, slots = c.vectorized, c.vectorized_slots
-    c.vectorized_slots = 1
+    c = dataclasses.replace(c, vectorized_slots=1)
     assert ensures.vectorized_well_formed(g, c) == "a vectorized graph over 1 micro-batches"
-    c.vectorized, c.vectorized_slots = None, 3
+    c = dataclasses.replace(c, vectorized=None, vectorized_slots=3)
     assert ensures.vectorized_well_formed(g, c) == \
         "3 micro-batches per call but no vectorized graph"
-    c.vectorized, c.vectorized_slots = vectorized, slots
+    c = dataclasses.replace(c, vectorized=vectorized, vectorized_slots=slots)
     break_order(vectorized)
     assert ensures.vectorized_well_formed(g, c).startswith("the vectorized graph: fx lint: ")
-    c.vectorized = export(nn.Identity(), torch.randn(2)).module  # one placeholder
+    one_placeholder = export(nn.Identity(), torch.randn(2)).module
+    c = dataclasses.replace(c, vectorized=one_placeholder)
     assert ensures.vectorized_well_formed(g, c) == \
         f"the vectorized graph has 1 placeholders, the graph {len(g.placeholders)}"
 
@@ -237,8 +236,7 @@ def test_estimated_after_estimate():
     g = export(MLP(), torch.randn(2, 4))
     c = Compilation(SessionOptions(), False)
     assert ensures.estimated(g, c) == "no estimate"
-    place(g, c)
-    estimate(g, c)
+    c = estimate(g, place(g, c).compilation).compilation
     assert ensures.estimated(g, c) is None
 
 

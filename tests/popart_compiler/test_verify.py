@@ -3,6 +3,8 @@ rejects each malformed one with its message; ``compile()`` runs it after every p
 when ``POPTORCH_VERIFY=1`` and names the pass that broke the graph; an exception raised
 in a pass carries a note naming the pass; ``Graph`` and ``Executable`` print themselves
 (``as_text()``)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -37,8 +39,8 @@ def test_a_captured_graph_and_a_compiled_one_pass():
     verify(g, Compilation(SessionOptions(), False))
     exe = compiler.compile(g, SessionOptions(anchors=[Anchor("Relu:0", OutputMode.All)]),
                            False)
-    c = Compilation(exe.options, False)
-    c.activation_anchors, c.placement = exe.activation_anchors, exe.placement
+    c = Compilation(exe.options, False, activation_anchors=exe.activation_anchors,
+                    placement=exe.placement)
     verify(exe.graph, c)
 
 
@@ -70,8 +72,7 @@ def test_output_count_against_the_anchors():
     verify(g)  # without a compilation, extra outputs count as anchors
     c = Compilation(SessionOptions(), False)
     rejected(g, c, match="2 outputs for 1 user outputs and 0 anchors")
-    c.activation_anchors = [Anchor("Relu:0", OutputMode.All)]
-    verify(g, c)
+    verify(g, dataclasses.replace(c, activation_anchors=[Anchor("Relu:0", OutputMode.All)]))
 
 
 def test_user_outputs_differ_from_the_recorded_ones():
@@ -93,7 +94,7 @@ def test_op_without_placement_after_placement():
     g = graph()
     c = Compilation(SessionOptions(), False)
     verify(g, c)  # not placed yet: no placement needed
-    place(g, c)
+    c = place(g, c).compilation
     verify(g, c)
     del node(g, "linear_1").meta["placement"]
     rejected(g, c, after="place", match=r"after pass place: op linear_1 has no placement")

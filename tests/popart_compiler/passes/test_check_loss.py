@@ -1,5 +1,6 @@
 """``check_loss`` (passes/checks.py): a training graph has exactly one final loss,
-returned once by ``forward`` (docs/semantics.md S-40); its output index becomes ``c.loss_index``."""
+returned once by ``forward`` (docs/semantics.md S-40); its output index is returned as
+``loss_index``."""
 import pytest
 import torch
 import torch.nn as nn
@@ -31,13 +32,13 @@ def training(run_pass, body):
     c = Compilation(SessionOptions(), True)
     result = run_pass(check_loss, g, c)
     assert result.graph is g and result.changed is False
-    return c
+    return result.compilation
 
 
 def test_inference_needs_no_loss(run_pass):
     c = Compilation(SessionOptions(), False)
     result = run_pass(check_loss, export(MLP(), torch.randn(2, 4)), c)
-    assert result.changed is False and c.loss_index is None
+    assert result.changed is False and result.compilation.loss_index is None
 
 
 def returned_and_scaled(loss):
@@ -58,7 +59,7 @@ def test_loss_index_is_recorded(run_pass, body, index):
 
 def test_classifier_loss_is_output_1(run_pass):
     c = Compilation(SessionOptions(), True)
-    run_pass(check_loss, export(Classifier(), X, T), c)
+    c = run_pass(check_loss, export(Classifier(), X, T), c).compilation
     assert c.loss_index == 1
 
 

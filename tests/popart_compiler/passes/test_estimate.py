@@ -1,6 +1,7 @@
 """``estimate`` (passes/estimate.py): the IPU Model's memory and cycles of the placed
-program (``c.estimate``). The pass writes no file and raises nothing for a program that
-does not fit: the runtime reports it (``tests/popart_compiler/runtime/test_reports.py``)."""
+program (``estimate``, returned on the compilation). The pass writes no file and
+raises nothing for a program that does not fit: the runtime reports it
+(``tests/popart_compiler/runtime/test_reports.py``)."""
 import torch
 import torch.nn as nn
 
@@ -16,8 +17,7 @@ from popart_compiler.session_options import SessionOptions
 def placed(module, x, options, training=False):
     g = export(module, x)
     c = Compilation(options, training)
-    place(g, c)
-    return g, c
+    return g, place(g, c).compilation
 
 
 def test_estimate_of_a_placed_program(run_pass):
@@ -25,7 +25,7 @@ def test_estimate_of_a_placed_program(run_pass):
     before = g.module.code
     result = run_pass(estimate, g, c)
     assert result.graph is g and result.changed is False and g.module.code == before
-    est = c.estimate
+    est = result.compilation.estimate
     assert isinstance(est, IpuEstimate) and est.fits and len(est.memory) == 1
     assert est.target.name == "ipu2" and est.micro_batch == 2 and est.replicas == 1
     assert est.cycles.run_cycles > 0 and est.samples_per_second > 0
@@ -48,7 +48,7 @@ def test_a_program_that_does_not_fit_is_estimated_quietly(run_pass, compiler_log
     (``runtime/reports.py``), even in strict mode."""
     g, c = placed(Wide(), torch.randn(1, 1024),
                   SessionOptions(small_ipu_model=True, strict_memory=True))
-    run_pass(estimate, g, c)
+    c = run_pass(estimate, g, c).compilation
     assert c.estimate is not None and not c.estimate.fits
     assert "does not fit" not in compiler_logs.text
 
@@ -57,7 +57,7 @@ def test_the_pass_writes_no_report(run_pass, tmp_path):
     raw = {"engineOptions": {"autoReport.all": "true",
                              "autoReport.directory": str(tmp_path)}}
     g, c = placed(MLP(), torch.randn(2, 4), SessionOptions(raw=raw))
-    run_pass(estimate, g, c)
+    c = run_pass(estimate, g, c).compilation
     assert c.estimate is not None and list(tmp_path.iterdir()) == []
 
 

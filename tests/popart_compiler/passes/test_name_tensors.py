@@ -1,4 +1,4 @@
-"""``name_tensors`` (passes/anchors.py): ``c.tensor_names``, every tensor name of the
+"""``name_tensors`` (passes/anchors.py): ``tensor_names``, every tensor name of the
 program (docs/semantics.md S-16, ``PoplarExecutor.getTensorNames()``)."""
 import torch
 import torch.nn as nn
@@ -18,13 +18,13 @@ def names(training, **options):
     c = Compilation(SessionOptions(**options), training)
     result = name_tensors(g, c)
     assert result.graph is g and result.changed is False and g.module.code == before
-    return c.tensor_names
+    return result.compilation.tensor_names
 
 
 def test_inference_names_weights_then_activations(run_pass):
     g = export(Classifier(), X, T)
     c = Compilation(SessionOptions(), False)
-    run_pass(name_tensors, g, c)
+    c = run_pass(name_tensors, g, c).compilation
     assert c.tensor_names == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"] + \
         ACTIVATIONS
     assert names(False) == c.tensor_names
@@ -51,7 +51,7 @@ def test_frozen_weights_and_buffers_have_no_gradient():
 
     g = export(Frozen(), torch.randn(3, 2))
     c = Compilation(SessionOptions(), True)
-    name_tensors(g, c)
+    c = name_tensors(g, c).compilation
     assert c.tensor_names == ["fc.weight", "fc.bias", "shift", "Gradient___fc.weight",
                               "UpdatedVar___fc.weight"] + list(g.activation_names())
     assert c.tensor_names[5:7] == ["fc/Linear:0", "Add:0"]

@@ -117,7 +117,7 @@ def test_place_pass_records_the_plan_and_places_every_node(run_pass, compiler_lo
     result = run_pass(place, graph, c)
     # metadata only: the graph's ops are those it had
     assert result.graph is graph and result.changed is False and graph.module.code == code
-    plan = c.placement
+    plan = result.compilation.placement
     assert plan.stages == (0, 1, 2) and plan.forward_stages == 3 and plan.pipelined
     assert plan.ipus_per_replica == 2 and plan.blocks == BLOCKS
     assert [placement_of(n) for n in linears(graph)] == [Placement(0, 0), Placement(1, 1),
@@ -130,7 +130,7 @@ def test_place_pass_records_the_plan_and_places_every_node(run_pass, compiler_lo
 def test_place_pass_without_blocks_puts_everything_on_ipu_0(run_pass):
     graph = export(MLP(), torch.randn(2, 4))
     c = Compilation(SessionOptions(), True)
-    run_pass(place, graph, c)
+    c = run_pass(place, graph, c).compilation
     assert c.placement.stages == (0,) and c.placement.ipus_per_replica == 1
     assert not c.placement.pipelined and c.placement.training
     assert {placement_of(n) for n in graph.module.graph.nodes} == {Placement(0, 0, 0)}

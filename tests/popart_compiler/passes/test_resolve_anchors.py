@@ -28,6 +28,7 @@ def test_activation_anchors_follow_the_user_outputs(run_pass):
     c = Compilation(anchors("Relu:0", "fc1/Linear:0"), False)
     result = run_pass(resolve_anchors, g, c)
     assert result.graph is g and result.changed is True
+    c = result.compilation
     assert outputs(g) == ["linear_1", "relu", "linear"]
     assert [a.name for a in c.activation_anchors] == ["Relu:0", "fc1/Linear:0"]
     assert c.state_anchors == []
@@ -43,6 +44,7 @@ def test_state_anchors_add_no_output(run_pass):
     c = Compilation(anchors("fc1.weight", "Gradient___fc2.bias", "UpdatedVar___fc1.bias",
                             "Accl___fc2.weight"), True)
     result = run_pass(resolve_anchors, g, c)
+    c = result.compilation
     assert result.changed is False and outputs(g) == ["linear_1", "cross_entropy_loss"]
     assert [a.name for a in c.state_anchors] == ["fc1.weight", "Gradient___fc2.bias",
                                                  "UpdatedVar___fc1.bias",
@@ -54,7 +56,7 @@ def test_loss_scaling_anchors_with_automatic_loss_scaling(run_pass):
     c = Compilation(anchors("finalLossScale", "lossScaleUpdateFactor", "Relu:0",
                             auto_loss_scaling=True), True)
     g = export(Classifier(), X, T)
-    run_pass(resolve_anchors, g, c)
+    c = run_pass(resolve_anchors, g, c).compilation
     assert [a.name for a in c.state_anchors] == ["finalLossScale", "lossScaleUpdateFactor"]
     assert [a.name for a in c.activation_anchors] == ["Relu:0"]
     assert outputs(g) == ["linear_1", "cross_entropy_loss", "relu"]
@@ -64,7 +66,9 @@ def test_no_anchors_leave_the_graph_unchanged(run_pass):
     g = export(MLP(), torch.randn(2, 4))
     before = g.module.code
     c = Compilation(SessionOptions(), False)
-    assert run_pass(resolve_anchors, g, c).changed is False
+    result = run_pass(resolve_anchors, g, c)
+    c = result.compilation
+    assert result.changed is False
     assert g.module.code == before and c.activation_anchors == c.state_anchors == []
 
 

@@ -1,6 +1,7 @@
 """``split_stages`` and ``split_by_stage`` (passes/split_stages.py): a program placed on
 several pipeline stages is cut into one submodule per run of consecutive ops of a stage
-(``c.stages``); every segment computes what its ops compute in the unsplit graph."""
+(``stages``, returned on the compilation); every segment computes what its ops compute
+in the unsplit graph."""
 import torch
 import torch.fx.traceback as fx_traceback
 
@@ -44,9 +45,7 @@ def capture(blocks):
 
 def placed(blocks, options):
     model, graph = capture(blocks)
-    c = Compilation(options, False)
-    place(graph, c)
-    return model, graph, c
+    return model, graph, place(graph, Compilation(options, False)).compilation
 
 
 def test_several_stages_give_a_staged_graph(run_pass):
@@ -54,7 +53,7 @@ def test_several_stages_give_a_staged_graph(run_pass):
     before = graph.module.code
     result = run_pass(split_stages, graph, c)
     assert result.graph is graph and result.changed is False and graph.module.code == before
-    staged = c.stages
+    staged = result.compilation.stages
     assert isinstance(staged, StagedGraph)
     assert staged.segment_stages == [0, 1, 2] and staged.pipelined
     assert staged.units() == [0, 1, 2]
@@ -76,8 +75,8 @@ def test_consecutive_blocks_of_one_stage_share_a_segment(run_pass):
     graph.blocks = blocks
     c = Compilation(SessionOptions(strategy=StrategySettings(ExecutionMode.Sharded)),
                     False)
-    place(graph, c)
-    run_pass(split_stages, graph, c)
+    c = place(graph, c).compilation
+    c = run_pass(split_stages, graph, c).compilation
     assert c.stages.segment_stages == [0, 1] and not c.stages.pipelined
     assert c.stages.units() == [0, 1]
 
@@ -85,15 +84,15 @@ def test_consecutive_blocks_of_one_stage_share_a_segment(run_pass):
 def test_one_stage_is_not_split(run_pass):
     graph = export(MLP(), torch.randn(2, 4))
     c = Compilation(SessionOptions(), False)
-    place(graph, c)
-    assert run_pass(split_stages, graph, c).changed is False
-    assert c.stages is None
+    c = place(graph, c).compilation
+    result = run_pass(split_stages, graph, c)
+    assert result.changed is False and result.compilation.stages is None
 
 
 def test_unplaced_graph_is_not_split(run_pass):
     c = Compilation(SessionOptions(), False)
-    assert run_pass(split_stages, export(MLP(), torch.randn(2, 4)), c).changed is False
-    assert c.stages is None
+    result = run_pass(split_stages, export(MLP(), torch.randn(2, 4)), c)
+    assert result.changed is False and result.compilation.stages is None
 
 
 def test_staged_program_runs_like_the_graph():

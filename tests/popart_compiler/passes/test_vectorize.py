@@ -24,6 +24,7 @@ def test_stateless_inference_gets_a_vectorized_graph(run_pass):
     c = Compilation(SessionOptions(device_iterations=3, replication_factor=2), False)
     result = run_pass(vectorize, g, c)
     assert result.graph is g and result.changed is False and g.module.code == before
+    c = result.compilation
     assert isinstance(c.vectorized, fx.GraphModule) and c.vectorized_slots == 6
     x = torch.randn(6, 2, 4)
     state = [p.detach() for p in model.parameters()]
@@ -44,14 +45,16 @@ def test_nothing_is_vectorized_where_the_session_loops(run_pass, options, traini
     args = (torch.randn(4, 4), torch.tensor([0, 1, 2, 0])) \
         if isinstance(module, BNClassifier) else (torch.randn(2, 4),)
     c = Compilation(options, training)
-    assert run_pass(vectorize, export(module, *args), c).changed is False
+    result = run_pass(vectorize, export(module, *args), c)
+    c = result.compilation
+    assert result.changed is False
     assert c.vectorized is None and c.vectorized_slots == 1
 
 
 def test_several_stages_are_not_vectorized(run_pass):
-    c = Compilation(SessionOptions(device_iterations=4), False)
-    c.stages = object()  # split_stages ran and found several stages
-    run_pass(vectorize, export(MLP(), torch.randn(2, 4)), c)
+    # split_stages ran and found several stages
+    c = Compilation(SessionOptions(device_iterations=4), False, stages=object())
+    c = run_pass(vectorize, export(MLP(), torch.randn(2, 4)), c).compilation
     assert c.vectorized is None
 
 
