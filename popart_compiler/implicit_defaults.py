@@ -4,11 +4,13 @@ PopTorch's ``Compiler::initSession`` (``shared/reference/Compiler.cpp``) derives
 number of PopART session options from the program and the other options, each only
 when the user left it unset (its ``setOptionIfNotSet``), and logs every one at DEBUG
 as "``<option> set to value <value>``". :func:`implicit_defaults` reproduces that list
-as a pure function of the options and a few facts about the placed program
-(:class:`ProgramFacts`); :func:`with_defaults` returns the session options with them
-added, which is what the IPU Model's estimate, the runtime and the profile report
-read. The table of every default, where it comes from and what it changes is in
-``docs/ipu-model-estimates.md``.
+as a pure function of the typed session options
+(:class:`~popart_compiler.session_options.SessionOptions`, its PopART part
+:class:`~popart_compiler.popart_options.PopartOptions`) and a few facts about the
+placed program (:class:`ProgramFacts`); :func:`with_defaults` returns the session
+options with them added (``dataclasses.replace``), which is what the IPU Model's
+estimate, the runtime and the profile report read. The table of every default, where it
+comes from and what it changes is in ``docs/ipu-model-estimates.md``.
 """
 from __future__ import annotations
 
@@ -19,13 +21,16 @@ from popart_compiler.enums import ExecutionMode, Liveness
 from popart_compiler.logging import logger
 from popart_compiler.popart_enums import (AccumulateOuterFragmentSchedule,
                                           RecomputationType, VirtualGraphMode)
+from popart_compiler.popart_options import LOCATION_KEYS, PopartOptions
+from popart_compiler.session_options import SessionOptions
 
 __all__ = ["ProgramFacts", "ImplicitDefault", "implicit_defaults", "with_defaults",
            "log_defaults", "LOCATION_KEYS"]
 
-#: The four tensor-location option groups phased execution moves off chip.
-LOCATION_KEYS = ("location_activation", "location_weight", "location_optimizer",
-                 "location_accumulator")
+#: The defaults that have a typed :class:`PopartOptions` field, by option key.
+_TYPED_FIELDS = {"autoRecomputation": "auto_recomputation",
+                 "enablePipelining": "enable_pipelining",
+                 "enableLoadAndOffloadRNGState": "rng_state"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,23 +69,15 @@ class ImplicitDefault:
     reason: str
 
 
-def _user_set(raw: Mapping[str, Any], key: str) -> bool:
-    return key in raw and raw[key] is not None
-
-
 def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-def _location_set(raw: Mapping[str, Any], key: str) -> bool:
-    """Whether the user chose the storage of this location (``useOnChipStorage``)."""
-    return "onChip" in (raw.get(key) or {})
-
-
-def _strategy_defaults(raw: Mapping[str, Any], facts: ProgramFacts
+def _strategy_defaults(options: SessionOptions, facts: ProgramFacts
                        ) -> Tuple[VirtualGraphMode, list]:
     """The execution strategy's defaults and its virtual graph mode."""
-    mode = ExecutionMode(int(raw.get("execution_mode", 0)))
+    strategy = options.strategy
+    mode = strategy.mode
     graph_mode = VirtualGraphMode.Auto
     found = []
     if mode is ExecutionMode.Pipelined:
@@ -104,12 +101,11 @@ def _strategy_defaults(raw: Mapping[str, Any], facts: ProgramFacts
         found.append(("enablePipelining", False, "false", "phased execution"))
         graph_mode = VirtualGraphMode.ExecutionPhases
         phases = facts.max_phase + 1
-        liveness = Liveness(int(raw.get("tensors_liveness", 0)))
-        if liveness is not Liveness.AlwaysLive:
+        if strategy.liveness is not Liveness.AlwaysLive:
             phases += 3  # tensors stay live over 3 phases before going off chip
-        elif raw.get("separate_backward_phase", False):
+        elif strategy.separate_backward_phase:
             phases += 1
-        stages = 1 if raw.get("serial_phases_execution", True) else 2
+        stages = 1 if strategy.serial_phases else 2
         found.append(("executionPhaseSettings.phases", phases, str(phases),
                       "phased execution"))
         found.append(("executionPhaseSettings.stages", stages, str(stages),
@@ -119,13 +115,14 @@ def _strategy_defaults(raw: Mapping[str, Any], facts: ProgramFacts
     return graph_mode, found
 
 
-def implicit_defaults(raw: Mapping[str, Any], facts: ProgramFacts
+def implicit_defaults(options: SessionOptions, facts: ProgramFacts
                       ) -> Tuple[ImplicitDefault, ...]:
     """The options PopTorch's ``initSession`` would set for this program, in its order.
 
     Args:
-        raw: the session options' dictionary (``SessionOptions.raw``: what
-            ``Options.toDict()`` holds, ``_Popart.set`` keys included).
+        options: the session options (replicas, processes, gradient accumulation, the
+            execution strategy, and which PopART options are set:
+            ``options.popart.set_keys`` and the tensor locations' ``on_chip``).
         facts: what the placed program tells (:class:`ProgramFacts`).
 
     Returns:
@@ -135,16 +132,13 @@ def implicit_defaults(raw: Mapping[str, Any], facts: ProgramFacts
     """
     if facts.used_ipus < 1:
         return ()
-    replicas = int(raw.get("replication_factor", 1))
-    processes = int(raw.get("num_distributed_processes", 1))
-    process = int(raw.get("distributed_process_id", 0))
-    accumulation = int(raw.get("gradient_accumulation", 1)) if facts.training else 1
-    found = []
-    engine = raw.get("engineOptions") or {}
-    if "debug.retainDebugInformation" not in engine:
-        found.append(("engineOptions[debug.retainDebugInformation]", "false", "false",
-                      "Poplar keeps no debug information unless asked"))
-    graph_mode, strategy = _strategy_defaults(raw, facts)
+    replicas, processes = options.replication_factor, options.num_processes
+    process = options.process_id
+    accumulation = options.gradient_accumulation if facts.training else 1
+    popart = options.popart
+    found = [("engineOptions[debug.retainDebugInformation]", "false", "false",
+              "Poplar keeps no debug information unless asked")]
+    graph_mode, strategy = _strategy_defaults(options, facts)
     found += strategy
     found.append(("enableLoadAndOffloadRNGState", True, "true",
                   "the RNG state can be saved and restored"))
@@ -164,25 +158,41 @@ def implicit_defaults(raw: Mapping[str, Any], facts: ProgramFacts
     if facts.overlapped_io:
         found.append(("useHostCopyOps", True, "true", "overlapped IO"))
         found.append(("enableExplicitMainLoops", True, "true", "overlapped IO"))
-    result = []
-    for key, value, shown, reason in found:
-        if key.startswith("engineOptions["):
-            pass  # checked above
-        elif key in LOCATION_KEYS:
-            if _location_set(raw, key):
-                continue
-        elif _user_set(raw, key):
-            continue
-        result.append(ImplicitDefault(key, value, shown, reason))
-    return tuple(result)
+    return tuple(ImplicitDefault(key, value, shown, reason)
+                 for key, value, shown, reason in found if not _is_set(popart, key))
 
 
-def with_defaults(raw: Mapping[str, Any], defaults: Tuple[ImplicitDefault, ...]
-                  ) -> Dict[str, Any]:
-    """``raw`` with ``defaults`` added (a new dictionary; ``raw`` is not changed).
+def _is_set(popart: PopartOptions, key: str) -> bool:
+    """Whether option ``key`` holds a value (a location: its ``useOnChipStorage``)."""
+    if key in LOCATION_KEYS:
+        return popart.location(key).on_chip is not None
+    return key in popart.set_keys
 
-    Engine-option defaults go into the ``engineOptions`` map, location defaults set
-    ``onChip = 0`` in their location dictionary, every other default its key."""
+
+def with_defaults(options: SessionOptions, defaults: Tuple[ImplicitDefault, ...]
+                  ) -> SessionOptions:
+    """``options`` with ``defaults`` added (new options; ``options`` is not changed):
+    the typed PopART options they set (``popart``: recomputation, pipelining, RNG
+    state, off-chip locations, and every key among ``set_keys``) and the option
+    dictionary (``raw``: engine-option defaults in its ``engineOptions`` map, location
+    defaults as ``onChip = 0``, every other default under its key)."""
+    popart = options.popart
+    changes: Dict[str, Any] = {}
+    for d in defaults:
+        if d.key in LOCATION_KEYS:
+            changes[d.key] = dataclasses.replace(popart.location(d.key), on_chip=False)
+        elif d.key == "autoRecomputation":
+            changes["auto_recomputation"] = RecomputationType(int(d.value))
+        elif d.key in _TYPED_FIELDS:
+            changes[_TYPED_FIELDS[d.key]] = d.value
+    popart = dataclasses.replace(popart, set_keys=popart.set_keys | {
+        d.key for d in defaults if d.key not in LOCATION_KEYS}, **changes)
+    return dataclasses.replace(options, popart=popart, raw=_with_raw(options.raw, defaults))
+
+
+def _with_raw(raw: Mapping[str, Any], defaults: Tuple[ImplicitDefault, ...]
+              ) -> Dict[str, Any]:
+    """``raw`` with ``defaults`` added (a new dictionary)."""
     merged: Dict[str, Any] = dict(raw)
     for d in defaults:
         if d.key.startswith("engineOptions["):

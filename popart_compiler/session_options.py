@@ -20,6 +20,7 @@ from popart_compiler.enums import (CommGroupType, ConnectionType, ExecutionMode,
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.popart_enums import OPTION_ENUMS
+from popart_compiler.popart_options import PopartOptions
 
 __all__ = ["SessionOptions", "Anchor", "ReplicaGrouping", "StrategySettings",
            "engine_options", "ipu_model_env"]
@@ -299,7 +300,10 @@ class SessionOptions:
             ``POPTORCH_IPU_MODEL_STRICT_MEMORY``); otherwise it is reported and runs.
         connection_type: ``Always``, ``OnDemand`` or ``Never``.
         strategy: the execution strategy (pipelined, sharded, phased).
-        raw: the validated option dictionary.
+        popart: the PopART options the IPU Model's estimate and PopTorch's implicit
+            defaults act on (:class:`~popart_compiler.popart_options.PopartOptions`,
+            read from ``raw`` once by :meth:`from_dict`).
+        raw: the validated option dictionary (engine options, the profile report).
     """
     device_iterations: int = 1
     replication_factor: int = 1
@@ -333,6 +337,7 @@ class SessionOptions:
     connection_type: ConnectionType = ConnectionType.Always
     strategy: StrategySettings = dataclasses.field(default_factory=StrategySettings)
     progress_callback: Optional[Callable[[int, int], None]] = None
+    popart: PopartOptions = dataclasses.field(default_factory=PopartOptions)
     raw: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -455,6 +460,7 @@ class SessionOptions:
             device=str(get("execution_device", "cpu")),
             backend=str(get("compiler_backend", "eager")),
             progress_callback=get("compilation_progress_bar_fn"),
+            popart=PopartOptions.from_raw(values),
             raw=dict(values),
         )
         for k, v in overrides.items():

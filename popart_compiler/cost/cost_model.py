@@ -30,6 +30,7 @@ from popart_compiler.cost.op_costs import ProgramCosts, collect
 from popart_compiler.implicit_defaults import (ImplicitDefault, ProgramFacts, implicit_defaults,
                                                with_defaults)
 from popart_compiler.popart_enums import RecomputationType
+from popart_compiler.popart_options import TensorLocation
 from popart_compiler.session_options import SessionOptions
 
 __all__ = ["IpuEstimate", "estimate", "estimate_costs", "estimate_with", "memory_settings",
@@ -146,17 +147,17 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
                     ) -> MemorySettings:
     """The :class:`MemorySettings` of these session options and optimizer.
 
-    Reads ``autoRecomputation`` (a ``RecomputationType``) and ``explicitRecomputation``,
-    the execution strategy's mode (``options.strategy.mode``) and ``enablePipelining``
-    (pipelined unless sharded or phased),
-    ``enableLoadAndOffloadRNGState``, the four ``location_*`` dictionaries
-    (docs/api-sections.md options §4.3), ``available_memory_proportion`` and the partials types
-    (``partialsTypeMatMuls``, ``convolutionOptions["partialsType"]``). The compiler hands it the
-    options with PopTorch's implicit defaults added (:mod:`popart_compiler.implicit_defaults`:
-    ``autoRecomputation = Pipeline`` for a pipeline over several IPUs, off-chip locations for phased
-    execution, ...).
+    Reads the typed PopART options (``options.popart``,
+    :class:`~popart_compiler.popart_options.PopartOptions`): ``autoRecomputation`` and
+    ``explicitRecomputation``, ``enablePipelining`` with the execution strategy's mode
+    (``options.strategy.mode``: pipelined unless sharded or phased),
+    ``enableLoadAndOffloadRNGState``, the four tensor locations (docs/api-sections.md
+    options §4.3), ``available_memory_proportion`` and the partials types. The compiler
+    hands it the options with PopTorch's implicit defaults added
+    (:mod:`popart_compiler.implicit_defaults`: ``autoRecomputation = Pipeline`` for a
+    pipeline over several IPUs, off-chip locations for phased execution, ...).
     """
-    raw = options.raw
+    popart = options.popart
     accumulating = training and options.gradient_accumulation > 1
     combined = optimizer is not None and optimizer.type == "SGD" and \
         optimizer.use_combined_accum
@@ -165,7 +166,6 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
         accum = float(torch.empty((), dtype=optimizer.accum_type).element_size()) \
             if optimizer is not None else 4.0
     state, param_tensors = _optimizer_state(optimizer, accumulating) if training else (0.0, 0)
-    conv = raw.get("convolutionOptions") or {}
     return MemorySettings(
         training=training,
         optimizer_bytes=state,
@@ -174,20 +174,26 @@ def memory_settings(options: SessionOptions, training: bool, optimizer=None
         replicas=options.replication_factor,
         # unset: PopTorch's default, Pipeline, which acts in a pipeline of several
         # IPUs only (implicit_defaults.py; activation_memory.recomputation_active)
-        auto_recomputation=RecomputationType(int(raw.get(
-            "autoRecomputation", RecomputationType.Pipeline))),
-        explicit_recomputation=bool(raw.get("explicitRecomputation", False)),
+        auto_recomputation=RecomputationType.Pipeline if popart.auto_recomputation is None
+        else popart.auto_recomputation,
+        explicit_recomputation=popart.explicit_recomputation,
         pipelined=options.strategy.mode is ExecutionMode.Pipelined and
-        bool(raw.get("enablePipelining", True)),
-        rng_state=bool(raw.get("enableLoadAndOffloadRNGState", True)),  # PopTorch's
-        weight=Location.from_dict(raw.get("location_weight")),
-        optimizer=Location.from_dict(raw.get("location_optimizer")),
-        accumulator=Location.from_dict(raw.get("location_accumulator")),
-        activation=Location.from_dict(raw.get("location_activation")),
-        available_memory={int(k): float(v) for k, v in
-                          (raw.get("available_memory_proportion") or {}).items()},
-        half_partials=str(raw.get("partialsTypeMatMuls", "float")).lower() == "half",
-        conv_half_partials=str(conv.get("partialsType", "float")).lower() == "half")
+        popart.enable_pipelining is not False,
+        rng_state=popart.rng_state is not False,  # PopTorch's default: on
+        weight=_location(popart.location_weight),
+        optimizer=_location(popart.location_optimizer),
+        accumulator=_location(popart.location_accumulator),
+        activation=_location(popart.location_activation),
+        available_memory=dict(popart.available_memory),
+        half_partials=popart.half_partials_matmul,
+        conv_half_partials=popart.half_partials_conv)
+
+
+def _location(where: TensorLocation) -> Location:
+    """The memory model's :class:`Location` of a tensor location (on chip unless
+    chosen otherwise)."""
+    return Location(on_chip=where.on_chip is not False, sharded=where.sharded,
+                    min_off_chip=where.min_off_chip, min_sharding=where.min_sharding)
 
 
 def estimate(graph: Graph, options: SessionOptions, training: bool, target: IpuTarget,
@@ -227,7 +233,7 @@ def cycle_settings(settings: MemorySettings, options: SessionOptions, training: 
         else options.device_iterations,
         device_iterations=options.device_iterations,
         optimizer=optimizer.type if optimizer is not None else "SGD",
-        io_tiles=int(options.raw.get("numIOTiles", 0) or 0),
+        io_tiles=options.popart.io_tiles,
         synthetic=options.synthetic_data, output_mode=options.output_mode,
         output_return_period=options.output_return_period,
         accumulation=options.gradient_accumulation if training else 1)
@@ -246,8 +252,8 @@ def with_implicit_defaults(options: SessionOptions, costs: ProgramCosts, trainin
     facts = ProgramFacts(training=training,
                          used_ipus=max(1, len({op.ipu for op in costs.ops})),
                          clipping=norm is not None and math.isfinite(norm))
-    defaults = implicit_defaults(options.raw, facts)
-    return dataclasses.replace(options, raw=with_defaults(options.raw, defaults)), defaults
+    defaults = implicit_defaults(options, facts)
+    return with_defaults(options, defaults), defaults
 
 
 def estimate_costs(costs: ProgramCosts, options: SessionOptions, training: bool,

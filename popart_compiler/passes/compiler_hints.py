@@ -55,7 +55,7 @@ def check_overlapped_io(graph: Graph, c: Compilation) -> PassResult:
             "Overlapped IO is not supported with poptorch.PipelinedExecution. If you are "
             "using only one IPU, please switch to poptorch.ShardedExecution. "
             "(options.setExecutionStrategy(poptorch.ShardedExecution()))")
-    if int(options.raw.get("numIOTiles", 0)) < 32:
+    if options.popart.io_tiles < 32:
         raise backend_error(
             "No IO tiles allocated. You must allocate at least 32 IO tiles using "
             "poptorch.Options().TensorLocations.numIOTiles. (e.g. "

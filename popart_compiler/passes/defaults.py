@@ -3,7 +3,6 @@ calls in ``initSession``), applied once the program is placed: see
 :mod:`popart_compiler.implicit_defaults`."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from popart_compiler.implicit_defaults import (ProgramFacts, implicit_defaults, log_defaults,
@@ -40,7 +39,6 @@ def session_defaults(graph: Graph, c: Compilation) -> PassResult:
     logged at DEBUG, "``<option> set to value <v>``"), and ``options``: the session
     options with them added (what the estimate, the runtime and the profile report
     read), both returned on the compilation."""
-    defaults = implicit_defaults(c.options.raw, program_facts(graph, c))
+    defaults = implicit_defaults(c.options, program_facts(graph, c))
     log_defaults(defaults)
-    options = dataclasses.replace(c.options, raw=with_defaults(c.options.raw, defaults))
-    return derived(graph, c, defaults=defaults, options=options)
+    return derived(graph, c, defaults=defaults, options=with_defaults(c.options, defaults))

@@ -16,6 +16,7 @@ from popart_compiler.errors import Error
 from popart_compiler.cost.ipu_model import TARGETS, target_for
 from popart_compiler.ir import Graph
 from popart_compiler.optim.description import OptimizerDescription
+from popart_compiler.popart_options import PopartOptions
 from popart_compiler.session_options import SessionOptions
 
 
@@ -70,7 +71,7 @@ MB = 1e6
 
 def memory(graph, training=True, optimizer=ADAM, target="ipu2", **options):
     raw = options.pop("raw", {})
-    opts = SessionOptions(raw=raw, **options)
+    opts = SessionOptions(raw=raw, popart=PopartOptions.from_raw(raw), **options)
     return cost_model.estimate(graph, opts, training, target_for(target), optimizer)
 
 

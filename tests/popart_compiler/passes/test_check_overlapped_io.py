@@ -11,6 +11,7 @@ from popart_compiler.enums import OutputMode
 from popart_compiler.errors import Error
 from popart_compiler.passes.base import Compilation
 from popart_compiler.passes.compiler_hints import check_overlapped_io
+from popart_compiler.popart_options import PopartOptions
 from popart_compiler.session_options import SessionOptions, StrategySettings
 
 MODE = "OverlapAccumulationLoop"
@@ -35,6 +36,7 @@ class Overlap(nn.Module):
 def compilation(mode=OutputMode.Sum, raw=None):
     raw = {"execution_mode": 1, "numIOTiles": 32} if raw is None else raw
     return Compilation(SessionOptions(output_mode=mode, raw=raw,
+                                      popart=PopartOptions.from_raw(raw),
                                       strategy=StrategySettings.from_raw(raw)), False)
 
 

@@ -11,8 +11,13 @@ from popart_compiler.implicit_defaults import (ProgramFacts, implicit_defaults,
                                                with_defaults)
 
 
+def options(raw):
+    """The session options of an option dictionary, as ``poptorch`` builds them."""
+    return SessionOptions.from_dict(raw)
+
+
 def _of(raw, **facts):
-    found = implicit_defaults(raw, ProgramFacts(**{"training": True, **facts}))
+    found = implicit_defaults(options(raw), ProgramFacts(**{"training": True, **facts}))
     return {d.key: d.value for d in found}
 
 
@@ -23,7 +28,8 @@ def test_retain_debug_information_defaults_to_false_unless_given():
     assert _of({})["engineOptions[debug.retainDebugInformation]"] == "false"
     given = {"engineOptions": {"debug.retainDebugInformation": "true"}}
     assert "engineOptions[debug.retainDebugInformation]" not in _of(given)
-    assert with_defaults({}, implicit_defaults({}, ProgramFacts(True)))[
+    none = options({})
+    assert with_defaults(none, implicit_defaults(none, ProgramFacts(True))).raw[
         "engineOptions"] == {"debug.retainDebugInformation": "false"}
 
 
@@ -68,9 +74,11 @@ def test_phased_execution_counts_phases_and_moves_tensors_off_chip():
         assert serial[key] == "OffChip"
     user = {"execution_mode": PHASED, "location_weight": {"onChip": 1}}
     assert "location_weight" not in _of(user)
-    raw = with_defaults(user, implicit_defaults(user, ProgramFacts(True)))
-    assert raw["location_weight"] == {"onChip": 1}
-    assert raw["location_optimizer"] == {"onChip": 0}
+    phased = with_defaults(options(user), implicit_defaults(options(user), ProgramFacts(True)))
+    assert phased.raw["location_weight"] == {"onChip": 1}
+    assert phased.raw["location_optimizer"] == {"onChip": 0}
+    assert phased.popart.location_weight.on_chip is True
+    assert phased.popart.location_optimizer.on_chip is False
 
 
 def test_clipping_with_pipelining_schedules_the_outer_fragment():
@@ -106,7 +114,7 @@ def test_constant_weights_default_off():
 def test_gradient_accumulation_flag_follows_the_factor():
     assert _of({"gradient_accumulation": 8})["enableGradientAccumulation"] is True
     assert _of({"gradient_accumulation": 1})["enableGradientAccumulation"] is False
-    inference = implicit_defaults({"gradient_accumulation": 8}, ProgramFacts(False))
+    inference = implicit_defaults(options({"gradient_accumulation": 8}), ProgramFacts(False))
     assert {d.key: d.value for d in inference}["enableGradientAccumulation"] is False
 
 
@@ -118,7 +126,7 @@ def test_host_copy_ops_and_explicit_loops_only_with_overlapped_io():
 
 
 def test_a_program_on_no_ipu_gets_no_defaults():
-    assert implicit_defaults({}, ProgramFacts(True, used_ipus=0)) == ()
+    assert implicit_defaults(options({}), ProgramFacts(True, used_ipus=0)) == ()
 
 
 
@@ -130,5 +138,7 @@ def test_the_pass_logs_and_records_the_defaults_of_a_one_ipu_program(compiler_lo
     assert found["enablePipelining"] is False and "autoRecomputation" not in found
     assert exe.options.raw["enableLoadAndOffloadRNGState"] is True
     assert exe.options.raw["virtualGraphMode"] == 2  # Auto
+    assert exe.options.popart.rng_state is True and exe.options.popart.enable_pipelining is False
+    assert "virtualGraphMode" in exe.options.popart.set_keys
     assert "enablePipelining set to value false" in compiler_logs.text
     assert {d.key: d.shown for d in exe.estimate.defaults}["constantWeights"] == "false"
