@@ -7,7 +7,9 @@ Compilation is the list of named passes :data:`PASSES`, run in order by
 :mod:`popart_compiler.passes.base`): the IPU's rules (supported dtypes, 32-bit types,
 static shapes), the execution strategy and the loss of training graphs are checked,
 anchors resolved, the graph placed on IPUs, split into pipeline stages, vectorized over
-micro-batches where it can be and estimated on the IPU Model. The result is plain data:
+micro-batches where it can be and estimated on the IPU Model. Passes return what they
+derive on a new :class:`~popart_compiler.passes.base.Compilation`, which :func:`compile`
+hands to the next pass and copies into the executable at the end. The result is plain data:
 the runtime lowers it to its backend when a session is built
 (:mod:`popart_compiler.runtime.lowering`).
 """

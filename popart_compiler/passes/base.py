@@ -40,7 +40,8 @@ __all__ = ["Pass", "PassResult", "Compilation", "unchanged", "derived"]
 
 @dataclasses.dataclass(frozen=True)
 class Compilation:
-    """One compilation: its inputs and the facts its passes derive.
+    """One compilation: its inputs and the facts its passes derive. Frozen: a pass
+    returns a new one with what it derived (:func:`derived`), never writes into it.
 
     Attributes:
         options: the session options.
