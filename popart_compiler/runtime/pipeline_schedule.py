@@ -13,6 +13,8 @@ The loop drives the stages itself with ``isend`` / ``irecv`` instead of
 per micro-batch and stage on top of the transport (shape checks, per-tensor messages,
 waits on its own sends before computing). Here, per micro-batch and boundary:
 
+* the gradients flow back on a group of their own (``PipelineMesh.grad_group``):
+  each direction of a boundary has its own connection;
 * one message each way: every value crossing a boundary (activations; gradients of
   those that need one) is packed into one byte buffer when there are several, sent as
   it is (no copy) when there is one;
@@ -225,9 +227,10 @@ class PipelineRunner:
             if sends and not self.last else None
         grads_in = [v for v, g in zip(sends, self._sent_grad) if g]
         grads_out = [v for v, g in zip(receives, self._received_grad) if g]
-        self._grad_in = _Link(_Message(grads_in, device), self.unit + 1, group,
+        back = layout.mesh.grad_group
+        self._grad_in = _Link(_Message(grads_in, device), self.unit + 1, back,
                               self.stats) if grads_in else None
-        self._grad_out = _Link(_Message(grads_out, device), self.unit - 1, group,
+        self._grad_out = _Link(_Message(grads_out, device), self.unit - 1, back,
                                self.stats) if grads_out else None
         num_params = len(session.weights.params)
         self._grad_params = sorted(i for i in self.program.reads[self.unit]
