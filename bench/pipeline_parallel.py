@@ -25,15 +25,24 @@ best (the machine may be shared). Printed per model:
 * samples/s of each side and their ratio (S processes / 1 process), and the CPU-time
   ratio beside it: CPU time per sample (``time.process_time``: the process and its
   gloo threads) of the single process over that of the busiest stage process. CPU
-  time does not depend on the other load, so that ratio is what the wall-clock ratio
-  approaches on idle cores if no stage waited;
+  time depends less on the other load than wall-clock time (not at all on waiting
+  for a core; still on caches and memory bandwidth shared with whatever else runs),
+  so that ratio is what the wall-clock ratio approaches on idle cores if no stage
+  waited;
 * per stage: milliseconds per micro-batch of compute (forward, backward, gradient
   hand-over), send/recv (posting messages, packing), waiting (for a peer's
   activations or gradients), weight update, the outputs' broadcast, and host reads of
   the other stages' state (``--read-every K``: ``copyWeightsToHost`` every ``K``
   calls; none by default: a call that reads nothing moves no weights), with the bytes
-  moved; and CPU ms per micro-batch of the main thread and of the other threads
-  (gloo's);
+  moved; and CPU ms per micro-batch of the main thread (and of its compute spans:
+  ``ScheduleStats.compute_cpu_s``) and of the other threads (gloo's TCP loop: it
+  reads the messages and polls its sockets); the stages' compute CPU summed, over the
+  single process's whole CPU time per micro-batch (1.00x: the stages compute no
+  slower than the single process);
+* with ``--corun``: the CPU time per sample of ``S`` single-process runs at once,
+  over one run alone: what sharing the caches and memory bandwidth costs any
+  ``S`` processes (a floor under the busiest stage's CPU time that no schedule
+  removes);
 * the IPU Model's estimate for the same schedule: ``pipeline_efficiency`` of
   ``ipuModelEstimate()`` and its speed-up over running the stages one after another.
 
@@ -180,14 +189,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, argv: list) -> list:
+def _launch(world: int, argv: list, independent: bool = False) -> list:
     """Run this script's worker in ``world`` processes (``world = 1``: the single
-    process run); returns each process's result."""
+    process run; ``independent``: ``world`` single-process runs at once); returns each
+    process's result."""
     port = str(_free_port())
     procs = []
     try:
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+            env = dict(os.environ, RANK="0" if independent else str(rank),
+                       WORLD_SIZE="1" if independent else str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv],
@@ -206,20 +217,27 @@ def _launch(world: int, argv: list) -> list:
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
-def _stage_lines(multi: list) -> list:
-    """Where each stage's time went, in ms per micro-batch."""
+def _stage_lines(multi: list, single_cpu: float) -> list:
+    """Where each stage's time went, in ms per micro-batch; ``single_cpu``: the single
+    process's CPU seconds per micro-batch (all stages)."""
     lines = []
+    compute = 0.0
     for m in sorted(multi, key=lambda r: r["stats"]["stage"]):
         st, n = m["stats"], m["micro_batches"]
         phases = ", ".join(f"{name} {1e3 * st[key] / n:.3f}" for name, key in PHASES)
         other = m["cpu_s"] - m["main_cpu_s"]
+        compute += st["compute_cpu_s"] / n
         lines.append(
             f"    stage {st['stage']}: {phases} ms/micro-batch (wall); CPU "
             f"{1e3 * m['cpu_s'] / n:.3f} ms/micro-batch = main thread "
-            f"{1e3 * m['main_cpu_s'] / n:.3f} + other threads {1e3 * other / n:.3f}; "
+            f"{1e3 * m['main_cpu_s'] / n:.3f} (compute {1e3 * st['compute_cpu_s'] / n:.3f}) "
+            f"+ other threads (gloo's) {1e3 * other / n:.3f}; "
             f"{st['messages'] / n:.1f} messages, {st['bytes_sent'] / n / 1024:.1f} KiB sent "
             f"per micro-batch; host reads moved {st['read_bytes'] / 2 ** 20:.1f} MiB in, "
             f"{st['served_bytes'] / 2 ** 20:.1f} MiB out")
+    lines.append(f"    the stages' compute CPU summed: {1e3 * compute:.3f} ms/micro-batch = "
+                 f"{compute / single_cpu:.2f}x the 1 process's whole CPU time per "
+                 f"micro-batch ({1e3 * single_cpu:.3f} ms)")
     return lines
 
 
@@ -230,7 +248,8 @@ def _measure(kind: str, stages: int, args) -> dict:
               "--accumulation", str(args.accumulation), "--calls", str(args.calls),
               "--read-every", str(args.read_every)]
     best = {"single_rate": 0.0, "multi_rate": 0.0, "single_cpu": float("inf"),
-            "multi_cpu": float("inf"), "estimate": None, "multi": None}
+            "multi_cpu": float("inf"), "estimate": None, "multi": None,
+            "corun_cpu": float("inf")}
     for _ in range(args.repeats):
         single = _launch(1, common)[0]
         best["single_rate"] = max(best["single_rate"], single["samples"] / single["seconds"])
@@ -242,6 +261,10 @@ def _measure(kind: str, stages: int, args) -> dict:
         cpu = max(m["cpu_s"] for m in multi) / multi[0]["samples"]
         if cpu < best["multi_cpu"]:
             best["multi_cpu"], best["multi"] = cpu, multi
+        if args.corun:
+            runs = _launch(stages, common, independent=True)
+            best["corun_cpu"] = min(best["corun_cpu"],
+                                    max(r["cpu_s"] / r["samples"] for r in runs))
     return best
 
 
@@ -262,6 +285,9 @@ def main(argv=None) -> int:
     parser.add_argument("--read-every", type=int, default=0,
                         help="copyWeightsToHost every K calls in the pipelined side "
                         "(0: no host reads)")
+    parser.add_argument("--corun", action="store_true",
+                        help="also run S single-process runs at once: the CPU time per "
+                        "sample when S processes share the machine's caches and memory")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
@@ -293,7 +319,14 @@ def main(argv=None) -> int:
                   f"{cpu_ratio / stages:.2f} (CPU); IPU Model pipeline efficiency "
                   f"{estimate['efficiency']:.2f} (speed-up over sequential stages "
                   f"{estimate['speedup']:.2f}x)")
-            print("\n".join(_stage_lines(best["multi"])))
+            single_mb = best["single_cpu"] * best["multi"][0]["samples"] / \
+                best["multi"][0]["micro_batches"]
+            print("\n".join(_stage_lines(best["multi"], single_mb)))
+            if args.corun:
+                print(f"  {stages} single-process runs at once: CPU ms per sample "
+                      f"{1e3 * best['corun_cpu']:.3f} (the slowest; "
+                      f"{best['corun_cpu'] / best['single_cpu']:.2f}x one run alone): the "
+                      "co-running cost that no schedule removes")
             cpu_target, wall_target = TARGETS.get((kind, stages), (None, None))
             if cpu_target is not None and cpu_ratio < cpu_target:
                 missed.append(f"{name}: CPU-time ratio {cpu_ratio:.2f}x < {cpu_target}x")

@@ -58,6 +58,11 @@ class PipelineMesh:
         replica: this process's pipeline replica (``rank div P``).
         replicas: ``W / P``.
         pp_group: the processes of this process's pipeline (the stages' P2P group).
+        grad_group: the same processes as ``pp_group`` on connections of their own,
+            for the gradients flowing back: on the CPU each direction of a boundary
+            then has its own gloo connection, so that gloo's thread reading one
+            direction finds its connection locked less often while this process
+            writes the other (it polls its socket meanwhile; docs/multi-ipu.md).
         dp_group: the processes running this stage in every replica.
         state_group: a gloo group of this pipeline's processes of its own, on which
             host reads receive the other stages' state
@@ -90,9 +95,15 @@ class PipelineMesh:
                                  lambda d=d: _group(range(d * stages, (d + 1) * stages),
                                                     backend="gloo"))
                      for d in range(self.replicas)]
-            _MESHES[key] = (mesh, state)
-        self.mesh, state = _MESHES[key]
+            # a gradient group per replica: the backward direction on connections of
+            # its own (see the attribute)
+            grads = [group.guard("creation of the pipeline's groups",
+                                 lambda d=d: _group(range(d * stages, (d + 1) * stages)))
+                     for d in range(self.replicas)]
+            _MESHES[key] = (mesh, state, grads)
+        self.mesh, state, grads = _MESHES[key]
         self.pp_group = self.mesh.get_group("pp")
+        self.grad_group = grads[self.replica]
         self.dp_group = self.mesh.get_group("dp")
         self.state_group = state[self.replica]
 

@@ -13,6 +13,8 @@ The loop drives the stages itself with ``isend`` / ``irecv`` instead of
 per micro-batch and stage on top of the transport (shape checks, per-tensor messages,
 waits on its own sends before computing). Here, per micro-batch and boundary:
 
+* the gradients flow back on a group of their own (``PipelineMesh.grad_group``):
+  each direction of a boundary has its own connection;
 * one message each way: every value crossing a boundary (activations; gradients of
   those that need one) is packed into one byte buffer when there are several, sent as
   it is (no copy) when there is one;
@@ -55,6 +57,8 @@ class ScheduleStats:
     Attributes:
         micro_batches: micro-batches this stage ran.
         compute_s: forward and backward of the stage, gradient hand-over.
+        compute_cpu_s: the CPU time of this thread in the same spans (``time.thread_time``:
+            without the waits on other processes or the other threads' work).
         transfer_s: posting sends and receives, packing and unpacking messages.
         wait_s: waiting for a peer's activations or gradients, or for sends.
         update_s: weight updates (gradient sums, clipping, the optimizer step).
@@ -65,6 +69,7 @@ class ScheduleStats:
     """
     micro_batches: int = 0
     compute_s: float = 0.0
+    compute_cpu_s: float = 0.0
     transfer_s: float = 0.0
     wait_s: float = 0.0
     update_s: float = 0.0
@@ -222,9 +227,10 @@ class PipelineRunner:
             if sends and not self.last else None
         grads_in = [v for v, g in zip(sends, self._sent_grad) if g]
         grads_out = [v for v, g in zip(receives, self._received_grad) if g]
-        self._grad_in = _Link(_Message(grads_in, device), self.unit + 1, group,
+        back = layout.mesh.grad_group
+        self._grad_in = _Link(_Message(grads_in, device), self.unit + 1, back,
                               self.stats) if grads_in else None
-        self._grad_out = _Link(_Message(grads_out, device), self.unit - 1, group,
+        self._grad_out = _Link(_Message(grads_out, device), self.unit - 1, back,
                                self.stats) if grads_out else None
         num_params = len(session.weights.params)
         self._grad_params = sorted(i for i in self.program.reads[self.unit]
@@ -302,10 +308,11 @@ class PipelineRunner:
             received = [t.requires_grad_() if g else t
                         for t, g in zip(received, self._received_grad)]
             stats.transfer_s += time.perf_counter() - begin
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.thread_time()
         outs = self.forward(received, m)
         now = time.perf_counter()
         stats.compute_s += now - begin
+        stats.compute_cpu_s += time.thread_time() - cpu
         work = None
         if self._act_out is not None:
             work = self._act_out.send(outs)
@@ -333,7 +340,7 @@ class PipelineRunner:
             pairs = [(t, g) for t, g in zip(sent, incoming)
                      if t.requires_grad or t.grad_fn is not None]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.thread_time()
         try:
             if roots:
                 torch.autograd.backward(roots, grad_tensors=grads)
@@ -343,6 +350,7 @@ class PipelineRunner:
         self._collect_gradients(m)
         now = time.perf_counter()
         stats.compute_s += now - begin
+        stats.compute_cpu_s += time.thread_time() - cpu
         works = []
         if self._grad_out is not None:
             inputs = [t for t, g in zip(received, self._received_grad) if g]

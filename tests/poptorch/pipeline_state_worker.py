@@ -51,7 +51,9 @@ def _traffic(training):
             "reads": state.reads, "served": state.served,
             "activation_bytes_sent": sched.bytes_sent, "messages": sched.messages,
             "all_reduce_calls": group.stats["all_reduce_calls"],
-            "expected_activation_bytes": _expected_bytes(session)}
+            "expected_activation_bytes": _expected_bytes(session),
+            "compute_s": sched.compute_s, "compute_cpu_s": sched.compute_cpu_s,
+            "process_cpu_s": time.process_time()}
 
 
 def _expected_bytes(session):

@@ -48,6 +48,9 @@ def test_host_reads_fetch_state_on_demand(tmp_path):
             traffic["expected_activation_bytes"], traffic
         cfg = _worker().CFG
         assert traffic["messages"] == quiet * cfg["d"] * cfg["a"], traffic  # 1 per mb
+        # the compute spans' CPU time: this thread's, within the spans' wall time
+        assert 0 < traffic["compute_cpu_s"] <= traffic["process_cpu_s"], traffic
+        assert traffic["compute_cpu_s"] <= traffic["compute_s"] * 1.01 + 1e-3, traffic
         weights, ipu_state = got["after_4"]
         _same(weights, reference[quiet][0], f"weights after call 4, process {rank}")
         _same(ipu_state, reference[quiet][1], f"optimizer state after call 4, {rank}")

@@ -41,7 +41,9 @@ def main(rank: int, port: int) -> None:
     group = Group(rank, WORLD)
     mesh = PipelineMesh(group, STAGES, "cpu")
     seen = {"stage": mesh.stage, "replica": mesh.replica, "replicas": mesh.replicas,
-            "rank_of": [mesh.rank_of(s) for s in range(STAGES)]}
+            "rank_of": [mesh.rank_of(s) for s in range(STAGES)],
+            "grad_group": dist.get_process_group_ranks(mesh.grad_group),
+            "grad_group_own": mesh.grad_group not in (mesh.pp_group, mesh.state_group)}
     # "tied" is read by both stages, "a" by stage 0, "b" by stage 1
     readers = {"tied": [0, 1], "a": [0], "b": [1]}
     sharing = GradientSharing(mesh, ["tied", "a", "b"], readers,

@@ -23,6 +23,13 @@ def test_process_r_runs_stage_r_mod_p_of_replica_r_div_p(four_processes):
     assert [r["rank_of"] for r in four_processes] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
+def test_gradients_flow_back_on_connections_of_their_own(four_processes):
+    # the pipeline's processes, in a group that is neither the activations' nor the
+    # host reads'
+    assert [r["grad_group"] for r in four_processes] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(r["grad_group_own"] for r in four_processes)
+
+
 def test_each_gradient_is_summed_over_the_processes_that_hold_it(four_processes):
     # tied: every process (1 + 2 + 3 + 4); a: stage 0 of both replicas, where process 0
     # had none (10 × 3); b: stage 1 of both replicas (100 × (2 + 4))
