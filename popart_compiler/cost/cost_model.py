@@ -115,6 +115,7 @@ class IpuEstimate:
                 "seconds_per_call": self.host.total, "device": self.host.device,
                 "call": self.host.call, "inputs": self.host.inputs,
                 "outputs": self.host.outputs, "loading": self.host.loading,
+                "sync": self.host.sync,
                 "samples_per_call": self.host.samples,
                 "samples_per_second": round(self.host.loop_samples_per_second, 3),
                 "settings": None if self.host_settings is None else {

@@ -24,6 +24,11 @@ time, as Graphcore's benchmarks measure it around the call, is:
   vision transformers' float16 / float32 images, a tutorial CNN's 2 replicas), and
   each process of a distributed run (``poprun --num-instances``) copies its own
   replicas' inputs (``HostSettings.host_processes``);
+* **the other replicas' step synchronisations**: that thread also services each
+  replica's synchronisation at the start of every step in turn; the device's run
+  holds one (:data:`STEP_SYNC_SECONDS`), each further replica of the process adds its
+  own (with synthetic data too: the tutorial CNN's 2 replicas take twice one
+  replica's time per call on hardware);
 * **the call's own work** (:data:`CALL_SECONDS`): PopTorch's argument checks and
   buffer hand-over, PopART's ``run`` and Poplar's engine start and completion, a
   round trip to the device;
@@ -118,6 +123,8 @@ class HostTime:
         outputs: host-link transfer of the returned outputs.
         loading: the ``DataLoader``'s loading of the call's samples.
         samples: samples of one call (all replicas).
+        sync: the step synchronisations of the process's replicas beyond the one in
+            the device's run.
     """
     device: float
     call: float
@@ -125,11 +132,13 @@ class HostTime:
     outputs: float
     loading: float
     samples: int
+    sync: float = 0.0
 
     @property
     def total(self) -> float:
         """Seconds per call as a Python loop of calls measures it."""
-        return self.device + self.call + self.inputs + self.outputs + self.loading
+        return self.device + self.call + self.inputs + self.outputs + self.loading + \
+            self.sync
 
     @property
     def device_samples_per_second(self) -> float:
@@ -185,4 +194,6 @@ def host_time(device_seconds: float, micro_batch: int, settings: HostSettings
     loading = samples / s.loader_samples_per_s if s.loader_samples_per_s else 0.0
     if not math.isfinite(loading):
         loading = 0.0
-    return HostTime(device_seconds, CALL_SECONDS, inputs, outputs, loading, samples)
+    per_process = math.ceil(replicas / max(1, s.host_processes))
+    sync = (per_process - 1) * max(1, s.device_iterations) * STEP_SYNC_SECONDS
+    return HostTime(device_seconds, CALL_SECONDS, inputs, outputs, loading, samples, sync)
