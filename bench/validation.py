@@ -39,6 +39,8 @@ EXAMPLES = "github.com/graphcore/examples"
 PERF = "graphcore.ai performance results (Bow Pod16, SDK 3.0, PyTorch)"
 TUTORIAL = f"{EXAMPLES} tutorials/tutorials/pytorch/efficient_data_loading/README.md"
 CONFORMER = f"{EXAMPLES} speech/conformer/pytorch/README.md (global batch 16128)"
+# the Pod64 runs: scripts/run_wenet_conformer_globalbs_16128_pod64.sh, poprun
+# --num-instances=4 (host_processes below)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,9 +240,11 @@ CHECKS = (
     Check("conformer-bow-pod16", "speech", "the same, 4 replicas, GA 1008, Bow", True,
           4302, "loop", CONFORMER, _conformer(21, 4, 1008)),
     Check("conformer-m2000-pod64", "speech", "16 replicas, GA 252, IPU-M2000", True,
-          11689, "loop", CONFORMER, _conformer(2, 16, 252)),
+          11689, "loop", CONFORMER, _conformer(2, 16, 252),
+          host_processes=4),
     Check("conformer-bow-pod64", "speech", "16 replicas, GA 252, Bow", True, 15815,
-          "loop", CONFORMER, _conformer(21, 16, 252)),
+          "loop", CONFORMER, _conformer(21, 16, 252),
+          host_processes=4),
     Check("conformer-train", "speech", "configs/train.yaml: 1 replica, GA 72, mb 4", True,
           None, "loop", f"{EXAMPLES} speech/conformer/pytorch/configs/train.yaml",
           _conformer(2, 1, 72)),
