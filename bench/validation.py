@@ -306,7 +306,8 @@ CHECKS = (
           host_processes=2),  # benchmarks.yml: poprun --num-instances=2
     Check("effnet-b0-g16", "EfficientNet", "EfficientNet-B0 G16 GN, 2 IPUs, mb 20, GA 5, "
           "8 replicas", True, None, "loop", f"{EXAMPLES} vision/cnns/pytorch/train/configs.yml",
-          _efficientnet("b0", 16, 4, [(3, 0)], (), 20, 8, 5, 0.15)),
+          _efficientnet("b0", 16, 4, [(3, 0)], (), 20, 8, 5, 0.15),
+          host_processes=4),  # benchmarks.yml: poprun --num-instances=4
     Check("effnet-b4-g1", "EfficientNet", "EfficientNet-B4 depthwise (G1), 4 IPUs, mb 4, "
           "GA 48, 4 replicas", True, None, "loop",
           f"{EXAMPLES} vision/cnns/pytorch/train/configs.yml efficientnet-b4-g1-gn-pod16",
