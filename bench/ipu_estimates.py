@@ -70,7 +70,7 @@ def _validation(checks) -> None:
     for case in checks:
         est, seconds = calibration.estimate(case)
         device = est["cycles"]["samples_per_second"]
-        loop = validation.loop_throughput(est, case.loader)
+        loop = validation.loop_throughput(est, case.loader, case.host_processes)
         ours = device if case.measured == "device" else loop
         mem = " ".join(f"{m['total'] / 1e6:,.0f}{'' if m['fits'] else '*'}"
                        for m in est["memory"])

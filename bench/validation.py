@@ -6,8 +6,10 @@ Every :class:`Check` builds its model the way Graphcore's code builds it
 device), with the options and optimizer of the published configuration, and says how
 the published throughput was measured: ``device`` (cycles on the device),
 ``loop`` (a Python loop of calls timed on the host) or ``loop+loader`` (the same
-with a ``DataLoader`` whose own rate the source gives). ``fitted`` marks the one
-case a constant was fitted on (:data:`~popart_compiler.cost.host_model.STEP_SYNC_SECONDS`),
+with a ``DataLoader`` whose own rate the source gives). ``fitted`` marks the two
+cases a constant was fitted on (:data:`~popart_compiler.cost.host_model.STEP_SYNC_SECONDS`
+on ``cnn-r1-synthetic``,
+:data:`~popart_compiler.cost.host_model.HOST_COPY_BYTES_PER_S` on ``cnn-r1-real``),
 ``seen`` the three looked at while choosing
 :data:`~popart_compiler.cost.op_classes.COMPUTE_SET_CYCLES`; every other case is held
 out.
@@ -25,6 +27,8 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import poptorch  # noqa: E402
+from popart_compiler.cost.host_model import HostSettings, host_time  # noqa: E402
+from popart_compiler.enums import OutputMode  # noqa: E402
 
 import validation_models as vm  # noqa: E402
 from calibration import _options  # noqa: E402
@@ -35,6 +39,8 @@ EXAMPLES = "github.com/graphcore/examples"
 PERF = "graphcore.ai performance results (Bow Pod16, SDK 3.0, PyTorch)"
 TUTORIAL = f"{EXAMPLES} tutorials/tutorials/pytorch/efficient_data_loading/README.md"
 CONFORMER = f"{EXAMPLES} speech/conformer/pytorch/README.md (global batch 16128)"
+# the Pod64 runs: scripts/run_wenet_conformer_globalbs_16128_pod64.sh, poprun
+# --num-instances=4 (host_processes below)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,8 @@ class Check:
             :data:`~popart_compiler.cost.op_classes.COMPUTE_SET_CYCLES` from three
             values (so not strictly held out for it).
         training: a training program.
+        host_processes: host processes the source ran the replicas in
+            (``poprun --num-instances``), each copying its replicas' inputs.
     """
     name: str
     family: str
@@ -67,14 +75,20 @@ class Check:
     fitted: bool = False
     seen: bool = False
     training: bool = True
+    host_processes: int = 1
 
 
-def loop_throughput(summary: Dict, loader: Optional[float] = None) -> float:
+def loop_throughput(summary: Dict, loader: Optional[float] = None,
+                    processes: int = 1) -> float:
     """Samples per second of a Python loop of calls from an ``ipuModelEstimate()``
-    (with a ``DataLoader`` of ``loader`` samples per second: its loading added)."""
+    (:func:`~popart_compiler.cost.host_model.host_time` of its host settings, with a
+    ``DataLoader`` of ``loader`` samples per second and the replicas spread over
+    ``processes`` host processes)."""
     host = summary["host"]
-    seconds = host["seconds_per_call"] + (host["samples_per_call"] / loader if loader else 0)
-    return host["samples_per_call"] / seconds
+    settings = dict(host["settings"], output_mode=OutputMode(host["settings"]["output_mode"]),
+                    loader_samples_per_s=loader, host_processes=processes)
+    return host_time(host["device"], summary["micro_batch"],
+                     HostSettings(**settings)).loop_samples_per_second
 
 
 def _cnn(replicas: int, synthetic: bool):
@@ -214,7 +228,7 @@ CHECKS = (
           TUTORIAL, _cnn(2, True)),
     Check("cnn-r1-real", "small CNN", "the same, real data from an async DataLoader "
           "(37,710 samples/s alone)", True, 17956, "loop+loader", TUTORIAL,
-          _cnn(1, False), loader=37710),
+          _cnn(1, False), loader=37710, fitted=True),
     Check("cnn-r2-real", "small CNN", "2 replicas, real data (DataLoader 42,605/s alone)",
           True, 14974, "loop+loader", TUTORIAL, _cnn(2, False), loader=42605),
     Check("conformer-m2000-pod4", "speech", "Conformer-medium, 4 IPUs, mb 4, GA 4032, "
@@ -226,9 +240,11 @@ CHECKS = (
     Check("conformer-bow-pod16", "speech", "the same, 4 replicas, GA 1008, Bow", True,
           4302, "loop", CONFORMER, _conformer(21, 4, 1008)),
     Check("conformer-m2000-pod64", "speech", "16 replicas, GA 252, IPU-M2000", True,
-          11689, "loop", CONFORMER, _conformer(2, 16, 252)),
+          11689, "loop", CONFORMER, _conformer(2, 16, 252),
+          host_processes=4),
     Check("conformer-bow-pod64", "speech", "16 replicas, GA 252, Bow", True, 15815,
-          "loop", CONFORMER, _conformer(21, 16, 252)),
+          "loop", CONFORMER, _conformer(21, 16, 252),
+          host_processes=4),
     Check("conformer-train", "speech", "configs/train.yaml: 1 replica, GA 72, mb 4", True,
           None, "loop", f"{EXAMPLES} speech/conformer/pytorch/configs/train.yaml",
           _conformer(2, 1, 72)),
@@ -286,10 +302,12 @@ CHECKS = (
     Check("effnet-b4-g16", "EfficientNet", "EfficientNet-B4 G16 GN, 2 IPUs, mb 4, GA 64, "
           "8 replicas, 4 device iterations", True, 8263, "loop",
           f"{PERF}; {EXAMPLES} vision/cnns/pytorch/train/configs.yml",
-          _efficientnet("b4", 16, 4, [(3, 0)], (1, 3), 4, 8, 64, 0.1, 4), seen=True),
+          _efficientnet("b4", 16, 4, [(3, 0)], (1, 3), 4, 8, 64, 0.1, 4), seen=True,
+          host_processes=2),  # benchmarks.yml: poprun --num-instances=2
     Check("effnet-b0-g16", "EfficientNet", "EfficientNet-B0 G16 GN, 2 IPUs, mb 20, GA 5, "
           "8 replicas", True, None, "loop", f"{EXAMPLES} vision/cnns/pytorch/train/configs.yml",
-          _efficientnet("b0", 16, 4, [(3, 0)], (), 20, 8, 5, 0.15)),
+          _efficientnet("b0", 16, 4, [(3, 0)], (), 20, 8, 5, 0.15),
+          host_processes=4),  # benchmarks.yml: poprun --num-instances=4
     Check("effnet-b4-g1", "EfficientNet", "EfficientNet-B4 depthwise (G1), 4 IPUs, mb 4, "
           "GA 48, 4 replicas", True, None, "loop",
           f"{EXAMPLES} vision/cnns/pytorch/train/configs.yml efficientnet-b4-g1-gn-pod16",

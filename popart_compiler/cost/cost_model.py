@@ -52,6 +52,8 @@ class IpuEstimate:
         replicas: replication factor.
         defaults: the options PopTorch's compiler set because the user did not
             (:mod:`popart_compiler.implicit_defaults`), as the estimate used them.
+        host: the host time of one call (:mod:`.host_model`).
+        host_settings: what it was computed from (``summary()["host"]["settings"]``).
     """
     target: IpuTarget
     costs: ProgramCosts
@@ -62,6 +64,7 @@ class IpuEstimate:
     replicas: int
     defaults: Tuple[ImplicitDefault, ...] = ()
     host: Optional[HostTime] = None
+    host_settings: Optional[HostSettings] = None
 
     @property
     def fits(self) -> bool:
@@ -113,8 +116,12 @@ class IpuEstimate:
                 "seconds_per_call": self.host.total, "device": self.host.device,
                 "call": self.host.call, "inputs": self.host.inputs,
                 "outputs": self.host.outputs, "loading": self.host.loading,
+                "sync": self.host.sync,
                 "samples_per_call": self.host.samples,
-                "samples_per_second": round(self.host.loop_samples_per_second, 3)},
+                "samples_per_second": round(self.host.loop_samples_per_second, 3),
+                "settings": None if self.host_settings is None else {
+                    **dataclasses.asdict(self.host_settings),
+                    "output_mode": int(self.host_settings.output_mode)}},
         }
 
 
@@ -307,8 +314,9 @@ def estimate_with(costs: ProgramCosts, target: IpuTarget, settings: MemorySettin
     cycles = estimate_cycles(costs, target, cycles_settings)
     result = IpuEstimate(target, costs, memory, cycles, settings, cycles_settings.micro_batch,
                          settings.replicas)
+    result.host_settings = _host_of(costs, settings, cycles_settings)
     result.host = host_time(cycles.run_cycles / target.clock_hz, cycles_settings.micro_batch,
-                            _host_of(costs, settings, cycles_settings))
+                            result.host_settings)
     logger.info("IPU Model estimate (%s, %d IPU(s) per replica): %s; %d cycles per run; "
                 "%.1f samples/s; pipeline efficiency %.1f %%", target.name, costs.num_ipus,
                 ", ".join(f"IPU {m.ipu} {m.total / 1e6:.1f}/{m.capacity / 1e6:.1f} MB"

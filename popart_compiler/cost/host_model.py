@@ -15,6 +15,20 @@ time, as Graphcore's benchmarks measure it around the call, is:
   (``enablePrefetchDatastreams``, on by default), so the link's transfer of a
   micro-batch overlaps the device's work on the previous one and only its excess over
   the device time of a micro-batch, plus the first micro-batch's transfer, is seen;
+* **the host's copies of the inputs** (:data:`HOST_COPY_BYTES_PER_S`): PopART's
+  stream callbacks copy each micro-batch of every replica of the process from the
+  tensors the call was given into the streams' host buffers, on the process's one
+  thread that services the engine; prefetching overlaps them with the device's run,
+  so like the host link only their excess over the device time is seen. A process
+  whose replicas consume inputs faster than that copy rate is host-bound (the
+  vision transformers' float16 / float32 images, a tutorial CNN's 2 replicas), and
+  each process of a distributed run (``poprun --num-instances``) copies its own
+  replicas' inputs (``HostSettings.host_processes``);
+* **the other replicas' step synchronisations**: that thread also services each
+  replica's synchronisation at the start of every step in turn; the device's run
+  holds one (:data:`STEP_SYNC_SECONDS`), each further replica of the process adds its
+  own (with synthetic data too: the tutorial CNN's 2 replicas take twice one
+  replica's time per call on hardware);
 * **the call's own work** (:data:`CALL_SECONDS`): PopTorch's argument checks and
   buffer hand-over, PopART's ``run`` and Poplar's engine start and completion, a
   round trip to the device;
@@ -41,7 +55,7 @@ from popart_compiler.enums import OutputMode
 
 __all__ = ["HostSettings", "HostTime", "host_time", "HOST_LINK_BYTES_PER_S",
            "GATEWAY_STREAM_BYTES_PER_S", "CALL_SECONDS", "IPUS_PER_MACHINE",
-           "STEP_SYNC_SECONDS"]
+           "STEP_SYNC_SECONDS", "HOST_COPY_BYTES_PER_S"]
 
 #: Host link of one IPU-Machine (IPU-M2000, Bow-2000): 100 Gb/s RoCE.
 HOST_LINK_BYTES_PER_S = 100e9 / 8
@@ -56,6 +70,11 @@ CALL_SECONDS = 1.0e-3
 #: (even with synthetic data; counted in the device's run). Fitted to one case of
 #: the validation set (``bench/validation.py``: the tutorial CNN, synthetic data).
 STEP_SYNC_SECONDS = 85e-6
+#: Bytes per second one host process copies into the input streams' buffers (a
+#: single-threaded memory copy of the call's tensors; no public figure): fitted to one
+#: case of the validation set (``bench/validation.py``: the tutorial CNN, one replica,
+#: real data from its ``DataLoader``).
+HOST_COPY_BYTES_PER_S = 2.35e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +94,9 @@ class HostSettings:
         synthetic: ``enableSyntheticData``: no data crosses the host link.
         loader_samples_per_s: the ``DataLoader``'s own rate (``None``: data handed to
             the call, no loader).
+        host_processes: host processes the ``replicas`` are spread over, each copying
+            its share of the inputs (1: PopTorch's one process; a ``poprun
+            --num-instances=N`` run of the same replicas: ``N``).
     """
     micro_batches: int = 1
     device_iterations: int = 1
@@ -86,6 +108,7 @@ class HostSettings:
     output_return_period: int = 1
     synthetic: bool = False
     loader_samples_per_s: Optional[float] = None
+    host_processes: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +118,13 @@ class HostTime:
     Attributes:
         device: the device's run (all device iterations).
         call: the call's fixed work (:data:`CALL_SECONDS`).
-        inputs: host-link transfer of inputs not hidden behind the device.
+        inputs: host-link transfer and host copies of inputs not hidden behind the
+            device.
         outputs: host-link transfer of the returned outputs.
         loading: the ``DataLoader``'s loading of the call's samples.
         samples: samples of one call (all replicas).
+        sync: the step synchronisations of the process's replicas beyond the one in
+            the device's run.
     """
     device: float
     call: float
@@ -106,11 +132,13 @@ class HostTime:
     outputs: float
     loading: float
     samples: int
+    sync: float = 0.0
 
     @property
     def total(self) -> float:
         """Seconds per call as a Python loop of calls measures it."""
-        return self.device + self.call + self.inputs + self.outputs + self.loading
+        return self.device + self.call + self.inputs + self.outputs + self.loading + \
+            self.sync
 
     @property
     def device_samples_per_second(self) -> float:
@@ -155,7 +183,10 @@ def host_time(device_seconds: float, micro_batch: int, settings: HostSettings
     inputs = outputs = 0.0
     if not s.synthetic:
         steps = max(1, s.device_iterations * s.micro_batches)
-        step_in = s.input_bytes / link
+        # each micro-batch: its host link transfer (per replica, replicas of a machine
+        # in parallel) or the process's copies for its replicas, whichever is slower
+        copy = s.input_bytes * replicas / max(1, s.host_processes) / HOST_COPY_BYTES_PER_S
+        step_in = max(s.input_bytes / link, copy)
         step_device = device_seconds / steps
         # prefetching hides each micro-batch's transfer behind the previous one
         inputs = step_in + (steps - 1) * max(0.0, step_in - step_device)
@@ -163,4 +194,6 @@ def host_time(device_seconds: float, micro_batch: int, settings: HostSettings
     loading = samples / s.loader_samples_per_s if s.loader_samples_per_s else 0.0
     if not math.isfinite(loading):
         loading = 0.0
-    return HostTime(device_seconds, CALL_SECONDS, inputs, outputs, loading, samples)
+    per_process = math.ceil(replicas / max(1, s.host_processes))
+    sync = (per_process - 1) * max(1, s.device_iterations) * STEP_SYNC_SECONDS
+    return HostTime(device_seconds, CALL_SECONDS, inputs, outputs, loading, samples, sync)

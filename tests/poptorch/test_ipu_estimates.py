@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import poptorch
-from popart_compiler.cost.host_model import STEP_SYNC_SECONDS
+from popart_compiler.cost.host_model import HOST_COPY_BYTES_PER_S, STEP_SYNC_SECONDS
 from models import Classifier as TwoLayerClassifier, SingleLinear
 
 
@@ -163,6 +163,25 @@ def test_training_cycle_count_covers_every_weight_update():
     # (docs/ipu-model-estimates.md, "Host time per call"); figures are rounded down
     sync = STEP_SYNC_SECONDS * training.ipuModelEstimate()["target"]["clock_hz"]
     assert c["run"] == pytest.approx(3 * (c["pipeline"] + c["weight_update"] + sync), abs=6)
+
+
+def test_host_loop_throughput_counts_the_host_copies_of_every_replica():
+    # the IPU Model's loop view of a call (docs/ipu-model-estimates.md, "Host time per
+    # call"): 2 replicas of one process, inputs copied on one host thread at
+    # HOST_COPY_BYTES_PER_S, the second replica's step syncs on that thread too
+    opts = quiet().deviceIterations(50).replicationFactor(2)
+    model = poptorch.inferenceModel(Classifier(4096), opts)
+    model(torch.randn(8 * 50 * 2, 4096))
+    host = model.ipuModelEstimate()["host"]
+    assert host["settings"]["replicas"] == 2 and host["settings"]["host_processes"] == 1
+    assert host["sync"] == pytest.approx(50 * STEP_SYNC_SECONDS)
+    step = 2 * host["settings"]["input_bytes"] / HOST_COPY_BYTES_PER_S
+    assert host["settings"]["input_bytes"] == 8 * 4096 * 4
+    device_step = host["device"] / 50
+    assert host["inputs"] == pytest.approx(step + 49 * max(0.0, step - device_step))
+    assert model.estimatedThroughput(host_loop=True) == pytest.approx(
+        800 / host["seconds_per_call"], rel=1e-3)
+    assert model.estimatedThroughput(host_loop=True) < model.estimatedThroughput()
 
 
 def read_report(directory):

@@ -370,6 +370,14 @@ def test_training_cycles_throughput_and_efficiency():
     assert [m["ipu"] for m in summary["memory"]] == [0, 1]
     assert math.isclose(summary["cycles"]["pipeline_efficiency"],
                         round(piped.cycles.efficiency, 4))
+    # the host time and what it was computed from (bench/validation.py re-runs it)
+    settings = dict(summary["host"]["settings"])
+    assert settings["micro_batches"] == 16 and settings["device_iterations"] == 2
+    assert settings["input_bytes"] == 32 * 256 * 4 and settings["host_processes"] == 1
+    settings["output_mode"] = host_model.OutputMode(settings["output_mode"])
+    again = host_model.host_time(summary["host"]["device"], summary["micro_batch"],
+                                 host_model.HostSettings(**settings))
+    assert again.total == pytest.approx(summary["host"]["seconds_per_call"])
 
 
 def test_links_and_streaming_memory_cost_cycles():
