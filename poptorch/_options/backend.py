@@ -76,9 +76,9 @@ class _BackendOptions(OptionsDict):
         TorchInductor compiles it in a low-priority thread, both are timed on the
         real calls and the faster is kept, and recorded for this program on this
         machine: later runs start on the recorded backend; see ``docs/backends.md``),
-        ``"eager"`` (PyTorch eager kernels, no compilation) or ``"inductor"`` (TorchInductor: each program compiles while the model compiles,
-        or at its first run; later runs with the same input shapes reuse it). Returns
-        self.
+        ``"eager"`` (PyTorch eager kernels, no compilation) or ``"inductor"``
+        (TorchInductor: each program compiles while the model compiles, or at its
+        first run; later runs with the same input shapes reuse it). Returns self.
 
         Raises:
             ValueError: an unknown compiler.
