@@ -249,11 +249,17 @@ def compile_estimate(executable: "Executable", device: str) \
     ``device`` (recorded for this program, else :func:`estimate_seconds` of its graph
     scaled by this machine's latest measured / estimated ratio, kept within 0.5 to 4:
     a compilation served by Inductor's warm cache says little of a new graph's), and
-    ``record(seconds)``, which records a measured compilation (wall clock)."""
-    directory = store_dir()
-    key, _ = program_key(executable, device)
+    ``record(seconds)``, which records a measured compilation (wall clock; nothing is
+    read or recorded while ``POPTORCH_AUTO_BACKEND`` pins a backend).
+
+    Raises:
+        poptorch.Error: an invalid ``POPTORCH_AUTO_BACKEND``."""
     nodes = len(executable.module.graph.nodes)
     training = bool(executable.training)
+    if mode() in BACKENDS:  # pinned: the store is neither read nor written
+        return estimate_seconds(nodes, training), lambda seconds: None
+    directory = store_dir()
+    key, _ = program_key(executable, device)
     times = _read_times(directory)
     recorded = times.get("programs", {}).get(key)
     scale = times.get("scale", 1.0)

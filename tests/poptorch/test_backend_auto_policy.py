@@ -169,3 +169,11 @@ def test_the_measured_compilation_time_is_the_next_sessions_expectation(stand_in
     assert _chooser(again).hot_seconds == pytest.approx(max(1.0, seconds / 0.05))
     expected, _ = decisions.compile_estimate(again._state.session.executable, "cpu")
     assert expected == pytest.approx(seconds) and len(key) == 32
+
+
+def test_a_pinned_backend_records_no_compilation_time(stand_in, monkeypatch):
+    monkeypatch.setenv("POPTORCH_AUTO_BACKEND", "inductor")
+    _, model = _model()
+    model(torch.randn(16, 8))
+    assert _chooser(model).chosen == "inductor" and len(stand_in) == 1
+    assert not os.path.exists(decisions.store_dir())
