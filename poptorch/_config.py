@@ -26,7 +26,7 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("POPTORCH_DEFAULT_OPTIONS", "{}",
              "JSON object of option values applied to every Options()"),
     Variable("POPTORCH_EXECUTION_DEVICE", "cpu", "cpu or cuda: where kernels run"),
-    Variable("POPTORCH_COMPILER", "eager", "eager, inductor or auto: the backend of "
+    Variable("POPTORCH_COMPILER", "auto", "eager, inductor or auto: the backend of "
              "every Options() (auto: the faster of the two, recorded per program)"),
     Variable("POPTORCH_IPU_MODEL_AS_HARDWARE", "0",
              "1: ipuHardwareIsAvailable() reports the IPU Model's IPUs"),

@@ -9,9 +9,9 @@ Every compiler pass is followed by the graph verifier (``POPTORCH_VERIFY=1``, se
 ``popart_compiler/verify.py``) unless the variable is set otherwise.
 
 The suite runs the ``eager`` backend unless a test asks for another
-(``POPTORCH_COMPILER=eager``, the default of ``poptorch.Options()``, unless the variable
-is set otherwise: ``auto`` would let TorchInductor compile every program that turns hot,
-and compilations take seconds each on a small machine); ``POPTORCH_COMPILER=auto pytest``
+(``POPTORCH_COMPILER=eager`` unless the variable is set otherwise; ``poptorch.Options()``
+defaults to ``auto``, whose choices would depend on how long each test has run and on
+the decisions recorded by earlier tests); ``POPTORCH_COMPILER=auto pytest``
 runs the suite with ``auto``. Each test records the ``auto`` backend's decisions in
 its own directory (``POPTORCH_AUTO_DECISIONS_DIR``), so that no test reuses another's
 decision or the user's.

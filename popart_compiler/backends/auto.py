@@ -5,11 +5,17 @@ Policy, per compiled program (one session):
 
 1. Every call runs on the eager backend until the program has proven hot: at least
    :attr:`AutoPolicy.hot_calls` calls (3) *and* at least :attr:`AutoPolicy.hot_seconds`
-   (1 s) spent in all of them, by the policy's clock; a program whose calls never add
-   up to 1 s never compiles. The first result is never later than the eager
-   backend's, and a program that runs briefly never pays for Inductor (a compilation
-   takes seconds).
-2. Then TorchInductor compiles the program in a background thread (holding
+   (1 s) spent in all of them, by the policy's clock, *and* that time is at least the
+   expected compilation time over :attr:`AutoPolicy.compile_budget` (0.05: 20 times
+   it). As a tiered JIT: a compilation is only paid for by a program that has already
+   run long enough that the compilation costs it at most 5 %, so a short program never
+   pays more than that over eager (and most never compile). The expected time is the
+   one recorded for this program on this machine, else an estimate from the graph's
+   size scaled by what earlier compilations on this machine took
+   (:func:`~popart_compiler.backends.decisions.compile_estimate`). The first result is
+   never later than the eager backend's.
+2. Then TorchInductor compiles the program in a background thread at the lowest OS
+   priority (holding
    :data:`~popart_compiler.backends.tracing.TRACE_LOCK`, as every compilation does;
    running does not) while calls keep running on the eager backend. A compilation
    still running when the main thread ends stops at Inductor's next step that needs
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 from typing import Callable, Iterator, List, Optional
@@ -69,7 +76,15 @@ class AutoPolicy:
         hot_calls: calls on the eager backend after which the program counts as hot and
             Inductor compiles it (default 3)...
         hot_seconds: ...once these calls took this many seconds in all (by ``clock``;
-            default 1.0).
+            default 1.0), and at least the expected compilation time over
+            ``compile_budget``.
+        compile_budget: the most a compilation may cost, as a fraction of the time
+            the program's calls have already taken (default 0.05: a program compiles
+            only once its calls took 20 times the expected compilation time, so a
+            program that stops right then paid at most 5 % over the eager backend).
+        compile_seconds: the expected compilation time in seconds (default ``None``:
+            the session's estimate, :func:`~popart_compiler.backends.decisions.
+            compile_estimate`; tests and benchmarks inject 0).
         trials: timed calls of each backend before choosing (default 5).
         margin: Inductor is kept only if its fastest timed call is below
             ``(1 - margin) ×`` the fastest eager call (default 0.05: where the two are
@@ -90,6 +105,8 @@ class AutoPolicy:
     """
     hot_calls: int = 3
     hot_seconds: float = 1.0
+    compile_budget: float = 0.05
+    compile_seconds: Optional[float] = None
     trials: int = 5
     margin: float = 0.05
     synchronous: bool = False
@@ -151,13 +168,26 @@ class AutoChooser:
         on_decide: ``on_decide(backend, why)``, called once when this session decides
             (by timing, or an Inductor failure): records the decision.
         source: where ``start`` came from, for the log.
+        expected_compile: the expected compilation time (seconds; default ``None``:
+            unknown, only ``hot_seconds`` counts); ``policy.compile_seconds`` overrides.
+        on_compiled: ``on_compiled(seconds)``, called after a compilation succeeded
+            with its wall-clock duration (records it for the next estimate).
     """
 
     def __init__(self, eager: Lowering, compile_inductor: Callable[[], Lowering],
                  device: str = "cpu", settings: Optional[AutoPolicy] = None,
                  start: Optional[str] = None,
-                 on_decide: Optional[Callable[[str, str], None]] = None, source: str = ""):
+                 on_decide: Optional[Callable[[str, str], None]] = None, source: str = "",
+                 expected_compile: Optional[float] = None,
+                 on_compiled: Optional[Callable[[float], None]] = None):
         self.policy = settings if settings is not None else POLICY
+        expected = self.policy.compile_seconds
+        expected = (expected_compile or 0.0) if expected is None else expected
+        budget = self.policy.compile_budget
+        #: seconds the calls must have taken before compiling
+        self.hot_seconds = max(self.policy.hot_seconds,
+                               expected / budget if budget > 0 else float("inf"))
+        self._on_compiled = on_compiled
         self._clock = self.policy.clock or (
             time.thread_time if device == "cpu" and torch.get_num_threads() == 1
             else time.perf_counter)
@@ -217,7 +247,7 @@ class AutoChooser:
             return self._start_on_inductor()
         if self._thread is None and self._inductor is None:
             if self._calls >= max(1, self.policy.hot_calls) and \
-                    self._spent >= self.policy.hot_seconds:  # the first call: eager
+                    self._spent >= self.hot_seconds:  # the first call: eager
                 self._start_compiling()
             if self.chosen is not None:  # a synchronous compilation failed
                 return self.eager
@@ -235,7 +265,7 @@ class AutoChooser:
             self._spent += seconds
             logger.debug("Backend auto: not hot yet after %d calls taking %.4g s in all "
                          "(compiles after %d calls and %.4g s in all)", self._calls,
-                         self._spent, self.policy.hot_calls, self.policy.hot_seconds)
+                         self._spent, self.policy.hot_calls, self.hot_seconds)
         if not trial or self.chosen is not None:
             return
         if name == "inductor" and not self._warmed:
@@ -281,16 +311,26 @@ class AutoChooser:
         logger.info("Backend auto: the program is hot (%d calls took %.4g s in all; "
                     "thresholds %d calls and %.4g s): compiling it with TorchInductor "
                     "while calls keep running on the eager backend", self._calls,
-                    self._spent, self.policy.hot_calls, self.policy.hot_seconds)
+                    self._spent, self.policy.hot_calls, self.hot_seconds)
         if self.policy.synchronous:
             self._build()
             return
         # not a daemon: the interpreter's exit waits for the compilation (a daemon
         # thread inside Inductor's compiler at exit aborted the process: "terminate
         # called without an active exception")
-        self._thread = threading.Thread(target=self._build, daemon=False,
+        self._thread = threading.Thread(target=self._build_in_background, daemon=False,
                                         name="poptorch-auto-inductor")
         self._thread.start()
+
+    def _build_in_background(self) -> None:
+        """The compilation thread: at the lowest OS priority (Linux: a thread's nice
+        value; Inductor's compile workers, started from it, inherit it), so that it
+        takes only the cores the training leaves idle."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError) as e:  # not Linux, or not permitted
+            logger.debug("Backend auto: compiling at normal priority (%s)", e)
+        self._build()
 
     def _build(self) -> None:
         start = time.perf_counter()
@@ -306,4 +346,6 @@ class AutoChooser:
         logger.info("Backend auto: TorchInductor compiled the program in %.3g s; timing "
                     "%d calls of each backend before choosing",
                     time.perf_counter() - start, self.policy.trials)
+        if self._on_compiled is not None:
+            self._on_compiled(time.perf_counter() - start)
         self._inductor = lowering

@@ -108,7 +108,10 @@ def _(x, weight, bias, stride, padding, dilation, groups):  # pylint: disable=un
                        memory_format=torch.channels_last)
 
 
-@torch.library.custom_op("popart_compiler::onednn_linear_packed", mutates_args=())
+# contiguous input: Inductor writes the producer (a pooling after channels-last
+# convolutions) row-major at once, instead of the kernel's reshape copying it per call
+@torch.library.custom_op("popart_compiler::onednn_linear_packed", mutates_args=(),
+                         tags=(torch.Tag.needs_contiguous_strides,))
 def _onednn_linear_packed(x: torch.Tensor, weight: torch.Tensor,
                           bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``popart_compiler::onednn_linear`` (``x.reshape(-1, K) @ weight.T + bias``) with

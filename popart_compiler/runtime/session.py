@@ -96,9 +96,11 @@ class Session(abc.ABC):
         if self.runners.alternative is not None:
             kind = torch.device(torch_device).type
             start, record, source = decisions.for_program(executable, kind)
+            expected, compiled = decisions.compile_estimate(executable, kind)
             self.auto = AutoChooser(self.runners.lowering, self._compile_alternative,
                                     device=kind, start=start, on_decide=record,
-                                    source=source)
+                                    source=source, expected_compile=expected,
+                                    on_compiled=compiled)
         #: Several stages: micro-batches run through them in schedule order
         #: (docs/semantics.md S-63).
         self._staged = StagedProgram(executable.stages, wrap=self.runners.stage_runner) \

@@ -5,7 +5,7 @@ documented in ``docs/backends.md``. Environment variables
 let unchanged PopTorch scripts switch backend:
 
 * ``POPTORCH_EXECUTION_DEVICE``: ``cpu`` (default) or ``cuda``.
-* ``POPTORCH_COMPILER``: ``eager`` (default), ``inductor`` or ``auto``.
+* ``POPTORCH_COMPILER``: ``auto`` (default), ``eager`` or ``inductor``.
 * ``POPTORCH_AUTO_BACKEND``: ``eager`` / ``inductor`` pin what ``auto`` runs;
   ``redecide`` decides again; unset: ``auto`` reuses the choice recorded for the program
   on this machine (:mod:`popart_compiler.backends.decisions`).
@@ -42,7 +42,7 @@ def _check(kind: str, value, allowed, env: str) -> str:
 
 class _BackendOptions(OptionsDict):
     """``Options.Backend``: values ``execution_device: str = "cpu"``,
-    ``compiler_backend: str = "eager"``; the constructor reads
+    ``compiler_backend: str = "auto"``; the constructor reads
     ``POPTORCH_EXECUTION_DEVICE`` and ``POPTORCH_COMPILER``.
 
     Raises:
@@ -50,7 +50,7 @@ class _BackendOptions(OptionsDict):
     """
 
     def __init__(self):
-        super().__init__(execution_device="cpu", compiler_backend="eager")
+        super().__init__(execution_device="cpu", compiler_backend="auto")
         device = config.execution_device()
         compiler = config.compiler()
         self.executionDevice(device)
@@ -71,14 +71,14 @@ class _BackendOptions(OptionsDict):
         return self.set(execution_device=device)
 
     def compiler(self, compiler: str):
-        """Compile the captured graphs with ``"eager"`` (the default: PyTorch eager
-        kernels, no compilation), ``"auto"`` (runs eager at once; once the program is
-        hot, TorchInductor compiles it in a background thread, both are timed on the
+        """Compile the captured graphs with ``"auto"`` (the default: runs eager at
+        once; once the program's calls took 20 times the expected compilation time,
+        TorchInductor compiles it in a low-priority thread, both are timed on the
         real calls and the faster is kept, and recorded for this program on this
-        machine: later runs start on the recorded backend; see ``docs/backends.md``) or
-        ``"inductor"`` (TorchInductor: each program compiles while the model compiles,
-        or at its first run; later runs with the same input shapes reuse it). Returns
-        self.
+        machine: later runs start on the recorded backend; see ``docs/backends.md``),
+        ``"eager"`` (PyTorch eager kernels, no compilation) or ``"inductor"``
+        (TorchInductor: each program compiles while the model compiles, or at its
+        first run; later runs with the same input shapes reuse it). Returns self.
 
         Raises:
             ValueError: an unknown compiler.

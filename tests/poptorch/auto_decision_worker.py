@@ -39,7 +39,8 @@ def main(mode: str) -> None:
     opts.showCompilationProgressBar(False)
     x = torch.randn(16, 8)
     if mode == "decide":
-        settings = auto.policy(hot_seconds=0, hot_calls=1, trials=2, synchronous=True,
+        settings = auto.policy(compile_seconds=0, hot_seconds=0, hot_calls=1, trials=2,
+                               synchronous=True,
                                measure=lambda backend, s: {"eager": 2.0,
                                                            "inductor": 1.0}[backend])
         calls = 8

@@ -89,7 +89,7 @@ def test_auto_is_accepted_by_options_and_environment(monkeypatch):
 
 def test_auto_first_calls_run_eager_then_picks_inductor_when_faster(stand_in):
     x = torch.randn(16, 8)
-    with auto.policy(hot_seconds=0, synchronous=True, hot_calls=2, trials=3,
+    with auto.policy(compile_seconds=0, hot_seconds=0, synchronous=True, hot_calls=2, trials=3,
                      measure=_timings(eager=2.0, inductor=1.0)):
         m, model = _inference()
         ref = m(x).detach()
@@ -112,7 +112,7 @@ def test_auto_first_calls_run_eager_then_picks_inductor_when_faster(stand_in):
 
 def test_auto_keeps_eager_when_inductor_is_slower(stand_in):
     x = torch.randn(16, 8)
-    with auto.policy(hot_seconds=0, synchronous=True, hot_calls=1, trials=2,
+    with auto.policy(compile_seconds=0, hot_seconds=0, synchronous=True, hot_calls=1, trials=2,
                      measure=_timings(eager=1.0, inductor=0.99)):  # within the margin
         m, model = _inference()
         for _ in range(6):
@@ -125,7 +125,7 @@ def test_auto_keeps_eager_when_inductor_is_slower(stand_in):
 
 
 def test_auto_first_call_is_eager_even_with_no_hot_calls(stand_in):
-    with auto.policy(hot_seconds=0, synchronous=True, hot_calls=0):
+    with auto.policy(compile_seconds=0, hot_seconds=0, synchronous=True, hot_calls=0):
         _, model = _inference()
         model(torch.randn(16, 8))
         assert stand_in == []  # nothing compiled before the first result
@@ -137,7 +137,7 @@ def test_auto_compiles_only_once_the_calls_took_hot_seconds(stand_in):
     """A program that has run briefly never pays for a compilation: hot once 2 calls
     took 0.35 s in all; each call takes 0.1 s by the injected clock."""
     ticks = iter(range(1000))
-    with auto.policy(synchronous=True, hot_calls=2, hot_seconds=0.35,
+    with auto.policy(compile_seconds=0, synchronous=True, hot_calls=2, hot_seconds=0.35,
                      clock=lambda: next(ticks) * 0.1):  # read at start and end
         _, model = _inference()
         for _ in range(4):
@@ -153,7 +153,7 @@ def test_auto_logs_when_it_turns_hot_compiles_and_decides(stand_in, caplog):
     ends and when a backend is kept (the fastest timed calls). Each call takes 0.1 s by
     the injected clock; hot after 4 calls (0.4 s >= 0.35 s)."""
     ticks = iter(range(1000))
-    with auto.policy(synchronous=True, hot_calls=2, hot_seconds=0.35, trials=1,
+    with auto.policy(compile_seconds=0, synchronous=True, hot_calls=2, hot_seconds=0.35, trials=1,
                      clock=lambda: next(ticks) * 0.1,
                      measure=_timings(eager=2.0, inductor=1.0)), \
             caplog.at_level(logging.DEBUG, logger="poptorch:cpp"):
@@ -196,7 +196,7 @@ def test_auto_falls_back_to_eager_when_inductor_fails(where, message, monkeypatc
         return failing
     monkeypatch.setattr(inductor_backend, "_inductor", compile_fx)
     x = torch.randn(16, 8)
-    with auto.policy(hot_seconds=0, synchronous=True, hot_calls=1), \
+    with auto.policy(compile_seconds=0, hot_seconds=0, synchronous=True, hot_calls=1), \
             caplog.at_level(logging.WARNING, logger="poptorch"):
         m, model = _inference()
         for _ in range(5):
@@ -208,7 +208,7 @@ def test_auto_falls_back_to_eager_when_inductor_fails(where, message, monkeypatc
 
 def test_auto_compiles_in_a_background_thread(stand_in):
     x = torch.randn(16, 8)
-    with auto.policy(hot_seconds=0, hot_calls=1, trials=1,
+    with auto.policy(compile_seconds=0, hot_seconds=0, hot_calls=1, trials=1,
                      measure=_timings(eager=2.0, inductor=1.0)):
         m, model = _inference()
         model(x)
@@ -225,7 +225,7 @@ def test_auto_training_switches_between_calls_keeping_weights_and_optimizer(stan
     """SGD with momentum: the stand-in compiled forward runs from the 3rd call on; the
     losses and weights equal the eager backend's to float rounding (the stand-in runs
     the linear layers as oneDNN linears, as the inductor lowering does)."""
-    with auto.policy(hot_seconds=0, synchronous=True, hot_calls=2, trials=2,
+    with auto.policy(compile_seconds=0, hot_seconds=0, synchronous=True, hot_calls=2, trials=2,
                      measure=_timings(eager=2.0, inductor=1.0)):
         losses, weights, model = _train("auto", calls=8)
     assert _chooser(model).chosen == "inductor" and _StandIn.calls > 0
@@ -270,7 +270,7 @@ def test_auto_on_inductor_matches_eager_inference_and_training():
     eager backend within float rounding, and training continues from the eager calls'
     weights and momentum."""
     x = torch.randn(16, 8)
-    with auto.policy(hot_seconds=0, synchronous=True, hot_calls=1, trials=1,
+    with auto.policy(compile_seconds=0, hot_seconds=0, synchronous=True, hot_calls=1, trials=1,
                      measure=_timings(eager=2.0, inductor=1.0)):
         m, model = _inference()
         before = inductor_backend.compile_count()

@@ -44,7 +44,7 @@ def _timings(eager, inductor):
 
 def _deciding(eager=2.0, inductor=1.0):
     """A policy that decides within 1 + 1 + 2 × 2 calls."""
-    return auto.policy(hot_seconds=0, hot_calls=1, trials=2, synchronous=True,
+    return auto.policy(compile_seconds=0, hot_seconds=0, hot_calls=1, trials=2, synchronous=True,
                        measure=_timings(eager, inductor))
 
 
@@ -66,6 +66,8 @@ def _entries():
         return {}
     out = {}
     for name in sorted(os.listdir(where)):
+        if name == "compile-times.json":  # the compilation times (test_backend_auto_policy)
+            continue
         with open(os.path.join(where, name), encoding="utf-8") as f:
             out[name] = json.load(f)
     return out
@@ -109,7 +111,7 @@ def test_a_recorded_eager_decision_never_compiles(stand_in):
     _decide(eager=1.0, inductor=0.99)  # within the margin: eager kept
     assert [e["backend"] for e in _entries().values()] == ["eager"]
     stand_in.clear()
-    with auto.policy(hot_seconds=0, hot_calls=1, synchronous=True):
+    with auto.policy(compile_seconds=0, hot_seconds=0, hot_calls=1, synchronous=True):
         _, model = _model()
         for _ in range(4):
             model(torch.randn(16, 8))
@@ -144,7 +146,9 @@ def test_the_decision_is_reused_by_a_second_process(tmp_path):
     assert reused["chosen"] == "inductor" and reused["compiled"] == 1
     torch.testing.assert_close(torch.tensor(reused["out"]), torch.tensor(decided["out"]),
                                rtol=0, atol=0)
-    assert len(os.listdir(tmp_path / "store")) == 1
+    # one decision, and the compilation times
+    assert "compile-times.json" in os.listdir(tmp_path / "store")
+    assert len(os.listdir(tmp_path / "store")) == 2
 
 
 @pytest.mark.parametrize("pinned", ["eager", "inductor"])

@@ -32,18 +32,18 @@ def _suite(name):
 
 # -- options -----------------------------------------------------------------------------
 
-def test_backend_defaults_are_cpu_and_eager(monkeypatch):
-    """Without POPTORCH_COMPILER (which the suite sets to eager) the default is eager:
-    auto's background compilation cost the README's main job more CPU than it saved
-    (README, Performance)."""
+def test_backend_defaults_are_cpu_and_auto(monkeypatch):
+    """Without POPTORCH_COMPILER (which the suite sets to eager) the default is auto
+    (issue 30: it compiles only a program that has run 20 times the expected
+    compilation time, README, Performance)."""
     monkeypatch.delenv("POPTORCH_COMPILER", raising=False)
     monkeypatch.delenv("POPTORCH_EXECUTION_DEVICE", raising=False)
     opts = poptorch.Options().outputMode(poptorch.OutputMode.All)
-    assert (opts.Backend.device, opts.Backend.compilerName) == ("cpu", "eager")
+    assert (opts.Backend.device, opts.Backend.compilerName) == ("cpu", "auto")
     values = opts.toDict()
-    assert values["execution_device"] == "cpu" and values["compiler_backend"] == "eager"
+    assert values["execution_device"] == "cpu" and values["compiler_backend"] == "auto"
     sess = SessionOptions.from_dict(values)
-    assert (sess.device, sess.backend, sess.backend_key) == ("cpu", "eager", "cpu/eager")
+    assert (sess.device, sess.backend, sess.backend_key) == ("cpu", "auto", "cpu/auto")
 
 
 def test_backend_setters_flow_into_session_options():

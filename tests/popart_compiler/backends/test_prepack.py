@@ -51,3 +51,16 @@ def test_a_computed_weight_is_not_rewritten():
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.convolution.default in targets
     torch.testing.assert_close(gm(x, w, b), conv_of_computed(x, w, b))
+
+
+def test_the_packed_linear_asks_inductor_for_a_contiguous_input_and_matches_eager():
+    """A CNN's flatten after channels-last convolutions: the op is tagged so that
+    Inductor writes its input row-major (no copy per call inside the kernel); a
+    channels-last input still gives eager's result."""
+    op = torch.ops.popart_compiler.onednn_linear_packed.default
+    assert torch.Tag.needs_contiguous_strides in op.tags
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 2, 2).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(5, 32), torch.randn(5)
+    torch.testing.assert_close(op(x, w, b), x.reshape(4, 32) @ w.T + b,
+                               rtol=1e-5, atol=1e-5)
