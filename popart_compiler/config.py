@@ -3,7 +3,7 @@
 Each variable is declared once (:data:`VARIABLES`, with its default and meaning) and
 read through the functions below, at the moment it is needed (not at import), so a
 program or a test may set it before wrapping a model. ``poptorch`` reads its own
-variables through :mod:`poptorch._config`.
+variables through :mod:`poptorch._options.environment`.
 """
 from __future__ import annotations
 

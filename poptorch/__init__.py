@@ -7,16 +7,16 @@ executes the captured graph with PyTorch kernels.
 """
 import faulthandler as _faulthandler
 
-from poptorch._version import __version__  # noqa: E402
+from poptorch._compat.release import __version__  # noqa: E402
 
 import torch as _torch  # noqa: E402
 
 from popart_compiler.cost.ipu_model import MAX_IPUS as _MAX_IPUS  # noqa: E402
 from popart_compiler.errors import Error, RecoverableError, UnrecoverableError  # noqa: E402
 
-from poptorch import _config  # noqa: E402
+from poptorch._options import environment as _environment  # noqa: E402
 
-_config.set_process_defaults()
+_environment.set_process_defaults()
 from poptorch import enums  # noqa: E402
 from poptorch.enums import *  # noqa: E402,F401,F403
 from poptorch._logging import logger, setLogLevel  # noqa: E402,F401
@@ -141,7 +141,7 @@ def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
     Args:
         num_ipus: IPUs needed.
     """
-    if not _config.ipu_model_as_hardware():
+    if not _environment.ipu_model_as_hardware():
         return False
     return 1 <= num_ipus <= _MAX_IPUS
 
@@ -157,9 +157,9 @@ def ipuHardwareVersion() -> int:
         AssertionError: "No IPU hardware available on this system" (without the
             opt-in: there is no physical IPU).
     """
-    if not _config.ipu_model_as_hardware():
+    if not _environment.ipu_model_as_hardware():
         raise AssertionError("No IPU hardware available on this system")
-    name = _config.ipu_model_version()
+    name = _environment.ipu_model_version()
     if name not in _ARCH_VERSIONS:
         logger.warning("Unknown IPU architecture %s", name)
         return -1

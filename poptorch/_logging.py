@@ -6,7 +6,7 @@ from typing import Union
 
 from popart_compiler import logging as compiler_logging
 
-from poptorch import _config as config
+from poptorch._options import environment as config
 
 __all__ = ["logger", "setLogLevel"]
 

@@ -22,9 +22,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from poptorch import _config, enums
+from poptorch import enums
 from poptorch._executor.progress import ProgressBar
 from poptorch._logging import logger
+from poptorch._options import environment as _env
 from poptorch._options.backend import _BackendOptions
 from poptorch._options.deprecated import DeprecatedAnchorMode
 from poptorch._options.dict import (OptionsDict, check_bool, check_int, check_proportion,
@@ -59,8 +60,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
     ``broadcast_buffers: bool = True``, ``connection_type: int = 0``,
     ``sync_pattern: int = 0``, ``available_memory_proportion: dict = {}``,
     ``max_repeat_logs: int = 4``; created on demand: ``random_seed``,
-    ``model_name``, ``use_model``, ``ipu_id``, ``ipu_version``,
-    ``ipu_model_strict_memory``.
+    ``model_name``, ``use_model``, ``ipu_id``, ``ipu_version``, ``ipu_model_strict_memory``.
 
     Most setters return self (chainable); ``anchorTensor`` returns ``None``.
 
@@ -102,12 +102,12 @@ class Options(DeprecatedAnchorMode, OptionsDict):
             sync_pattern=enums.SyncPattern.Full.value, available_memory_proportion={},
             max_repeat_logs=4)
         # 5. Executable cache from the environment.
-        cache_dir = _config.cache_dir() if _environment else ""
+        cache_dir = _env.cache_dir() if _environment else ""
         if cache_dir:
             logger.info("POPTORCH_CACHE_DIR is set: setting cache path to %s", cache_dir)
             self.enableExecutableCaching(cache_dir)
         # 6. Default options from the environment.
-        defaults = _config.default_options() if _environment else "{}"
+        defaults = _env.default_options() if _environment else "{}"
         try:
             self.from_json(defaults)
         except (AssertionError, ValueError, AttributeError, TypeError) as err:
@@ -504,7 +504,7 @@ class Options(DeprecatedAnchorMode, OptionsDict):
         wins). Returns self. docs/semantics.md S-85. ``AssertionError`` unless a str, path or
         None."""
         check_type("enableProfiling", profile_dir, (str, os.PathLike, type(None)))
-        env = _config.engine_options_text()
+        env = _env.engine_options_text()
         for key in ("debug.allowOutOfMemory", "autoReport.directory", "autoReport.all"):
             if key in env:
                 logger.warning("%s is already set in POPLAR_ENGINE_OPTIONS: the value from "

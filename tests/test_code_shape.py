@@ -55,3 +55,14 @@ def test_the_formatters_are_configured_with_the_same_limit(section):
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     body = text.split(f"[{section}]\n", 1)[1].split("\n[", 1)[0]
     assert re.search(rf"^line-length = {MAX_LINE}$", body, re.M), body
+
+
+#: The top-level modules of poptorch/: the public ones, ``__init__`` and the private
+#: names PopTorch programs import (everything else lives in a subpackage).
+TOP_LEVEL = {"__init__", "enums", "options", "optim", "ops", "profiling", "testing",
+             "poptorch_core", "_poplar_executor", "_impl", "_logging", "_utils"}
+
+
+def test_poptorch_has_only_its_twelve_top_level_modules():
+    found = {p.stem for p in (ROOT / "poptorch").glob("*.py")}
+    assert found == TOP_LEVEL

@@ -1,392 +1,48 @@
 """Capture of one micro-batch of a model's ``forward`` with ``torch.export``
 (non-strict) into a :class:`popart_compiler.ir.Graph` (docs/semantics.md S-1…S-6, S-24, S-44).
+
+This module is the orchestration: the jobs around it live beside it, in
+:mod:`.hooks` (compile hooks), :mod:`.device_mode` (``"ipu"`` inside ``forward``),
+:mod:`.block_tags` (ops tagged with their block), :mod:`.model_state` (parameters,
+buffers, containers and constants of the model), :mod:`.quiet_logs` (torch's
+diagnostics) and :mod:`.capture_errors` (what a failed capture raises).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import io
-import logging
-import os
-import sys
-import traceback
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
-from popart_compiler.errors import Error, backend_error, py_error
+from popart_compiler.errors import Error, py_error
 from popart_compiler.ir import Graph
-from popart_compiler.passes.placement import BLOCK_KEY, NO_ACTIVE_BLOCK_KEY
 from poptorch import _impl
-from poptorch._capture import data_dependence, eager_words, number_reads, storage_reads
+from poptorch._capture import block_tags, data_dependence, eager_words, model_state
+from poptorch._capture import number_reads
 from poptorch._capture.args import BoundArgs, Spec, flatten, leaf_names, unflatten
-from poptorch._capture.constants import VALUE_READS, constant_value, producing_op
+from poptorch._capture.capture_errors import raise_capture_error
+from poptorch._capture.device_mode import (IpuDeviceMode, no_distribution_validation,
+                                           patch_tensor_ipu)
 from poptorch._capture.dtype_rules import DtypeRulesMode
-from poptorch._capture.guard import capture_guard, thread_stderr
+from poptorch._capture.guard import capture_guard
+from poptorch._capture.hooks import (  # noqa: F401  (re-exported, as PopTorch's names)
+    registerPostCompileHook, registerPreCompileHook, run_post_compile_hooks,
+    run_pre_compile_hooks)
+from poptorch._capture.quiet_logs import quiet_torch_logs
 from poptorch._capture.substitution import OverwriteContextManager
 from poptorch._capture.warnings import at_user_code
 from poptorch._logging import logger
 from poptorch._ops import autograd_functions
 from poptorch._ops import blocks as _blocks
-from poptorch._ops import dynamic_slicing
 from poptorch._ops import host as _host_ops
-from poptorch._ops import opaque, static_counts
+from poptorch._ops import opaque
 from poptorch._options.execution_strategy import PipelinedExecution
 
-__all__ = ["capture", "Captured", "registerPreCompileHook", "registerPostCompileHook"]
-
-# OrderedDicts: RemovableHandle keeps a weak reference to its registry.
-_PRE_HOOKS: Dict[int, Callable[[], None]] = collections.OrderedDict()
-_POST_HOOKS: Dict[int, Callable[[], None]] = collections.OrderedDict()
-
-
-def _register(registry: Dict[int, Callable[[], None]], hook) -> RemovableHandle:
-    if not callable(hook):
-        raise RuntimeError("The compile hook must be callable")
-    handle = RemovableHandle(registry)
-    registry[handle.id] = hook
-    return handle
-
-
-def registerPreCompileHook(hook: Callable[[], None]) -> RemovableHandle:
-    """Run ``hook()`` right before every model's ``forward`` is captured
-    (docs/api-sections.md api §2.8).
-
-    Returns:
-        A handle whose ``remove()`` unregisters the hook.
-
-    Raises:
-        RuntimeError: ``hook`` is not callable.
-    """
-    return _register(_PRE_HOOKS, hook)
-
-
-def registerPostCompileHook(hook: Callable[[], None]) -> RemovableHandle:
-    """Run ``hook()`` when every capture ends, also when it fails
-    (docs/api-sections.md api §2.9)."""
-    return _register(_POST_HOOKS, hook)
-
-
-# -- device placement inside forward (docs/semantics.md S-3)
-# -------------------------------------------
-
-_FACTORIES = {
-    torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.linspace,
-    torch.logspace, torch.rand, torch.randn, torch.randint, torch.randperm, torch.tensor,
-    torch.full_like, torch.zeros_like, torch.ones_like, torch.empty_like, torch.rand_like,
-    torch.randn_like, torch.randint_like, torch.normal, torch.eye,
-}
-_LIKE = {torch.full_like, torch.zeros_like, torch.ones_like, torch.empty_like,
-         torch.rand_like, torch.randn_like, torch.randint_like}
-
-
-def _is_ipu(device) -> bool:
-    if isinstance(device, str):
-        return device.split(":")[0] == "ipu"
-    return isinstance(device, torch.device) and device.type == "ipu"
-
-
-class _IpuDeviceMode(TorchFunctionMode):
-    """Maps ``device="ipu"`` / ``.to("ipu")`` to the execution device and logs the
-    "forcing to IPU" warning for factories called without a device (docs/semantics.md S-3)."""
-
-    def __init__(self, device: str):
-        super().__init__()
-        self.device = torch.device(device)
-        self.offsets = dynamic_slicing.OffsetTracker()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        _tag_ops()
-        kwargs = dict(kwargs or {})
-        if "device" in kwargs and _is_ipu(kwargs["device"]):
-            kwargs["device"] = self.device
-        elif func in _FACTORIES and func not in _LIKE and "device" not in kwargs and not (
-                func is torch.normal and any(isinstance(a, torch.Tensor) for a in args)):
-            name = getattr(func, "__name__", str(func))
-            logger.warning("No device set in torch.%s(): forcing to IPU", name)
-        if func in (torch.Tensor.to, torch.Tensor.cuda) or getattr(func, "__name__", "") == "to":
-            args = tuple(self.device if _is_ipu(a) else a for a in args)
-        if getattr(func, "__name__", "") == "ipu":  # Tensor.ipu() does not exist in torch
-            return args[0]
-        # t[x:x + n] (docs/semantics.md S-102)
-        if func is torch.Tensor.__getitem__ and len(args) == 2:
-            sliced = self.offsets.rewrite_getitem(*args)
-            if sliced is not None:
-                return sliced
-        sliced = self.offsets.rewrite_slice(func, args)
-        if sliced is not None:
-            return sliced
-        if func in VALUE_READS:
-            result = _read_value(func, args, kwargs)
-            self.offsets.record(func, args, result)
-            return result
-        static = static_counts.rewrite_for(func, args, kwargs)
-        if static is not None:
-            return static()
-        func = opaque.redirect_for(func) or func
-        try:
-            result = func(*args, **kwargs)
-        except Exception as exc:
-            if isinstance(exc, Error) or not data_dependence.is_data_dependent(exc):
-                raise
-            raise data_dependence.op_error(func, exc) from None
-        _check_static_shape(result, func)
-        self.offsets.record(func, args, result)
-        return result
-
-
-def _read_value(func, args, kwargs):
-    """A tensor's value handed to Python: known at capture if it is computed from
-    constants only; otherwise a data-dependence error naming the read."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    values = [constant_value(t) for t in tensors]
-    if tensors and all(v is not None for v in values):
-        real = iter(values)
-        args = tuple(next(real) if isinstance(a, torch.Tensor) else a for a in args)
-        with unset_fake_temporarily(), disable_proxy_modes_tracing():
-            return func(*args, **kwargs)
-    try:
-        return func(*args, **kwargs)
-    except Exception as exc:
-        # A fake tensor has no storage for .numpy() to share: its value is unknown too.
-        if data_dependence.is_data_dependent(exc) or func is torch.Tensor.numpy:
-            raise data_dependence.read_error(
-                VALUE_READS[func], traceback.extract_stack()[:-1]) from None
-        raise
-
-
-def _check_static_shape(result, func) -> None:
-    """The IPU's graphs are static: an op whose output shape depends on tensor values
-    (boolean-mask indexing, ``nonzero``, ``unique``, ...) cannot be captured."""
-    values = result if isinstance(result, (tuple, list)) else (result,)
-    for value in values:
-        if isinstance(value, torch.Tensor) and not all(isinstance(d, int)
-                                                       for d in value.shape):
-            name = data_dependence.function_name(func)
-            aten = producing_op(value)
-            raise data_dependence.shape_error(f"{name} ({aten})" if aten else name,
-                                               traceback.extract_stack()[:-1])
-
-
-def _patch_tensor_ipu() -> Callable[[], None]:
-    """Give tensors an ``.ipu()`` method during capture (PopTorch programs use it)."""
-    had = hasattr(torch.Tensor, "ipu")
-    if not had:
-        torch.Tensor.ipu = lambda self, *a, **k: self  # type: ignore[attr-defined]
-
-    def undo():
-        if not had:
-            del torch.Tensor.ipu
-    return undo
-
-
-# -- error translation ------------------------------------------------------------------
-
-#: poptorch's own source directory (a PopTorch op's argument checks raise from here).
-_POPTORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
-    """The innermost traceback frame in user code (not torch / poptorch)."""
-    return data_dependence.user_frame(traceback.extract_tb(exc.__traceback__))
-
-
-# -- constants, parameters and quiet logs ------------------------------------------------
-
-@contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
-    """Silence torch's own diagnostics while capturing: its loggers, its warnings and
-    the partial graph ``torch.export`` prints to stderr when it fails (PopTorch reports
-    capture errors itself). Anything else written to stderr is passed through."""
-    names = ["torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export",
-             "torch._export", "torch.fx.experimental.recording", "torch._functorch"]
-    saved = []
-    for name in names:
-        lg = logging.getLogger(name)
-        saved.append((lg, lg.level))
-        lg.setLevel(logging.CRITICAL)
-    real_stderr = sys.stderr
-    buffer = io.StringIO()
-    try:
-        with warnings.catch_warnings(), thread_stderr(buffer):
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            warnings.filterwarnings("ignore", message=".*TorchScript.*")
-            yield
-    except BaseException as exc:
-        text = buffer.getvalue()
-        partial = getattr(exc, "partial_fx_graph", None)
-        if partial is not None:
-            text = text.replace(f"{partial}\n", "").replace(str(partial), "")
-        real_stderr.write(text)
-        raise
-    else:
-        real_stderr.write(buffer.getvalue())
-    finally:
-        for lg, level in saved:
-            lg.setLevel(level)
-
-
-def _plain_tensor_attributes(model: torch.nn.Module) -> Dict[int, torch.Tensor]:
-    """id → clone of every tensor attribute that is neither a parameter nor a buffer."""
-    found = {}
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                found[id(value)] = value.detach().clone()
-    return found
-
-
-@contextlib.contextmanager
-def _device_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Hold float64 parameters and buffers as float32 during capture (docs/semantics.md S-44)."""
-    swapped: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.dtype == torch.float64 and all(t is not s for s, _ in swapped):
-            swapped.append((t, t.data))
-            t.data = t.data.float()
-    if swapped:
-        logger.warning("[DISPATCHER] Type coerced from Double to Float for %d model "
-                       "tensor(s): the IPU has no 64-bit floating point type",
-                       len(swapped))
-    try:
-        yield
-    finally:
-        for t, data in swapped:
-            t.data = data
-
-
-def _state_identity(model: torch.nn.Module):
-    params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
-    buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
-    return params, buffers
-
-
-def _check_state_unchanged(model: torch.nn.Module, before) -> None:
-    """docs/semantics.md S-5: parameters and buffers must be neither removed nor reassigned."""
-    params0, buffers0 = before
-    params1, buffers1 = _state_identity(model)
-    bn_types = (torch.nn.modules.batchnorm._NormBase,)
-    exempt = {name for name, m in model.named_modules() if isinstance(m, bn_types)}
-
-    def owner(name):
-        return name.rpartition(".")[0]
-
-    for kind, old, new in (("Buffer", buffers0, buffers1), ("Parameter", params0, params1)):
-        for name, tensor in old.items():
-            if kind == "Buffer" and owner(name) in exempt:
-                continue
-            if name not in new:
-                raise py_error(f"{kind} {name} is removed from the model when calling the "
-                               "forward method.")
-            if new[name] is not tensor:
-                attr = name.rpartition(".")[2]
-                raise py_error(
-                    f"{kind} {name} is reassigned within the model when calling the forward "
-                    f"method. This is not supported. Consider using self.{attr}.copy_(src) "
-                    f"to copy data from a source tensor, where src is the name of the "
-                    "source tensor.")
-
-
-#: Attributes every ``nn.Module`` has (its own bookkeeping, never the user's).
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-
-
-def _container_attributes(model: torch.nn.Module) -> List[Tuple[Dict[str, Any], str, Any]]:
-    """``(vars(module), name, value)`` of every dict / list / set / tuple attribute of
-    the user's modules."""
-    found = []
-    for module in model.modules():
-        attrs = vars(module)
-        for name, value in attrs.items():
-            if name not in _MODULE_INTERNALS and isinstance(value, (dict, list, set, tuple)):
-                found.append((attrs, name, value))
-    return found
-
-
-def _restore_containers(found: List[Tuple[Dict[str, Any], str, Any]]) -> None:
-    """Put back the user's container objects: ``torch.export`` rebuilds containers it
-    traces through and writes the copies back into the module, after which edits the
-    user makes to the original (``model.cfg["flag"] = True``) would not be seen."""
-    for attrs, name, value in found:
-        if name in attrs and attrs[name] is not value:
-            attrs[name] = value
-
-
-def _restore_state(model: torch.nn.Module, before) -> None:
-    params0, buffers0 = before
-    for kind, table in (("_parameters", params0), ("_buffers", buffers0)):
-        for name, tensor in table.items():
-            path, _, attr = name.rpartition(".")
-            module = model.get_submodule(path) if path else model
-            getattr(module, kind)[attr] = tensor
-
-
-@contextlib.contextmanager
-def _no_distribution_validation() -> Iterator[None]:
-    """``torch.distributions`` argument validation is off during capture (docs/semantics.md S-3)."""
-    previous = torch.distributions.Distribution._validate_args
-    torch.distributions.Distribution.set_default_validate_args(False)
-    try:
-        yield
-    finally:
-        torch.distributions.Distribution.set_default_validate_args(previous)
-
-
-# -- block tags (docs/semantics.md S-60)
-# ---------------------------------------------------------------------
-
-_tagging = [False]
-
-
-def _tag_ops() -> None:
-    """Tag the ops created from now on with the active block: the block id under
-    ``node.meta["custom"][BLOCK_KEY]`` (``None`` before the first block) or
-    ``NO_ACTIVE_BLOCK_KEY`` after a ``with Block`` scope ended. Called on every block
-    change and before every torch function, so that a tag reverted by a nested
-    ``torch.fx.traceback.annotate`` scope is restored."""
-    if not _tagging[0] or torch.compiler.is_dynamo_compiling():
-        return  # inside torch.cond / control-flow bodies traced by Dynamo
-    meta = torch.fx.traceback.current_meta
-    custom = meta.get("custom")
-    if custom is None:
-        custom = meta["custom"] = {}
-    block = _blocks.current_block()
-    if block is _blocks.NO_ACTIVE_BLOCK:
-        custom.pop(BLOCK_KEY, None)
-        custom[NO_ACTIVE_BLOCK_KEY] = True
-        return
-    custom.pop(NO_ACTIVE_BLOCK_KEY, None)
-    custom[BLOCK_KEY] = None if block is None else _blocks.block_key(
-        block, _blocks.block_history())
-
-
-def _untag_ops() -> None:
-    """Ops created after ``forward`` returned (by the tracer) carry no block tag."""
-    _tagging[0] = False
-    custom = torch.fx.traceback.current_meta.get("custom")
-    if custom is not None:
-        custom.pop(BLOCK_KEY, None)
-        custom.pop(NO_ACTIVE_BLOCK_KEY, None)
-
-
-@contextlib.contextmanager
-def _block_tags(strategy) -> Iterator[None]:
-    """Record blocks (docs/api-sections.md api §9) while capturing: reset the block state, tag ops
-    with their block through preserved node metadata."""
-    if strategy is not None:
-        strategy._onStartCapture()
-    with _blocks.block_capture(on_change=_tag_ops), torch.fx.traceback.preserve_node_meta():
-        try:
-            yield
-        finally:
-            _tagging[0] = False
+__all__ = ["capture", "Captured", "capture_contexts", "registerPreCompileHook",
+           "registerPostCompileHook"]
 
 
 @dataclasses.dataclass
@@ -420,6 +76,48 @@ def _check_caller_autocast(device: str) -> None:
             "tensors, and the IPU has no bfloat16 type. Call the model outside "
             "torch.autocast, or use float16 (model.half(), or poptorch.Options()."
             "Precision settings) for reduced precision.")
+
+
+@contextlib.contextmanager
+def capture_contexts(model: torch.nn.Module, training: bool, device: str, strategy,
+                     module_namescope: bool) -> Iterator[None]:
+    """The contexts ``torch.export`` runs in while it captures ``model``, entered in
+    this order on one ``contextlib.ExitStack`` (and left in reverse order):
+
+    1. :func:`.block_tags.block_tags`: block state reset, ops tagged with their block.
+    2. ``_impl.device_context(training)``: "inside a model" for ``isRunningOnIpu()``.
+    3. :func:`.quiet_logs.quiet_torch_logs`: torch's loggers, warnings, stderr quiet.
+    4. :func:`.warnings.at_user_code`: warnings shown at the user's source line.
+    5. :func:`.model_state.device_weights`: float64 weights held as float32.
+    6. ``opaque.opaque_functions()``: functions the capture keeps as opaque ops.
+    7. :class:`.device_mode.IpuDeviceMode`: ``"ipu"`` means ``device``.
+    8. :class:`.dtype_rules.DtypeRulesMode`: master-weight mixed precision rules.
+    9. :func:`.device_mode.no_distribution_validation`: no ``torch.distributions``
+       argument validation.
+    10. :class:`.substitution.OverwriteContextManager`: frameworks' substitutions.
+    11. ``autograd_functions.honoured_backwards()``: custom autograd Functions keep
+        their ``backward``.
+    12. ``torch.fx.traceback.annotate``: ``no_module_scope`` when
+        ``module_namescope`` is ``False`` (docs/semantics.md S-16).
+
+    Each context is created only after the ones before it are entered, as in a
+    ``with`` statement naming them all.
+    """
+    scope = {} if module_namescope else {"no_module_scope": True}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(block_tags.block_tags(strategy))
+        stack.enter_context(_impl.device_context(training))
+        stack.enter_context(quiet_torch_logs())
+        stack.enter_context(at_user_code(data_dependence.user_frame))
+        stack.enter_context(model_state.device_weights(model))
+        stack.enter_context(opaque.opaque_functions())
+        stack.enter_context(IpuDeviceMode(device))
+        stack.enter_context(DtypeRulesMode())
+        stack.enter_context(no_distribution_validation())
+        stack.enter_context(OverwriteContextManager())
+        stack.enter_context(autograd_functions.honoured_backwards())
+        stack.enter_context(fx_traceback.annotate(scope))
+        yield
 
 
 def capture(*args, **kwargs) -> Captured:
@@ -480,14 +178,13 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
             # the other placeholders ("lifted_tensor_1 used before it has been
             # defined"). A first node that is no constant avoids it; it is dead code.
             torch.empty(0, device=device)
-        state = _state_identity(model)
-        _tagging[0] = True
-        _tag_ops()
+        state = model_state.state_identity(model)
+        block_tags.start_tagging()
         try:
             result = bound.call(forward, values)
         finally:
-            _untag_ops()
-        _check_state_unchanged(model, state)
+            block_tags.untag_ops()
+        model_state.check_state_unchanged(model, state)
         tensors: List[torch.Tensor] = []
         spec = flatten(result, tensors) if result is not None else None
         leaves: List[Optional[int]] = []
@@ -505,69 +202,45 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
         out_box.update(spec=spec, leaves=leaves, host=host)
         return tuple(graph_outs)
 
-    for hook in list(_PRE_HOOKS.values()):
-        hook()
-    before = _state_identity(model)
+    run_pre_compile_hooks()
+    before = model_state.state_identity(model)
     _host_ops.take_captured()
     autograd_functions.take_captured()
-    constants_before = _plain_tensor_attributes(model)
-    containers = _container_attributes(model)
+    constants_before = model_state.plain_tensor_attributes(model)
+    containers = model_state.container_attributes(model)
     had_forward = "forward" in vars(model)
     saved_forward = vars(model).get("forward")
     model.forward = flat_forward
-    undo_ipu = _patch_tensor_ipu()
-    undo_class = _as_plain_module(model)
+    undo_ipu = patch_tensor_ipu()
+    undo_class = model_state.as_plain_module(model)
     try:
         example = tuple(t.detach() for t in micro_batch)
-        scope = {} if module_namescope else {"no_module_scope": True}
-        with _block_tags(strategy), _impl.device_context(training), _quiet_torch_logs(), \
-                at_user_code(data_dependence.user_frame), \
-                _device_weights(model), opaque.opaque_functions(), \
-                _IpuDeviceMode(device), DtypeRulesMode(), _no_distribution_validation(), \
-                OverwriteContextManager(), autograd_functions.honoured_backwards(), \
-                fx_traceback.annotate(scope):
+        with capture_contexts(model, training, device, strategy, module_namescope):
             program = torch.export.export(model, example, strict=False)
             history = _blocks.block_history()
-        _check_state_unchanged(model, before)
+        model_state.check_state_unchanged(model, before)
         if strategy is None:
             strategy = PipelinedExecution()
         blocks = strategy._placements(history)
     except Exception as exc:
         eager_words.in_eager_words(exc)  # never name the capture's stand-ins (FakeTensor, ...)
         try:
-            _check_state_unchanged(model, before)  # docs/semantics.md S-5 explains most failures
+            # docs/semantics.md S-5 explains most failures
+            model_state.check_state_unchanged(model, before)
         finally:
-            _restore_state(model, before)
-        if isinstance(exc, Error):
-            raise
-        storage_reads.raise_if_storage_read(exc)  # e.g. Lightning's self.log in a step
-        if data_dependence.is_data_dependent(exc):
-            raise data_dependence.data_dependent_error(exc) from None
-        frame = _user_frame(exc)
-        origin = traceback.extract_tb(exc.__traceback__)
-        if frame is not None and origin and origin[-1].filename == frame.filename:
-            raise  # raised by the user's own code
-        if (frame is not None and isinstance(exc, (ValueError, AssertionError)) and origin
-                and os.path.abspath(origin[-1].filename).startswith(_POPTORCH_DIR)):
-            # a PopTorch op's argument check: docs/api-sections.md api §8 names these exception
-            # types
-            raise
-        if isinstance(exc, (AssertionError, ValueError, TypeError, RuntimeError,
-                            NotImplementedError, KeyError, IndexError)) and frame is None:
-            raise
-        raise backend_error(f"Failed to capture the model's forward: "
-                            f"{type(exc).__name__}: {exc}") from exc
+            model_state.restore_state(model, before)
+        raise_capture_error(exc)
+        raise  # the user's own error, or a PopTorch op's argument check, as it is
     finally:
         undo_ipu()
         undo_class()
-        _restore_containers(containers)
+        model_state.restore_containers(containers)
         if had_forward:
             model.forward = saved_forward
         else:
             vars(model).pop("forward", None)
-        for hook in list(_POST_HOOKS.values()):
-            hook()
-    _bake_constants(program, constants_before)
+        run_post_compile_hooks()
+    model_state.bake_constants(program, constants_before)
     # host_functions keep inline poptorch.CPU ops and custom autograd Functions alive
     graph = Graph(program, blocks=blocks, host_functions=_host_ops.take_captured()
                   + autograd_functions.take_captured(),
@@ -575,26 +248,3 @@ def _capture(model: torch.nn.Module, forward: Callable, bound: BoundArgs,
                                for n in leaf_names(name, child)])
     return Captured(graph, out_box.get("spec"), out_box.get("leaves", []),
                     out_box.get("host", []))
-
-
-def _as_plain_module(model: torch.nn.Module) -> Callable[[], None]:
-    """``torch.export`` runs a ``torch.fx.GraphModule`` root with an fx Interpreter,
-    bypassing the instance's ``forward`` that the capture installs: present such a
-    root as a plain ``nn.Module`` while capturing (its generated ``forward``, bound
-    beforehand, still runs). Returns the undo function."""
-    if not isinstance(model, torch.fx.GraphModule):
-        return lambda: None
-    original = model.__class__
-    model.__class__ = type("GraphModuleRoot", (torch.nn.Module,), {})
-
-    def undo():
-        model.__class__ = original
-    return undo
-
-
-def _bake_constants(program, before: Dict[int, torch.Tensor]) -> None:
-    """Constants hold their capture-time values (docs/semantics.md S-1): undo in-place updates made
-    to plain tensor attributes while capturing, in the program's copies only."""
-    for name, value in list(program.constants.items()):
-        if isinstance(value, torch.Tensor) and id(value) in before:
-            program.constants[name] = before[id(value)]

@@ -2,7 +2,7 @@
 
 Capture runs the user's ``forward`` under ``torch.export`` and PopTorch's own
 ``TorchFunctionMode``s, so a warning raised by a torch function the user called would
-name the frame that happened to call it: ``poptorch/_capture/capture.py``, torch's
+name the frame that happened to call it: ``poptorch/_capture/device_mode.py``, torch's
 ``module.py`` or ``torch/_export/...``. :func:`at_user_code` re-points every warning
 whose location is not user code at the innermost frame of the user's code on the stack
 (the line in ``forward`` that caused it), and drops the internal notes of torch that

@@ -10,4 +10,5 @@ thin shims; the behaviour behind the names lives here:
 * :mod:`.error_hooks`: ``TestErrorType`` and ``_throwTestError``, which raise each
   kind of PopTorch error (Graphcore's ``error_handling.py`` uses them).
 * :mod:`.tensor_structures`: ``combine_batch_tensors_gen`` and the helpers around it.
+* :mod:`.release`: the PopTorch release this package reproduces (``poptorch.__version__``).
 """

@@ -12,7 +12,7 @@ import torch
 from poptorch._executor import host_sync, instrument, lifecycle
 from poptorch._executor.executor import ALREADY_WRAPPED, PoplarExecutor
 from poptorch._files import export
-from poptorch._version import __version__
+from poptorch._compat.release import __version__
 from poptorch.options import Options
 
 __all__ = ["wrap", "wrap_loaded", "transient"]

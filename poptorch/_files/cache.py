@@ -61,7 +61,7 @@ from filelock import FileLock, Timeout
 
 from popart_compiler.errors import Error, backend_error
 
-from poptorch import _config as config
+from poptorch._options import environment as config
 from poptorch._executor import instrument as _instrument
 from poptorch._files.cache_key import CacheRequest, cache_key
 from poptorch._files.structure import encode_spec

@@ -15,7 +15,7 @@ import os
 import torch
 
 from popart_compiler.errors import backend_error
-from poptorch import _config as config
+from poptorch._options import environment as config
 from poptorch._logging import logger
 
 __all__ = ["export_proto_if_requested", "export_proto"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 
 import torch
-from poptorch import _config as config
+from poptorch._options import environment as config
 
 from poptorch._options.dict import OptionsDict
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from poptorch import enums
-from poptorch import _config as config
+from poptorch._options import environment as config
 from poptorch._logging import logger
 from poptorch._options.dict import (FROZEN_MESSAGE, OptionsDict, UnfrozenCopies, check_bool,
                                     check_int, check_type)

@@ -177,17 +177,17 @@ def test_flag_variables_accept_the_usual_spellings(monkeypatch, value, on):
     """Every on / off variable reads the same spellings (``true`` was silently off for
     POPTORCH_IPU_MODEL_STRICT_MEMORY)."""
     from popart_compiler import config as compiler_config
-    from poptorch import _config
+    from poptorch._options import environment
     for name in ("POPTORCH_IPU_MODEL_STRICT_MEMORY", "POPTORCH_SMALL_IPU_MODEL",
                  "POPTORCH_VERIFY", "POPTORCH_IPU_MODEL_AS_HARDWARE",
                  "POPTORCH_EXPORT_PROTO_AS_BINARY"):
         monkeypatch.setenv(name, value)
-        assert _config.flag(name) is on, name
+        assert environment.flag(name) is on, name
     assert compiler_config.strict_memory() is on
     monkeypatch.setenv("POPTORCH_IPU_MODEL", "no")
     assert compiler_config.ipu_model_flags() == (False, on)
     assert compiler_config.verify_graphs() is on
-    assert _config.proto_export()[1] is on
+    assert environment.proto_export()[1] is on
 
 
 def test_flag_variables_refuse_other_values(monkeypatch):
