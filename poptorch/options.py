@@ -5,7 +5,9 @@ Public names: :class:`Options`, :class:`TensorLocationSettings`, :class:`ConfigF
 Behaviour follows PopTorch 3.x. The storage (:class:`OptionsDict`, docs/api-sections.md options §1)
 is in ``_options/dict.py``; the sub-groups (``Training``, ``Precision``, ``TensorLocations``,
 ``Distributed``, ``Jit``, ``_Popart``) in ``_options/groups.py``; ``loadFromFile`` / ``from_json``
-in ``_options/loading.py``; the removed 2.4 names in ``_options/deprecated.py``.
+in ``_options/loading.py``; the removed 2.4 names in ``_options/deprecated.py``; the
+device, target and profiling setters (``useIpuModel`` ... ``enableProfiling``) in
+``_options/device.py``.
 
 For the executor: ``opts._freeze()`` / ``opts._unfreeze()`` (the options and all their
 sub-groups), ``opts._is_frozen``; ``opts.clone()`` is an unfrozen deep copy; private flags
@@ -28,8 +30,9 @@ from poptorch._logging import logger
 from poptorch._options import environment as _env
 from poptorch._options.backend import _BackendOptions
 from poptorch._options.deprecated import DeprecatedAnchorMode
-from poptorch._options.dict import (OptionsDict, check_bool, check_int, check_proportion,
-                                    check_strings, check_type)
+from poptorch._options.device import DeviceOptions
+from poptorch._options.dict import (OptionsDict, check_bool, check_proportion, check_strings,
+                                    check_type)
 from poptorch._options.execution_strategy import (ParallelPhasedExecution, PipelinedExecution,
                                                   SerialPhasedExecution, ShardedExecution)
 from poptorch._options.groups import (TensorLocationSettings, _DistributedOptions, _JitOptions,
@@ -42,7 +45,7 @@ _DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",
 _UINT64_MAX = 2**64 - 1
 
 
-class Options(DeprecatedAnchorMode, OptionsDict):
+class Options(DeprecatedAnchorMode, DeviceOptions, OptionsDict):
     """Configuration of ``trainingModel``, ``inferenceModel`` and ``DataLoader``
     (docs/api-sections.md options §1–§9). Behaviour follows PopTorch 3.x.
 
@@ -414,109 +417,6 @@ class Options(DeprecatedAnchorMode, OptionsDict):
         else:
             self._popart.set("cachePath", os.fspath(path))
             self._popart.set("enableEngineCaching", True)
-        return self
-
-    def useIpuModel(self, use_model: bool):
-        """Use the IPU Model (``True``) or request hardware (key ``use_model``,
-        created; overrides ``POPTORCH_IPU_MODEL``). Returns self. docs/semantics.md S-82.
-        ``AssertionError`` unless a bool."""
-        check_bool("useIpuModel", use_model)
-        return self.createOrSet(use_model=use_model)
-
-    def ipuModelStrictMemory(self, strict: bool = True):
-        """Make a program that does not fit in the IPU Model's memory fail to compile
-        (key ``ipu_model_strict_memory``, created), as it would on hardware.
-
-        By default the IPU Model follows Poplar's IPU Model: a program that exceeds an
-        IPU's memory is reported (a warning naming the IPU, the bytes needed and
-        available and the largest categories; ``ipuModelEstimate()`` and the profile
-        report hold the same figures with ``fits: False``) and still runs. With
-        ``strict=True`` (or ``POPTORCH_IPU_MODEL_STRICT_MEMORY=1``) compilation raises
-        ``poptorch.Error`` (``type == "poplar_out_of_memory"``) instead. The engine
-        option ``debug.allowOutOfMemory`` (set by ``enableProfiling``) wins over both.
-        Not a PopTorch option. Returns self. ``AssertionError`` unless a bool."""
-        check_bool("ipuModelStrictMemory", strict)
-        return self.createOrSet(ipu_model_strict_memory=strict)
-
-    def connectionType(self, connection_type: enums.ConnectionType):
-        """When to attach the device (key ``connection_type``, stored as int,
-        default 0 = ``Always``). Returns self. ``AssertionError`` unless a
-        ``ConnectionType``. docs/semantics.md S-80."""
-        if not isinstance(connection_type, enums.ConnectionType):
-            raise AssertionError("connection_type must be a poptorch.ConnectionType, got "
-                                 f"{type(connection_type)}")
-        return self.set(connection_type=connection_type.value)
-
-    def syncPattern(self, sync_pattern: enums.SyncPattern):
-        """Host/device sync pattern (key ``sync_pattern``, stored as int, default 0 =
-        ``Full``; no effect on the IPU Model). Returns self. ``AssertionError``
-        unless a ``SyncPattern``."""
-        if not isinstance(sync_pattern, enums.SyncPattern):
-            raise AssertionError("sync_pattern must be a poptorch.SyncPattern, got "
-                                 f"{type(sync_pattern)}")
-        return self.set(sync_pattern=sync_pattern.value)
-
-    def useIpuId(self, ipu_id: int):
-        """Use this IPU id (key ``ipu_id``, created; hardware only). Returns self.
-        ``AssertionError`` if not an int; ``ValueError`` if negative. docs/semantics.md S-83."""
-        if not isinstance(ipu_id, int) or isinstance(ipu_id, bool):
-            raise AssertionError(f"ipu_id must be an integer, got {type(ipu_id)}")
-        check_int("useIpuId", ipu_id, 0)
-        return self.createOrSet(ipu_id=ipu_id)
-
-    def useOfflineIpuTarget(self, ipu_version: int = 2):
-        """Compile for an IPU without attaching (``connection_type = Never``, key
-        ``ipu_version`` created: 1 = Mk1, 2 = Mk2, 21 = Mk2 with FP8). Returns self.
-        docs/semantics.md S-81. ``ValueError`` for another version (``AssertionError`` if not an
-        int)."""
-        check_type("useOfflineIpuTarget", ipu_version, int)
-        if ipu_version not in (1, 2, 21):
-            raise ValueError("useOfflineIpuTarget: ipu_version must be 1 (Mk1), 2 (Mk2) "
-                             f"or 21 (Mk2 with FP8), got {ipu_version}")
-        self.connectionType(enums.ConnectionType.Never)
-        return self.createOrSet(ipu_version=ipu_version)
-
-    def enableStableNorm(self, enabled: bool):
-        """Backend ``enableStableNorm``. Returns self. ``AssertionError`` unless a
-        bool."""
-        check_bool("enableStableNorm", enabled)
-        self._popart.set("enableStableNorm", enabled)
-        return self
-
-    def enableSyntheticData(self, enabled: bool):
-        """Backend ``syntheticDataMode`` = 2 if enabled else 0 (no host I/O). Returns
-        self. docs/semantics.md S-84. ``AssertionError`` unless a bool."""
-        check_bool("enableSyntheticData", enabled)
-        self._popart.set("syntheticDataMode", 2 if enabled else 0)
-        return self
-
-    def logCycleCount(self, log_cycle_count: bool):
-        """Backend ``instrumentWithHardwareCycleCounter`` (hardware only). Returns
-        self. ``AssertionError`` unless a bool."""
-        check_bool("logCycleCount", log_cycle_count)
-        self._popart.set("instrumentWithHardwareCycleCounter", log_cycle_count)
-        return self
-
-    def enableProfiling(self, profile_dir: Optional[str] = None):
-        """Merge ``debug.allowOutOfMemory="true"``, ``autoReport.directory=<dir or
-        ".">`` and ``autoReport.all="true"`` into the backend ``engineOptions``.
-        Warns if ``POPLAR_ENGINE_OPTIONS`` already sets one of them (the environment
-        wins). Returns self. docs/semantics.md S-85. ``AssertionError`` unless a str, path or
-        None."""
-        check_type("enableProfiling", profile_dir, (str, os.PathLike, type(None)))
-        env = _env.engine_options_text()
-        for key in ("debug.allowOutOfMemory", "autoReport.directory", "autoReport.all"):
-            if key in env:
-                logger.warning("%s is already set in POPLAR_ENGINE_OPTIONS: the value from "
-                               "the environment takes precedence over enableProfiling()",
-                               key)
-        engine_options = dict(self._popart.options.get("engineOptions", {}))
-        engine_options.update({
-            "debug.allowOutOfMemory": "true",
-            "autoReport.directory": os.fspath(profile_dir) if profile_dir else ".",
-            "autoReport.all": "true",
-        })
-        self._popart.setEngineOptions(engine_options)
         return self
 
     def disableModuleNamescope(self):
