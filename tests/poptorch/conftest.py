@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from popart_compiler.backends import inductor as inductor_backend
+
 
 @pytest.fixture
 def captures(monkeypatch):
@@ -24,3 +26,16 @@ def clean_options_env(monkeypatch):
     for var in ("POPTORCH_DEFAULT_OPTIONS", "POPTORCH_CACHE_DIR", "OMPI_COMM_WORLD_SIZE",
                 "OMPI_COMM_WORLD_RANK", "POPLAR_ENGINE_OPTIONS", "MY_NUM", "MY_ID"):
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """TorchInductor's compilation replaced by the graph itself (no compile); yields the
+    list of graph modules handed to it."""
+    compiled = []
+
+    def fake(gm, example_inputs, *, random):  # pylint: disable=unused-argument
+        compiled.append(gm)
+        return gm
+    monkeypatch.setattr(inductor_backend, "_inductor", fake)
+    return compiled

@@ -25,18 +25,6 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "auto_decision_worker.py")
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
-    """TorchInductor's compilation replaced by the graph itself; yields the list of
-    compiled graph modules."""
-    compiled = []
-
-    def fake(gm, example_inputs, *, random):  # pylint: disable=unused-argument
-        compiled.append(gm)
-        return gm
-    monkeypatch.setattr(inductor_backend, "_inductor", fake)
-    return compiled
-
 
 def _timings(eager, inductor):
     return lambda backend, seconds: {"eager": eager, "inductor": inductor}[backend]

@@ -16,7 +16,6 @@ import torch
 
 import poptorch
 from popart_compiler.backends import auto, decisions
-from popart_compiler.backends import inductor as inductor_backend
 from popart_compiler.backends.auto import AutoChooser, AutoPolicy, Lowering
 from models import MLP
 
@@ -106,16 +105,6 @@ def test_estimate_grows_with_the_graph_and_training():
 
 # -- through a session ---------------------------------------------------------------
 
-
-@pytest.fixture
-def stand_in(monkeypatch):
-    compiled = []
-
-    def fake(gm, example_inputs, *, random):  # pylint: disable=unused-argument
-        compiled.append(gm)
-        return gm
-    monkeypatch.setattr(inductor_backend, "_inductor", fake)
-    return compiled
 
 
 def _model():

@@ -28,16 +28,6 @@ class _Net(nn.Module):
         return self.fc(self.features(x).flatten(1))
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
-    compiled = []
-
-    def fake(gm, example_inputs, *, random):  # pylint: disable=unused-argument
-        compiled.append(gm)
-        return gm
-    monkeypatch.setattr(inductor_backend, "_inductor", fake)
-    return compiled
-
 
 def _targets(gm):
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
