@@ -175,7 +175,8 @@ class DecisionStore:
     @staticmethod
     def _corrupt(path: str, reason: str) -> None:
         logger.warning("Backend auto: ignoring the unreadable decision %s (%s); the "
-                       "program is decided again and the entry rewritten.", path, reason)
+                       "program is decided again (the entry is rewritten once it is).",
+                       path, reason)
 
 
 def for_program(executable: "Executable", device: str) \
@@ -249,7 +250,7 @@ def compile_estimate(executable: "Executable", device: str) \
     ``device`` (recorded for this program, else :func:`estimate_seconds` of its graph
     scaled by this machine's latest measured / estimated ratio, kept within 0.5 to 4:
     a compilation served by Inductor's warm cache says little of a new graph's), and
-    ``record(seconds)``, which records a measured compilation (wall clock; nothing is
+    ``record(seconds)``, which records a measured compilation (CPU seconds; nothing is
     read or recorded while ``POPTORCH_AUTO_BACKEND`` pins a backend).
 
     Raises:

@@ -526,8 +526,10 @@ _CALLS_KEY = "poptorch/calls"
 _EXIT_KEY = "poptorch/exited"
 #: Longest wait (seconds) for a peer whose connections closed to be gone or say why.
 _DEATH_S = 2.0
-#: Longest time (seconds) a failed process hosting the store keeps it for the others.
-_FAILURE_READ_S = 5.0
+#: Longest time (seconds) a failed process hosting the store keeps it for the others
+#: (it leaves as soon as every other process has read the failure; 5 s was too short
+#: for a peer on a loaded machine, which then only saw the store gone).
+_FAILURE_READ_S = 15.0
 #: Rendezvous-store key prefix of each process's host, pid and role.
 _PROCESS_KEY = "poptorch/process"
 
