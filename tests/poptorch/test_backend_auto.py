@@ -171,8 +171,9 @@ def test_auto_logs_when_it_turns_hot_compiles_and_decides(stand_in, caplog):
              and r.getMessage().startswith("Backend auto")]
     assert len(infos) == 3, infos
     assert "the program is hot (4 calls took 0.4 s in all; thresholds 2 calls and " \
-        "0.35 s): compiling it with TorchInductor" in infos[0]
+        "0.35 s): compiling it with TorchInductor before the next call" in infos[0]
     assert "TorchInductor compiled the program in " in infos[1]
+    assert "s of CPU); timing 1 calls of each backend before choosing" in infos[1]
     assert infos[2] == ("Backend auto: keeping inductor (fastest call 1 s on inductor "
                         "against 2 s on eager)")
     assert not [r for r in caplog.records if "not hot yet" in r.getMessage()]

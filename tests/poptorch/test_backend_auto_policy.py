@@ -7,6 +7,7 @@ Clocks and compilation times are injected and TorchInductor's compilation is a
 stand-in (the graph itself): nothing depends on the machine's speed.
 """
 import json
+import logging
 import os
 import sys
 import threading
@@ -94,6 +95,20 @@ def test_a_starved_compilation_records_its_cpu_time_not_its_wall_clock():
                     on_compiled=seen.append)
     _calls(c, 2)
     assert len(seen) == 1 and 0.0 <= seen[0] < 0.15
+
+
+def test_a_recorded_inductor_choice_logs_that_it_runs_without_timing(caplog):
+    # found by a user: the log said "timing 5 calls of each backend" and no choice followed
+    inductor = Lowering("inductor", lambda: "inductor")
+    c = AutoChooser(Lowering("eager", lambda: "eager"), lambda: inductor,
+                    settings=AutoPolicy(trials=5, clock=Clock()), start="inductor",
+                    source="recorded in test.json")
+    with caplog.at_level(logging.INFO, logger="poptorch:cpp"):
+        assert _calls(c, 3) == ["inductor"] * 3
+    infos = [r.getMessage() for r in caplog.records if "compiled the program" in
+             r.getMessage()]
+    assert len(infos) == 1 and "running it from now on (the recorded choice)" in infos[0]
+    assert "timing" not in infos[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread nice values")
