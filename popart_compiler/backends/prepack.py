@@ -100,6 +100,13 @@ def _onednn_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 @_onednn_conv2d.register_fake
 def _(x, weight, bias, stride, padding, dilation, groups):  # pylint: disable=unused-argument
+    return conv2d_fake(x, weight, stride, padding, dilation)
+
+
+def conv2d_fake(x: torch.Tensor, weight: torch.Tensor, stride: List[int],
+                padding: List[int], dilation: List[int]) -> torch.Tensor:
+    """The channels-last ``(N, O, H', W')`` result of a 2-D convolution of ``x``
+    ``(N, C, H, W)`` with ``weight`` ``(O, C / groups, kH, kW)`` (fake kernels)."""
     n, _, h, w = x.shape
     o, _, kh, kw = weight.shape
     out_h = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
@@ -131,7 +138,9 @@ def _(x, weight, bias):  # pylint: disable=unused-argument
     return x.new_empty((x.numel() // weight.shape[1], weight.shape[0]))
 
 
-def _float32_cpu(*nodes) -> bool:
+def float32_cpu(*nodes) -> bool:
+    """Whether every one of ``nodes`` is an ``fx.Node`` whose value is a float32 CPU
+    tensor."""
     for n in nodes:
         v = n.meta.get("val") if isinstance(n, fx.Node) else None
         if not (isinstance(v, torch.Tensor) and v.dtype == torch.float32
@@ -189,8 +198,8 @@ def prepack_inference(gm: fx.GraphModule) -> fx.GraphModule:
         x, w, bias, stride, padding, dilation, transposed, groups = args
         x_val = x.meta.get("val") if isinstance(x, fx.Node) else None
         if transposed or not isinstance(w, fx.Node) or w.op != "placeholder" or \
-                x_val is None or x_val.dim() != 4 or not _float32_cpu(x, w, node) or \
-                (bias is not None and not _float32_cpu(bias)):
+                x_val is None or x_val.dim() != 4 or not float32_cpu(x, w, node) or \
+                (bias is not None and not float32_cpu(bias)):
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(

@@ -21,6 +21,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from popart_compiler.backends.tracing import TRACE_LOCK
 from popart_compiler.ir import Graph
 from popart_compiler.logging import logger
+from popart_compiler.passes.batch_rules import (VectorizableGraph, needs_rules,
+                                              restore_batch_norms)
 from popart_compiler.passes.base import Compilation, PassResult, derived, unchanged
 from popart_compiler.passes.simplify import simplify
 from popart_compiler.session_options import SessionOptions
@@ -123,12 +125,12 @@ def vectorize_graph(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequenc
 
 def _vectorize(fn: Callable, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                slots: int) -> Optional[fx.GraphModule]:
-    if isinstance(fn, fx.GraphModule) and _has_cond(fn):
-        fn = _CondAsSelect(fn).run
+    if isinstance(fn, fx.GraphModule) and needs_rules(fn):
+        fn = VectorizableGraph(fn).run
     examples = [torch.empty((slots, *x.shape), dtype=x.dtype, device=x.device)
                 for x in inputs]
     try:
-        return simplify(_trace_vmapped(fn, state, examples))
+        return simplify(restore_batch_norms(_trace_vmapped(fn, state, examples)))
     except Exception as e:  # no batching rule, data-dependent op, ...
         logger.debug("Vectorizing with decomposed ops: %s", e)
     try:
@@ -160,22 +162,3 @@ def _trace_vmapped(fn: Callable, state: Sequence[torch.Tensor],
             return make_fx(vmapped, tracing_mode="fake")(*state, *examples)
     finally:
         functorch._set_vmap_fallback_enabled(enabled)
-
-
-def _has_cond(gm: fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and n.target is torch.ops.higher_order.cond
-               for n in gm.graph.nodes)
-
-
-class _CondAsSelect(fx.Interpreter):
-    """Runs a graph with each ``torch.cond`` evaluated as both branches and a
-    ``torch.where`` on the predicate: what ``torch.cond``'s own batching rule does for
-    a predicate that differs between micro-batches, written out because that rule
-    fails for branches with several outputs (torch 2.13)."""
-
-    def call_function(self, target, args, kwargs):
-        if target is not torch.ops.higher_order.cond:
-            return super().call_function(target, args, kwargs)
-        pred, then_gm, else_gm, operands = args[:4]
-        then_out, else_out = then_gm(*operands), else_gm(*operands)
-        return tuple(torch.where(pred, a, b) for a, b in zip(then_out, else_out))

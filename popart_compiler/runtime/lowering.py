@@ -98,7 +98,9 @@ def _for_cpu(gm: fx.GraphModule, training: bool) -> fx.GraphModule:
     (:mod:`popart_compiler.backends.prepack`; training: none, the weights change at
     every step)."""
     inductor.onednn_linear(gm)
-    return gm if training else prepack.prepack_inference(gm)
+    if training:
+        return gm
+    return prepack.prepack_inference(conv_fusion.fold_batch_norms(gm))
 
 
 def inductor_lowering(exe: Executable, slots: int) -> Lowering:
