@@ -204,4 +204,8 @@ def prepack_inference(gm: fx.GraphModule) -> fx.GraphModule:
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
+        # chains of these convolutions in oneDNN's layout (the module imports this one)
+        # pylint: disable=import-outside-toplevel
+        from popart_compiler.backends.conv_chain import fuse_conv_chains
+        fuse_conv_chains(gm)
     return gm

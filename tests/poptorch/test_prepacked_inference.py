@@ -49,7 +49,11 @@ def test_inference_graphs_run_prepacked_kernels_and_match_eager(stand_in):
     x = torch.randn(6, 3, 8, 8)
     torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
     targets = [t for gm in stand_in for t in _targets(gm)]
-    assert targets.count("popart_compiler.onednn_conv2d.default") >= 3
+    chained = [len(n.args[1]) for gm in stand_in for n in gm.graph.nodes
+               if str(n.target) == "popart_compiler.onednn_conv_chain.default"]
+    # conv → BN → relu: alone; conv → relu → conv: a chain in oneDNN's layout
+    assert targets.count("popart_compiler.onednn_conv2d.default") >= 1
+    assert chained and all(c == 2 for c in chained)
     assert "popart_compiler.onednn_linear_packed.default" in targets
     assert "aten.convolution.default" not in targets
     assert "aten.conv2d.default" not in targets
