@@ -79,7 +79,6 @@ def _weight_for(weight: torch.Tensor, params: List[int], shape: Tuple[int, ...])
     return weight.detach().contiguous().to_mkldnn() if packed is None else packed
 
 
-@torch.library.custom_op("popart_compiler::onednn_conv_chain", mutates_args=())
 def _onednn_conv_chain(x: torch.Tensor, weights: List[torch.Tensor],
                        biases: List[Optional[torch.Tensor]],
                        steps: List[int]) -> torch.Tensor:
@@ -110,7 +109,16 @@ def _onednn_conv_chain(x: torch.Tensor, weights: List[torch.Tensor],
     return y.to_dense()
 
 
-@_onednn_conv_chain.register_fake
+# Registered with torch.library.Library, not torch.library.custom_op: the dispatch costs
+# ~10 µs a call instead of ~26 µs (this signature, one thread); inference only, so no
+# autograd formula is needed.
+_LIB = torch.library.Library("popart_compiler", "FRAGMENT")  # pylint: disable=no-member
+_LIB.define("onednn_conv_chain(Tensor x, Tensor[] weights, Tensor?[] biases, "
+            "int[] steps) -> Tensor")
+_LIB.impl("onednn_conv_chain", _onednn_conv_chain, "CPU")
+
+
+@torch.library.register_fake("popart_compiler::onednn_conv_chain", lib=_LIB)
 def _(x, weights, biases, steps):  # pylint: disable=unused-argument
     n, c, h, w = x.shape
     k = 0
