@@ -109,10 +109,8 @@ def _onednn_conv_chain(x: torch.Tensor, weights: List[torch.Tensor],
     return y.to_dense()
 
 
-# Registered with torch.library.Library, not torch.library.custom_op: the dispatch costs
-# ~10 µs a call instead of ~26 µs (this signature, one thread); inference only, so no
-# autograd formula is needed.
-_LIB = torch.library.Library("popart_compiler", "FRAGMENT")  # pylint: disable=no-member
+# registered as prepack's kernels are (torch.library.Library: cheaper calls)
+_LIB = prepack._LIB
 _LIB.define("onednn_conv_chain(Tensor x, Tensor[] weights, Tensor?[] biases, "
             "int[] steps) -> Tensor")
 _LIB.impl("onednn_conv_chain", _onednn_conv_chain, "CPU")
@@ -162,6 +160,24 @@ def _pool_step(node: fx.Node) -> Optional[Tuple[List[int], fx.Node]]:
     return [_POOL] + kernel + stride + padding + [int(bool(ceil))], out
 
 
+# oneDNN's blocked-layout kernels reorder a weight packed by
+# ``mkldnn_reorder_conv2d_weight`` (for channels-last input) again at every call, except
+# a first convolution's: a convolution joins a chain only while that costs little
+# beside its work, with a small weight and many output positions (measured, one thread,
+# 3×3: 128 → 128 channels at 8×8, batch 32, 1.01× the channels-last kernel; 256 → 256
+# at 14×14, batch 8, 1.09×; 3 → 64 at 56×56, batch 8, 0.67×)
+_MAX_WEIGHT = 128 * 128 * 3 * 3
+_MIN_POSITIONS = 1024
+
+
+def _chainable(conv: fx.Node) -> bool:
+    w, out = conv.args[1].meta.get("val"), conv.meta.get("val")
+    if not isinstance(w, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    n, _, h, wd = out.shape
+    return w.numel() <= _MAX_WEIGHT and n * h * wd >= _MIN_POSITIONS
+
+
 def _next_step(cur: fx.Node):
     """``(kind, step, node ending the step)`` for the only user of ``cur`` if it can
     extend a chain ending at ``cur``, else ``None``."""
@@ -174,6 +190,8 @@ def _next_step(cur: fx.Node):
     if node.target is torch.ops.aten.relu.default and len(node.args) == 1:
         return _RELU, [_RELU], node
     if node.target is torch.ops.popart_compiler.onednn_conv2d.default:
+        if not _chainable(node):
+            return None
         _, _, _, stride, padding, dilation, groups = node.args
         return _CONV, [_CONV] + list(stride) + list(padding) + list(dilation) + \
             [int(groups)], node
@@ -211,7 +229,7 @@ def fuse_conv_chains(gm: fx.GraphModule) -> fx.GraphModule:
     taken = set()  # nodes of the chains rewritten (erased)
     for node in list(gm.graph.nodes):
         if node in taken or node.op != "call_function" or node.target is not conv or \
-                not isinstance(node.args[0], fx.Node):
+                not isinstance(node.args[0], fx.Node) or not _chainable(node):
             continue
         first = node
         _, _, _, stride, padding, dilation, groups = node.args
