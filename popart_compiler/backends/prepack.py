@@ -18,6 +18,13 @@ at the next call otherwise, without recompiling. A packed copy lives as long as 
 weight tensor (the cache holds weak references only). Weights created under
 ``torch.inference_mode`` have no version counter: they run unpacked.
 
+Chains of these convolutions with ReLUs and max-poolings (a CNN's feature extractor)
+then run as one kernel in oneDNN's blocked layout (:mod:`~popart_compiler.backends.
+conv_chain`): the benchmark CNN (``bench/peers.py --models cnn``) went from 44.7 to
+39.1 µs a sample, ONNX Runtime 34.1 / 33.7 µs in the same runs. The kernels are
+registered with ``torch.library.Library`` (not ``torch.library.custom_op``, whose
+Python dispatch costs ~26 µs a call against ~10 µs).
+
 Results agree with the eager kernels to float rounding (oneDNN sums in another order:
 about 1e-6 relative).
 """
