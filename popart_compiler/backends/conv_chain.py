@@ -15,11 +15,15 @@ into a plain contiguous ``(N, C, H, W)`` tensor.
 
 A chain starts at a prepacked convolution (``popart_compiler::onednn_conv2d``) and
 takes, as long as each result has no other user, the next ReLU, max-pooling (no
-dilation, indices unused) or prepacked convolution reading it. It is rewritten when it
-has two convolutions or more, or a convolution and a pooling (a lone convolution keeps
-the channels-last kernel: converting its full-size result back would cost more than
-it saves). The weights stay graph inputs, packed once for their input shape and packed
-again after an in-place write (the cache of :mod:`~popart_compiler.backends.prepack`).
+dilation, indices unused) or prepacked convolution reading it, where each convolution
+has a small weight (at most 128 × 128 × 3 × 3 elements) and at least 1024 output
+positions (N × H' × W'): oneDNN's blocked kernels reorder a packed weight again at
+every call (except a first convolution's), which bigger weights over fewer positions
+would feel. It is rewritten when it has two convolutions or more, or a convolution and
+a pooling (a lone convolution keeps the channels-last kernel: converting its full-size
+result back would cost more than it saves). The weights stay graph inputs, packed for
+their input shape and packed again after an in-place write (the cache of
+:mod:`~popart_compiler.backends.prepack`).
 
 Results: the same as eager PyTorch to float rounding (oneDNN sums in another order);
 NaNs propagate through oneDNN's pooling as its ``max`` instruction does, which can
@@ -182,7 +186,7 @@ def _next_step(cur: fx.Node):
     """``(kind, step, node ending the step)`` for the only user of ``cur`` if it can
     extend a chain ending at ``cur``, else ``None``."""
     users = list(cur.users)
-    if len(users) != 1 or cur.op == "placeholder":
+    if len(users) != 1:
         return None
     node = users[0]
     if node.op != "call_function" or not node.args or node.args[0] is not cur:
