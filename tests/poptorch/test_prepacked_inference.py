@@ -159,3 +159,49 @@ def test_calls_under_inference_mode_run(stand_in):
     torch.testing.assert_close(out, nn.functional.conv2d(x_inf, w, None, 1, 1),
                                rtol=1e-5, atol=1e-5)
     assert lin.shape == (2, 5)
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(8 * 4 * 4, 5)).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_real_inductor_compilation_of_a_conv_chain_matches_eager():
+    m = _cnn()
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Backend.compiler("inductor")
+    model = poptorch.inferenceModel(m, opts)
+    x = torch.randn(32, 3, 16, 16)
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        m[3].weight.mul_(-2.0)
+    model.copyWeightsToDevice()
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cnn_runs_its_features_as_one_onednn_chain_and_follows_uploads(stand_in):
+    """conv → relu → max_pool2d → conv → relu → max_pool2d (the benchmark's CNN):
+    one ``onednn_conv_chain`` in the per-micro-batch graph (``aten.max_pool2d``) and
+    in the vectorized one (``max_pool2d_with_indices``); uploaded weights are used at
+    the next call without a recompilation."""
+    m = _cnn()
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Backend.compiler("inductor")
+    model = poptorch.inferenceModel(m, opts)
+    x = torch.randn(32, 3, 16, 16)  # 16 × 8 × 8 positions at the second convolution
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    chains = [n for gm in stand_in for n in gm.graph.nodes
+              if str(n.target) == "popart_compiler.onednn_conv_chain.default"]
+    assert len(chains) == len(stand_in) >= 1
+    assert all(len(n.args[1]) == 2 for n in chains)  # both convolutions
+    compiled = len(stand_in)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(-0.5).add_(0.05)
+    model.copyWeightsToDevice()
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    assert len(stand_in) == compiled
