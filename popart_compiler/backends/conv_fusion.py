@@ -63,10 +63,11 @@ def _conv2d_bn(x, weight, bias, bn_weight, bn_bias, mean, var, eps: float, other
     x = x.contiguous(memory_format=torch.channels_last)
     shape = tuple(x.shape)
     stats = (bias, bn_weight, bn_bias, mean, var)
-    key = ("conv2d_bn", tuple(stride), tuple(padding), tuple(dilation), groups, shape, eps,
-           _versions(*stats))
     packed = None
     if not any(t is not None and t.is_inference() for t in stats):
+        key = ("conv2d_bn", tuple(stride), tuple(padding), tuple(dilation), groups, shape,
+               eps, _versions(*stats))
+
         def pack():
             w, b = _folded(weight.detach(), *(t.detach() if t is not None else None
                                              for t in stats), eps)
@@ -88,7 +89,7 @@ def _conv2d_bn(x, weight, bias, bn_weight, bn_bias, mean, var, eps: float, other
                                                       groups, unary, [], "")
     other = other.contiguous(memory_format=torch.channels_last)
     return torch.ops.mkldnn._convolution_pointwise.binary(
-        x, other, w, b, padding, stride, dilation, groups, "sum", 1.0,
+        x, other, w, b, padding, stride, dilation, groups, "add", 1.0,
         unary if relu else None, [], "")
 
 

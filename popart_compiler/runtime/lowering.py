@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch.fx as fx
 
-from popart_compiler.backends import inductor, prepack
+from popart_compiler.backends import conv_fusion, inductor, prepack
 from popart_compiler.backends.auto import Lowering
 from popart_compiler.backends.eager import FloatingPointChecker
 from popart_compiler.logging import logger
