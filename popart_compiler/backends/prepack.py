@@ -25,6 +25,15 @@ conv_chain`): the benchmark CNN (``bench/peers.py --models cnn``) went from 44.7
 registered with ``torch.library.Library`` (not ``torch.library.custom_op``, whose
 Python dispatch costs ~26 µs a call against ~10 µs).
 
+Linear layers: oneDNN's prepacked kernel for wide layers (:func:`uses_onednn`: at least
+64 outputs and 128 inputs), MKL's ``addmm`` on the plain weight below (oneDNN's fixed
+cost per call loses there), and a ReLU of a linear's result is fused into it as
+oneDNN's post-op (:func:`fuse_linear_relu`). ``bench/linear_kernels.py`` compared the
+candidates at 256 rows (one thread, µs, with ReLU): 784→512 ``addmm`` 1354, oneDNN
+packed 1250, MKL packed (Inductor's ``freezing``) 1230, ONNX Runtime 1220; 512→512: 894,
+806, 815, 811; 512→10: 42, 51, 82, 34. MKL's packed GEMM ties oneDNN's on the wide
+layers, needs a separate ReLU and loses on narrow ones: not used.
+
 Results agree with the eager kernels to float rounding (oneDNN sums in another order:
 about 1e-6 relative).
 """
@@ -130,29 +139,63 @@ def conv2d_fake(x: torch.Tensor, weight: torch.Tensor, stride: List[int],
                        memory_format=torch.channels_last)
 
 
-# contiguous input: Inductor writes the producer (a pooling after channels-last
-# convolutions) row-major at once, instead of the kernel's reshape copying it per call
+# Defined on the dispatcher directly (a CPU kernel in Python), not with
+# ``torch.library.custom_op``, whose Python wrapper cost 12 µs per call (measured on a
+# 256×512 by 512×10 linear: 61 µs against 49 µs for the kernel alone; 2 µs this way).
+# The contiguous-input tag: Inductor writes the producer (a pooling after channels-last
+# convolutions) row-major at once, instead of the kernel's reshape copying it per call.
+_LIB.define("onednn_linear_packed(Tensor x, Tensor weight, Tensor? bias, "
+            "str post='none') -> Tensor", tags=(torch.Tag.needs_contiguous_strides,))
+
+#: Post-ops the packed linear applies to its result (``post``): oneDNN's fused ones.
+LINEAR_POST_OPS = ("none", "relu")
+
+
+def uses_onednn(m: int, k: int, n: int) -> bool:
+    """Whether the packed linear computes an ``(m, k)`` by ``(k, n)`` product with
+    oneDNN's prepacked kernel (else MKL's ``addmm`` on the plain weight): for ``n`` ≥ 64
+    output features and ``k`` ≥ 128 input features. Below, oneDNN's fixed cost per call
+    (about 10 µs) loses (``bench/linear_kernels.py``, one thread of an AMD EPYC, µs:
+    256×512→10 ``addmm`` 40.6, packed 46.8; 256×64→128: 33.0 against 43.3; 256×512→128:
+    221 against 207). ``m`` is not read: the rule holds from 32 to 256 rows."""
+    del m
+    return n >= 64 and k >= 128
+
+
 def _onednn_linear_packed(x: torch.Tensor, weight: torch.Tensor,
-                          bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``popart_compiler::onednn_linear`` (``x.reshape(-1, K) @ weight.T + bias``) with
-    the weight prepacked for the number of rows."""
-    rows = x.reshape(-1, weight.shape[1])
+                          bias: Optional[torch.Tensor], post: str = "none") -> torch.Tensor:
+    """``popart_compiler::onednn_linear`` (``x.reshape(-1, K) @ weight.T + bias``, then
+    ``post``: ``"none"`` or ``"relu"``) for ``weight`` of shape ``(N, K)``: a 2-D
+    ``(x.numel() // K, N)`` float32 result; by oneDNN with the weight prepacked for the
+    number of rows and ``post`` fused, or by ``addmm`` for a small layer
+    (:func:`uses_onednn`).
+
+    Raises:
+        RuntimeError: ``post`` is none of :data:`LINEAR_POST_OPS`.
+    """
+    if post not in LINEAR_POST_OPS:
+        raise RuntimeError(f"onednn_linear_packed: unknown post-op {post!r}")
+    k = weight.shape[1]
+    rows = x.reshape(-1, k)
     m = rows.shape[0]
+    if not uses_onednn(m, k, weight.shape[0]):
+        out = torch.mm(rows, weight.t()) if bias is None else \
+            torch.addmm(bias, rows, weight.t())
+        return out.relu_() if post == "relu" else out
     packed = _packed(weight, ("linear", m),
                      lambda: torch.ops.mkldnn._reorder_linear_weight(
                          weight.detach().contiguous(), m))
+    # oneDNN reads only a dense bias (see popart_compiler::onednn_linear)
     bias = bias.contiguous() if bias is not None else None
     return torch.ops.mkldnn._linear_pointwise(rows, weight if packed is None else packed,
-                                              bias, "none", [], "")
+                                              bias, post, [], "")
 
 
-_LIB.define("onednn_linear_packed(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
-            tags=(torch.Tag.needs_contiguous_strides,))
 _LIB.impl("onednn_linear_packed", _onednn_linear_packed, "CPU")
 
 
 @torch.library.register_fake("popart_compiler::onednn_linear_packed", lib=_LIB)
-def _(x, weight, bias):  # pylint: disable=unused-argument
+def _(x, weight, bias, post="none"):  # pylint: disable=unused-argument
     return x.new_empty((x.numel() // weight.shape[1], weight.shape[0]))
 
 
@@ -228,6 +271,7 @@ def prepack_inference(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         changed = True
+    changed = fuse_linear_relu(gm.graph) or changed
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -236,3 +280,24 @@ def prepack_inference(gm: fx.GraphModule) -> fx.GraphModule:
         from popart_compiler.backends.conv_chain import fuse_conv_chains
         fuse_conv_chains(gm)
     return gm
+
+
+def fuse_linear_relu(graph: fx.Graph) -> bool:
+    """Fold each ``aten.relu`` of a packed linear's result (its only use) into the
+    linear, as oneDNN's post-op (``post="relu"``: the result is written once, instead
+    of an Inductor loop reading and writing it again). Returns whether ``graph``
+    changed (rewritten in place; the caller recompiles)."""
+    packed = torch.ops.popart_compiler.onednn_linear_packed.default
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.relu.default:
+            continue
+        lin = node.args[0]
+        if not isinstance(lin, fx.Node) or lin.target is not packed or lin.kwargs or \
+                len(lin.args) != 3 or len(lin.users) != 1:
+            continue
+        lin.args = tuple(lin.args) + ("relu",)
+        node.replace_all_uses_with(lin)
+        graph.erase_node(node)
+        changed = True
+    return changed

@@ -48,13 +48,14 @@ class IterationClock:
         for i in range(first, min(first + count, len(self.marks))):
             self.marks[i] = (since, now)
 
-    def counters(self, num_inputs: int, num_outputs: int,
-                 returned: List[int]) -> Dict[str, List[List[float]]]:
+    def counters(self, num_inputs: int, num_outputs: int, returned: List[int],
+                 done: Optional[float] = None) -> Dict[str, List[List[float]]]:
         """The four counter lists of docs/api-sections.md api §5.19 (``[[]]`` where there are no
-        tensors).
+        tensors), for a run that ended at ``done`` (a ``time.perf_counter()`` value;
+        default: now).
 
         Iterations that were never marked take the whole run as their span."""
-        done = time.perf_counter()
+        done = time.perf_counter() if done is None else done
         spans = [m if m is not None else (self.started, done) for m in self.marks]
 
         def per(count: int, values: List[float]) -> List[List[float]]:

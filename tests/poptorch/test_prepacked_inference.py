@@ -53,7 +53,9 @@ def test_inference_graphs_run_prepacked_kernels_and_match_eager(stand_in):
     assert "popart_compiler.onednn_linear_packed.default" in targets
     assert "aten.convolution.default" not in targets
     assert "aten.conv2d.default" not in targets
-    assert prepack.packed_weights() >= 4
+    # the three convolutions' weights; the 64 → 5 linear is too small for oneDNN
+    # (prepack.uses_onednn): it runs addmm on the plain weight
+    assert prepack.packed_weights() >= 3
 
 
 def test_uploaded_weights_are_repacked_without_recompiling(stand_in):

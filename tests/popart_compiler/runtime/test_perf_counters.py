@@ -27,3 +27,30 @@ def test_counters_per_tensor_and_iteration_in_time_order():
         assert c["input"][0][k] <= c["input_complete"][0][k]
     assert c["output"][0][0] <= c["output_complete"][0][0]
     assert clock.counters(0, 0, [])["input"] == [[]]
+
+
+def test_counters_of_a_run_that_ended_earlier():
+    clock = IterationClock(2)
+    end = time.perf_counter()
+    c = clock.counters(1, 1, [1], done=end)
+    assert c["output_complete"] == [[end]] and c["input"] == [[clock.started] * 2]
+
+
+def test_a_session_s_counters_read_later_describe_its_last_run():
+    """The counters' lists are built when read: read after another run they describe
+    that run, and whenever read, the run's own end (not the time of reading)."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    import poptorch  # pylint: disable=import-outside-toplevel
+    model = poptorch.inferenceModel(torch.nn.Linear(3, 2), poptorch.Options()
+                                    .deviceIterations(2))
+    x = torch.randn(4, 3)
+    model(x)
+    first = model.getPerfCounters()
+    model(x)
+    ended = time.perf_counter()
+    later = model.getPerfCounters()
+    assert later["output_complete"][0][0] <= ended
+    assert later["input"][0][0] > first["output_complete"][0][0]
+    assert len(later["input"][0]) == 2 and len(later["output"][0]) == 2
+    assert model.getPerfCounters() == later  # unchanged until the next run
