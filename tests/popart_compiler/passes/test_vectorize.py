@@ -140,3 +140,48 @@ def test_vectorized_graph_has_no_view_round_trips():
     expected = torch.stack([_conv_pool_linear(*state, x) for x in xs])
     assert out.shape == (6, 2, 2, 5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+class _ConvBN(nn.Module):
+    """conv → BatchNorm2d → relu → flatten → BatchNorm1d (affine off) → linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.bn1d = nn.BatchNorm1d(64, affine=False)
+        self.fc = nn.Linear(64, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(self.bn1d(h.flatten(1)))
+
+
+def test_inference_batch_norms_fold_the_micro_batches_into_the_batch():
+    """vmap's own batch-norm rule moves the micro-batch dimension into the channels
+    (a transposing copy of the activations on each side); the vectorized graph instead
+    runs ``aten.batch_norm`` on the folded batch, as the per-micro-batch graph does, and
+    gives the per-micro-batch results."""
+    torch.manual_seed(0)
+    model = _ConvBN().eval()
+    with torch.no_grad():
+        for bn in (model.bn, model.bn1d):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    g = export(model, torch.randn(2, 3, 4, 4))
+    state = [g.state_values()[n].detach() for n in g.parameters + g.buffers + g.constants]
+    xs = torch.randn(3, 2, 3, 4, 4)
+    gm = vectorize_graph(g.module, state, [xs[0]], 3)
+    aten = torch.ops.aten
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(aten.batch_norm.default) == 2
+    for gone in (aten.transpose.int, aten.permute.default, aten.clone.default,
+                 aten.native_batch_norm.default):
+        assert gone not in targets
+    bns = [n for n in gm.graph.nodes if n.target is aten.batch_norm.default]
+    assert [tuple(n.meta["val"].shape) for n in bns] == [(6, 4, 4, 4), (6, 64)]
+    out = gm(*state, xs)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    with torch.no_grad():
+        expected = torch.stack([model(x) for x in xs])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
