@@ -90,8 +90,9 @@ def collapse_views(gm: fx.GraphModule) -> bool:
     """vmap folds the micro-batch dimension into the batch dimension around every op
     and unfolds it after: ``view(relu(view(conv(x), [8, 16, ...])), [128, ...])``.
     Rewrite, until nothing changes: an identity ``permute`` is dropped; a view of a view
-    becomes one view, and none if it restores the original shape; a unary pointwise op
-    on a view (its only user) moves before the view. What is left is the graph over
+    becomes one view, and none if it restores the original shape; a pointwise op whose
+    tensor operands are all views of one shape (each read by it only: a ReLU, a residual
+    sum) moves before the views. What is left is the graph over
     the folded batch, whose layouts a compiler can choose freely (Inductor gave the
     CNN's pooling output an extra transposing copy before this). Returns whether
     ``gm`` changed (the caller eliminates dead code and recompiles)."""
@@ -128,23 +129,35 @@ def _collapse_view(gm: fx.GraphModule, node: fx.Node) -> bool:
             node.replace_all_uses_with(src)
             return True
         return False
-    # u(view(x, s)) → view(u(x), s) for a unary pointwise u
-    if src.target not in _VIEWS or len(src.users) != 1 or node.kwargs \
-            or any(isinstance(a, fx.Node) for a in node.args[1:]) \
-            or not isinstance(node.target, torch._ops.OpOverload) \
+    return _move_before_views(gm, node)
+
+
+def _move_before_views(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """``f(view(x, s), view(y, s), c)`` → ``view(f(x, y, c), s)`` for a pointwise ``f``
+    whose tensor operands are all views (each read by ``f`` only) of tensors of one
+    shape, to one shape (no broadcasting); whether it applied."""
+    if node.kwargs or not isinstance(node.target, torch._ops.OpOverload) \
             or torch.Tag.pointwise not in node.target.tags \
             or node.target._schema.is_mutable:
         return False
-    x = src.args[0]
-    x_val = x.meta.get("val")
-    if not isinstance(x_val, torch._subclasses.FakeTensor):
+    views = [a for a in node.args if isinstance(a, fx.Node)]
+    if not views or any(v.target not in _VIEWS or len(v.users) != 1 for v in views):
         return False
-    with x_val.fake_mode:
-        val = node.target(x_val, *node.args[1:])
+    sources = [v.args[0] for v in views]
+    vals = [x.meta.get("val") for x in sources]
+    shapes = {tuple(v.meta["val"].shape) for v in views if "val" in v.meta}
+    if not all(isinstance(v, torch._subclasses.FakeTensor) for v in vals) or \
+            len({tuple(v.shape) for v in vals}) != 1 or len(shapes) != 1 or \
+            len({v.fake_mode for v in vals}) != 1:
+        return False
+    source_of = dict(zip(views, sources))
+    args = tuple(source_of.get(a, a) if isinstance(a, fx.Node) else a for a in node.args)
+    with vals[0].fake_mode:
+        val = node.target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
     with gm.graph.inserting_before(node):
-        moved = gm.graph.call_function(node.target, (x,) + tuple(node.args[1:]))
+        moved = gm.graph.call_function(node.target, args)
         moved.meta["val"] = val
-        view = gm.graph.call_function(src.target, (moved,) + tuple(src.args[1:]))
+        view = gm.graph.call_function(views[0].target, (moved,) + tuple(views[0].args[1:]))
         view.meta["val"] = node.meta.get("val")
     node.replace_all_uses_with(view)
     return True

@@ -94,9 +94,11 @@ def lower(exe: Executable) -> Runners:
 
 
 def _for_cpu(gm: fx.GraphModule, training: bool) -> fx.GraphModule:
-    """oneDNN linears; in inference, prepacked weights and channels-last convolutions
-    (:mod:`popart_compiler.backends.prepack`; training: none, the weights change at
-    every step)."""
+    """oneDNN linears; in inference, batch normalizations folded into the convolutions
+    before them with their residual sum and ReLU
+    (:mod:`popart_compiler.backends.conv_fusion`), then prepacked weights and
+    channels-last convolutions (:mod:`popart_compiler.backends.prepack`; training:
+    none, the weights change at every step)."""
     inductor.onednn_linear(gm)
     if training:
         return gm

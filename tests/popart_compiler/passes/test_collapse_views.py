@@ -80,3 +80,24 @@ def test_view_collapse_keeps_a_view_with_other_users():
     assert last.args[0].op == "placeholder" and list(last.args[1]) == [2, 6]
     for a, b in zip(gm(x), fn(x)):
         torch.testing.assert_close(a, b)
+
+
+def test_binary_pointwise_op_on_views_of_one_shape_moves_before_them():
+    """A residual sum of two unfolded results (vmap's ``add(view(a), view(b))``) runs on
+    the folded tensors; a sum that broadcasts, or with an operand that is not a view,
+    stays."""
+    def fn(a, b, c):
+        s = torch.relu(a.view(2, 3, 4) + b.view(2, 3, 4) * 2.0)
+        return s.view(6, 4), c.view(2, 3, 4) + c.view(2, 3, 4)[0], a.view(2, 12) + c
+    args = (torch.randn(6, 4), torch.randn(6, 4), torch.randn(2, 12))
+    gm = simplify(make_fx(fn, tracing_mode="fake")(*args))
+    nodes = ops(gm)
+    first_add = next(n for n in nodes if n.target is aten.add.Tensor)
+    assert [a.op for a in first_add.args] == ["placeholder", "call_function"]
+    assert first_add.args[1].target is aten.mul.Tensor  # b * 2 moved too
+    assert first_add.args[1].args[0].op == "placeholder"
+    relu = next(n for n in nodes if n.target is aten.relu.default)
+    assert relu.args[0] is first_add and tuple(relu.meta["val"].shape) == (6, 4)
+    assert relu.users and all(u.op == "output" for u in relu.users)  # no view left
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want)
