@@ -35,8 +35,10 @@ best (the machine may be shared). Printed per model:
   the other stages' state (``--read-every K``: ``copyWeightsToHost`` every ``K``
   calls; none by default: a call that reads nothing moves no weights), with the bytes
   moved; and CPU ms per micro-batch of the main thread (and of its compute spans:
-  ``ScheduleStats.compute_cpu_s``) and of the other threads (gloo's TCP loop: it
-  reads the messages and polls its sockets); the stages' compute CPU summed, over the
+  ``ScheduleStats.compute_cpu_s``) and of the other threads (gloo's TCP loops: they
+  read the messages and poll their sockets), in all and one by one (from
+  ``/proc/self/task``, at the clock tick's resolution: 10 ms over the timed
+  micro-batches); the stages' compute CPU summed, over the
   single process's whole CPU time per micro-batch (1.00x: the stages compute no
   slower than the single process);
 * with ``--corun``: the CPU time per sample of ``S`` single-process runs at once,
@@ -123,9 +125,36 @@ def _model(kind: str, stages: int, width: int):
     return model, data, batch
 
 
-def _thread_cpu() -> float:
-    """CPU seconds of this process's threads other than the calling one."""
-    return time.process_time() - time.thread_time()
+def _task_cpu() -> dict:
+    """CPU seconds (user + system) of each thread of this process by thread id, with
+    its name: ``{tid: [name, seconds]}`` from ``/proc/self/task`` (clock ticks, 10 ms
+    on most kernels); ``{}`` where there is no ``/proc``."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        out[tid] = [text[text.index("(") + 1:text.rindex(")")],
+                    (int(fields[11]) + int(fields[12])) / tick]
+    return out
+
+
+def _other_threads(before: dict, after: dict) -> list:
+    """``[[name, seconds], ...]``: the CPU time each thread other than the main one
+    took between two :func:`_task_cpu` readings, busiest first (threads that took
+    none left out)."""
+    main = str(os.getpid())
+    out = [[name, seconds - before.get(tid, [name, 0.0])[1]]
+           for tid, (name, seconds) in after.items() if tid != main]
+    return sorted((t for t in out if t[1] > 0), key=lambda t: -t[1])
 
 
 def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
@@ -156,6 +185,7 @@ def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
     session = training._state.session
     before = dataclasses.asdict(session.schedule_stats) if pipelined else {}
     reads_before = dataclasses.asdict(session.state_stats) if pipelined else {}
+    tasks = _task_cpu()
     start, cpu, main_cpu = time.perf_counter(), time.process_time(), time.thread_time()
     for call in range(calls):
         training(*inputs)
@@ -164,7 +194,7 @@ def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
     seconds = time.perf_counter() - start
     result = {"samples": calls * batch * d * a, "seconds": seconds,
               "cpu_s": time.process_time() - cpu, "main_cpu_s": time.thread_time() - main_cpu,
-              "micro_batches": calls * d * a}
+              "micro_batches": calls * d * a, "threads": _other_threads(tasks, _task_cpu())}
     if pipelined:
         stats = {k: v - before[k] for k, v in dataclasses.asdict(session.schedule_stats).items()}
         reads = {k: v - reads_before[k]
@@ -217,6 +247,13 @@ def _launch(world: int, argv: list, independent: bool = False) -> list:
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
+def _by_thread(threads: list, micro_batches: int) -> str:
+    """`` (gloo_tcp_loop 0.3, gloo_tcp_loop 0.1)``: the other threads' CPU ms per
+    micro-batch one by one (at the clock tick's resolution), ``""`` if none."""
+    parts = [f"{name} {1e3 * s / micro_batches:.2f}" for name, s in threads]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _stage_lines(multi: list, single_cpu: float) -> list:
     """Where each stage's time went, in ms per micro-batch; ``single_cpu``: the single
     process's CPU seconds per micro-batch (all stages)."""
@@ -231,7 +268,7 @@ def _stage_lines(multi: list, single_cpu: float) -> list:
             f"    stage {st['stage']}: {phases} ms/micro-batch (wall); CPU "
             f"{1e3 * m['cpu_s'] / n:.3f} ms/micro-batch = main thread "
             f"{1e3 * m['main_cpu_s'] / n:.3f} (compute {1e3 * st['compute_cpu_s'] / n:.3f}) "
-            f"+ other threads (gloo's) {1e3 * other / n:.3f}; "
+            f"+ other threads (gloo's) {1e3 * other / n:.3f}{_by_thread(m['threads'], n)}; "
             f"{st['messages'] / n:.1f} messages, {st['bytes_sent'] / n / 1024:.1f} KiB sent "
             f"per micro-batch; host reads moved {st['read_bytes'] / 2 ** 20:.1f} MiB in, "
             f"{st['served_bytes'] / 2 ** 20:.1f} MiB out")
