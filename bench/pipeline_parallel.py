@@ -36,9 +36,9 @@ best (the machine may be shared). Printed per model:
   calls; none by default: a call that reads nothing moves no weights), with the bytes
   moved; and CPU ms per micro-batch of the main thread (and of its compute spans:
   ``ScheduleStats.compute_cpu_s``) and of the other threads (gloo's TCP loops: they
-  read the messages and poll their sockets), in all and one by one (from
-  ``/proc/self/task``, at the clock tick's resolution: 10 ms over the timed
-  micro-batches); the stages' compute CPU summed, over the
+  read the messages and poll their sockets), in all and one by one (each thread's
+  CPU-time clock, named as ``/proc/self/task`` names it); the stages' compute CPU
+  summed, over the
   single process's whole CPU time per micro-batch (1.00x: the stages compute no
   slower than the single process);
 * with ``--corun``: the CPU time per sample of ``S`` single-process runs at once,
@@ -125,9 +125,16 @@ def _model(kind: str, stages: int, width: int):
     return model, data, batch
 
 
+def _thread_clock(tid: int) -> int:
+    """Linux's CPU-time clock of thread ``tid`` of this process (``clock_gettime``'s
+    clock id ``MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)``: nanosecond resolution)."""
+    return ((~tid) << 3) | 6
+
+
 def _task_cpu() -> dict:
-    """CPU seconds (user + system) of each thread of this process by thread id, with
-    its name: ``{tid: [name, seconds]}`` from ``/proc/self/task`` (clock ticks, 10 ms
+    """CPU seconds of each thread of this process by thread id, with its name:
+    ``{tid: [name, seconds]}`` (names from ``/proc/self/task``; times from each
+    thread's CPU-time clock, or where that fails from ``/proc``'s clock ticks, 10 ms
     on most kernels); ``{}`` where there is no ``/proc``."""
     out = {}
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -142,8 +149,11 @@ def _task_cpu() -> dict:
         except OSError:  # the thread ended meanwhile
             continue
         fields = text[text.rindex(")") + 2:].split()
-        out[tid] = [text[text.index("(") + 1:text.rindex(")")],
-                    (int(fields[11]) + int(fields[12])) / tick]
+        try:
+            seconds = time.clock_gettime(_thread_clock(int(tid)))
+        except (OSError, OverflowError, AttributeError):
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+        out[tid] = [text[text.index("(") + 1:text.rindex(")")], seconds]
     return out
 
 
@@ -248,9 +258,10 @@ def _launch(world: int, argv: list, independent: bool = False) -> list:
 
 
 def _by_thread(threads: list, micro_batches: int) -> str:
-    """`` (gloo_tcp_loop 0.3, gloo_tcp_loop 0.1)``: the other threads' CPU ms per
-    micro-batch one by one (at the clock tick's resolution), ``""`` if none."""
-    parts = [f"{name} {1e3 * s / micro_batches:.2f}" for name, s in threads]
+    """`` (gloo_tcp_loop 0.30, gloo_tcp_loop 0.10)``: the other threads' CPU ms per
+    micro-batch one by one (those above 0.005), ``""`` if none."""
+    parts = [f"{name} {1e3 * s / micro_batches:.2f}" for name, s in threads
+             if 1e3 * s / micro_batches >= 0.005]
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -48,6 +48,18 @@ def test_a_helper_threads_cpu_time_is_reported_by_thread():
     text = bench._by_thread([[name, seconds]], 100)
     assert text == f" ({name} {1e3 * seconds / 100:.2f})"
     assert bench._by_thread([], 100) == ""
+    assert bench._by_thread([["idle", 1e-7]], 100) == ""  # under 0.005 ms per micro-batch
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_a_threads_cpu_clock_is_its_thread_time():
+    bench = _bench()
+    start = time.thread_time()
+    while time.thread_time() - start < 0.05:  # some CPU time of this thread
+        continue
+    mine = bench._task_cpu()[str(threading.get_native_id())][1]
+    after = time.thread_time()
+    assert start + 0.05 <= mine <= after + 1e-3  # nanoseconds, not 10 ms clock ticks
 
 
 def test_the_main_thread_is_left_out():
