@@ -61,6 +61,8 @@ Usage (each target alone, a few minutes each)::
     python bench/pipeline_parallel.py                    # mlp and bert, 2 and 4 stages
     python bench/pipeline_parallel.py --models mlp --stages 2 --read-every 1
                                                          # the cost of a host read per call
+    python bench/pipeline_parallel.py --models mlp --stages 2 --repeats 3 --pin
+                                      # each process on a core of its own (both sides)
 """
 import argparse
 import json
@@ -223,6 +225,24 @@ def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
     return result
 
 
+def _pin(index: int) -> int:
+    """Pin every thread of this process (and so the threads it starts later, gloo's
+    included) to one core: the ``index``-th (modulo their number) of the cores this
+    process may run on. Returns that core.
+
+    Raises:
+        OSError: the system refused the affinity.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[index % len(cores)]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return core
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,7 +257,7 @@ def _launch(world: int, argv: list, independent: bool = False) -> list:
     procs = []
     try:
         for rank in range(world):
-            env = dict(os.environ, RANK="0" if independent else str(rank),
+            env = dict(os.environ, RANK="0" if independent else str(rank), BENCH_INDEX=str(rank),
                        WORLD_SIZE="1" if independent else str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -294,7 +314,7 @@ def _measure(kind: str, stages: int, args) -> dict:
     common = ["--kind", kind, "--stages", str(stages), "--width", str(args.width),
               "--device-iterations", str(args.device_iterations),
               "--accumulation", str(args.accumulation), "--calls", str(args.calls),
-              "--read-every", str(args.read_every)]
+              "--read-every", str(args.read_every)] + (["--pin"] if args.pin else [])
     best = {"single_rate": 0.0, "multi_rate": 0.0, "single_cpu": float("inf"),
             "multi_cpu": float("inf"), "estimate": None, "multi": None,
             "corun_cpu": float("inf")}
@@ -336,11 +356,16 @@ def main(argv=None) -> int:
     parser.add_argument("--corun", action="store_true",
                         help="also run S single-process runs at once: the CPU time per "
                         "sample when S processes share the machine's caches and memory")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each process (all its threads) to one core of its own: "
+                        "process k of a launch to the k-th core it may run on")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
+        if args.pin:
+            _pin(int(os.environ.get("BENCH_INDEX", "0")))
         print(json.dumps(_train(args.kind, int(args.stages), args.width,
                                 args.device_iterations, args.accumulation, args.calls,
                                 args.pipelined, args.read_every)))
@@ -348,7 +373,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f} (1 min), {os.cpu_count()} cores; "
           f"D={args.device_iterations}, A={args.accumulation}, {args.calls} timed calls, "
-          f"best of {args.repeats}; 1 torch thread per process")
+          f"best of {args.repeats}; 1 torch thread per process"
+          + ("; each process pinned to a core of its own" if args.pin else ""))
     missed = []
     for kind in args.models.split(","):
         for stages in (int(s) for s in args.stages.split(",")):

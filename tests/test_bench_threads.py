@@ -1,9 +1,12 @@
 """The per-thread CPU figures of ``bench/pipeline_parallel.py`` (issue 33: where a stage
 process's CPU goes besides its main thread): a helper thread's CPU time is found, by
-thread, and the main thread is left out."""
+thread, and the main thread is left out; ``--pin`` pins a process's threads, those it
+starts later included, to one core."""
 import importlib.util
+import json
 import os
 import pathlib
+import subprocess
 import sys
 import threading
 import time
@@ -69,3 +72,36 @@ def test_the_main_thread_is_left_out():
     after = {main: ["python", 9.0], "1": ["gloo_tcp_loop", 0.75], "2": ["idle", 0.2],
              "3": ["new", 0.1]}
     assert bench._other_threads(before, after) == [["gloo_tcp_loop", 0.25], ["new", 0.1]]
+
+
+_PIN = """
+import importlib.util, json, os, sys, threading
+spec = importlib.util.spec_from_file_location("b", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+early = threading.Event()
+waiter = threading.Thread(target=early.wait)  # a thread started before pinning
+waiter.start()
+core = bench._pin(int(sys.argv[2]))
+seen = {}
+later = threading.Thread(target=lambda: seen.update(
+    later=os.sched_getaffinity(threading.get_native_id())))
+later.start()
+later.join()
+print(json.dumps([core, sorted(os.sched_getaffinity(0)),
+                  sorted(os.sched_getaffinity(waiter.native_id)), sorted(seen["later"])]))
+early.set()
+waiter.join()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity")
+def test_pin_puts_every_thread_on_one_core_of_those_allowed():
+    cores = sorted(os.sched_getaffinity(0))
+    index = len(cores) + 1  # wraps around the allowed cores
+    bench = str(ROOT / "bench" / "pipeline_parallel.py")
+    out = subprocess.run([sys.executable, "-c", _PIN, bench, str(index)],
+                         capture_output=True, text=True, check=True).stdout
+    core, main, early, later = json.loads(out.strip().splitlines()[-1])
+    expected = cores[index % len(cores)]
+    assert core == expected and main == early == later == [expected]
