@@ -358,13 +358,16 @@ def main(argv=None) -> int:
                         "sample when S processes share the machine's caches and memory")
     parser.add_argument("--pin", action="store_true",
                         help="pin each process (all its threads) to one core of its own: "
-                        "process k of a launch to the k-th core it may run on")
+                        "process k of a launch to the k-th core it may run on (the "
+                        "pipelined side by POPTORCH_PIPELINE_PIN_CORES=1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        if args.pin:
+        if args.pin and args.pipelined:  # the product pins its stage processes
+            os.environ["POPTORCH_PIPELINE_PIN_CORES"] = "1"
+        elif args.pin:
             _pin(int(os.environ.get("BENCH_INDEX", "0")))
         print(json.dumps(_train(args.kind, int(args.stages), args.width,
                                 args.device_iterations, args.accumulation, args.calls,
