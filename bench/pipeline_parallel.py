@@ -35,8 +35,10 @@ best (the machine may be shared). Printed per model:
   the other stages' state (``--read-every K``: ``copyWeightsToHost`` every ``K``
   calls; none by default: a call that reads nothing moves no weights), with the bytes
   moved; and CPU ms per micro-batch of the main thread (and of its compute spans:
-  ``ScheduleStats.compute_cpu_s``) and of the other threads (gloo's TCP loop: it
-  reads the messages and polls its sockets); the stages' compute CPU summed, over the
+  ``ScheduleStats.compute_cpu_s``) and of the other threads (gloo's TCP loops: they
+  read the messages and poll their sockets), in all and one by one (each thread's
+  CPU-time clock, named as ``/proc/self/task`` names it); the stages' compute CPU
+  summed, over the
   single process's whole CPU time per micro-batch (1.00x: the stages compute no
   slower than the single process);
 * with ``--corun``: the CPU time per sample of ``S`` single-process runs at once,
@@ -59,6 +61,8 @@ Usage (each target alone, a few minutes each)::
     python bench/pipeline_parallel.py                    # mlp and bert, 2 and 4 stages
     python bench/pipeline_parallel.py --models mlp --stages 2 --read-every 1
                                                          # the cost of a host read per call
+    python bench/pipeline_parallel.py --models mlp --stages 2 --repeats 3 --pin
+                                      # each process on a core of its own (both sides)
 """
 import argparse
 import json
@@ -123,9 +127,46 @@ def _model(kind: str, stages: int, width: int):
     return model, data, batch
 
 
-def _thread_cpu() -> float:
-    """CPU seconds of this process's threads other than the calling one."""
-    return time.process_time() - time.thread_time()
+def _thread_clock(tid: int) -> int:
+    """Linux's CPU-time clock of thread ``tid`` of this process (``clock_gettime``'s
+    clock id ``MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)``: nanosecond resolution)."""
+    return ((~tid) << 3) | 6
+
+
+def _task_cpu() -> dict:
+    """CPU seconds of each thread of this process by thread id, with its name:
+    ``{tid: [name, seconds]}`` (names from ``/proc/self/task``; times from each
+    thread's CPU-time clock, or where that fails from ``/proc``'s clock ticks, 10 ms
+    on most kernels); ``{}`` where there is no ``/proc``."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        try:
+            seconds = time.clock_gettime(_thread_clock(int(tid)))
+        except (OSError, OverflowError, AttributeError):
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+        out[tid] = [text[text.index("(") + 1:text.rindex(")")], seconds]
+    return out
+
+
+def _other_threads(before: dict, after: dict) -> list:
+    """``[[name, seconds], ...]``: the CPU time each thread other than the main one
+    took between two :func:`_task_cpu` readings, busiest first (threads that took
+    none left out)."""
+    main = str(os.getpid())
+    out = [[name, seconds - before.get(tid, [name, 0.0])[1]]
+           for tid, (name, seconds) in after.items() if tid != main]
+    return sorted((t for t in out if t[1] > 0), key=lambda t: -t[1])
 
 
 def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
@@ -156,6 +197,7 @@ def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
     session = training._state.session
     before = dataclasses.asdict(session.schedule_stats) if pipelined else {}
     reads_before = dataclasses.asdict(session.state_stats) if pipelined else {}
+    tasks = _task_cpu()
     start, cpu, main_cpu = time.perf_counter(), time.process_time(), time.thread_time()
     for call in range(calls):
         training(*inputs)
@@ -164,7 +206,7 @@ def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
     seconds = time.perf_counter() - start
     result = {"samples": calls * batch * d * a, "seconds": seconds,
               "cpu_s": time.process_time() - cpu, "main_cpu_s": time.thread_time() - main_cpu,
-              "micro_batches": calls * d * a}
+              "micro_batches": calls * d * a, "threads": _other_threads(tasks, _task_cpu())}
     if pipelined:
         stats = {k: v - before[k] for k, v in dataclasses.asdict(session.schedule_stats).items()}
         reads = {k: v - reads_before[k]
@@ -183,6 +225,24 @@ def _train(kind: str, stages: int, width: int, d: int, a: int, calls: int,
     return result
 
 
+def _pin(index: int) -> int:
+    """Pin every thread of this process (and so the threads it starts later, gloo's
+    included) to one core: the ``index``-th (modulo their number) of the cores this
+    process may run on. Returns that core.
+
+    Raises:
+        OSError: the system refused the affinity.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[index % len(cores)]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return core
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -197,7 +257,7 @@ def _launch(world: int, argv: list, independent: bool = False) -> list:
     procs = []
     try:
         for rank in range(world):
-            env = dict(os.environ, RANK="0" if independent else str(rank),
+            env = dict(os.environ, RANK="0" if independent else str(rank), BENCH_INDEX=str(rank),
                        WORLD_SIZE="1" if independent else str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -217,6 +277,14 @@ def _launch(world: int, argv: list, independent: bool = False) -> list:
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
+def _by_thread(threads: list, micro_batches: int) -> str:
+    """`` (gloo_tcp_loop 0.30, gloo_tcp_loop 0.10)``: the other threads' CPU ms per
+    micro-batch one by one (those above 0.005), ``""`` if none."""
+    parts = [f"{name} {1e3 * s / micro_batches:.2f}" for name, s in threads
+             if 1e3 * s / micro_batches >= 0.005]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _stage_lines(multi: list, single_cpu: float) -> list:
     """Where each stage's time went, in ms per micro-batch; ``single_cpu``: the single
     process's CPU seconds per micro-batch (all stages)."""
@@ -231,7 +299,7 @@ def _stage_lines(multi: list, single_cpu: float) -> list:
             f"    stage {st['stage']}: {phases} ms/micro-batch (wall); CPU "
             f"{1e3 * m['cpu_s'] / n:.3f} ms/micro-batch = main thread "
             f"{1e3 * m['main_cpu_s'] / n:.3f} (compute {1e3 * st['compute_cpu_s'] / n:.3f}) "
-            f"+ other threads (gloo's) {1e3 * other / n:.3f}; "
+            f"+ other threads (gloo's) {1e3 * other / n:.3f}{_by_thread(m['threads'], n)}; "
             f"{st['messages'] / n:.1f} messages, {st['bytes_sent'] / n / 1024:.1f} KiB sent "
             f"per micro-batch; host reads moved {st['read_bytes'] / 2 ** 20:.1f} MiB in, "
             f"{st['served_bytes'] / 2 ** 20:.1f} MiB out")
@@ -246,7 +314,7 @@ def _measure(kind: str, stages: int, args) -> dict:
     common = ["--kind", kind, "--stages", str(stages), "--width", str(args.width),
               "--device-iterations", str(args.device_iterations),
               "--accumulation", str(args.accumulation), "--calls", str(args.calls),
-              "--read-every", str(args.read_every)]
+              "--read-every", str(args.read_every)] + (["--pin"] if args.pin else [])
     best = {"single_rate": 0.0, "multi_rate": 0.0, "single_cpu": float("inf"),
             "multi_cpu": float("inf"), "estimate": None, "multi": None,
             "corun_cpu": float("inf")}
@@ -288,11 +356,19 @@ def main(argv=None) -> int:
     parser.add_argument("--corun", action="store_true",
                         help="also run S single-process runs at once: the CPU time per "
                         "sample when S processes share the machine's caches and memory")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each process (all its threads) to one core of its own: "
+                        "process k of a launch to the k-th core it may run on (the "
+                        "pipelined side by POPTORCH_PIPELINE_PIN_CORES=1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
+        if args.pin and args.pipelined:  # the product pins its stage processes
+            os.environ["POPTORCH_PIPELINE_PIN_CORES"] = "1"
+        elif args.pin:
+            _pin(int(os.environ.get("BENCH_INDEX", "0")))
         print(json.dumps(_train(args.kind, int(args.stages), args.width,
                                 args.device_iterations, args.accumulation, args.calls,
                                 args.pipelined, args.read_every)))
@@ -300,7 +376,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f} (1 min), {os.cpu_count()} cores; "
           f"D={args.device_iterations}, A={args.accumulation}, {args.calls} timed calls, "
-          f"best of {args.repeats}; 1 torch thread per process")
+          f"best of {args.repeats}; 1 torch thread per process"
+          + ("; each process pinned to a core of its own" if args.pin else ""))
     missed = []
     for kind in args.models.split(","):
         for stages in (int(s) for s in args.stages.split(",")):

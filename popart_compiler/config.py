@@ -56,6 +56,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable(JOIN_TIMEOUT_ENV, "",
              "seconds the processes of a run may take to join it (default: the "
              "collective timeout)"),
+    Variable("POPTORCH_PIPELINE_PIN_CORES", "0",
+             "1: pin each process of a pipeline across processes to cores of its own"),
     Variable("TORCHELASTIC_RUN_ID", "", "set by torchrun: the process was launched"),
     Variable("TORCHELASTIC_USE_AGENT_STORE", "",
              "set by torchrun: its agent, not process 0, hosts the rendezvous store"),
@@ -64,6 +66,7 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("RANK", "", "torchrun's process index"),
     Variable("WORLD_SIZE", "", "torchrun's process count"),
     Variable("LOCAL_RANK", "", "torchrun's process index on this host (CUDA device)"),
+    Variable("LOCAL_WORLD_SIZE", "", "torchrun's process count on this host"),
     Variable("MASTER_ADDR", "", "rendezvous host of torch.distributed's env://"),
     Variable("MASTER_PORT", "", "rendezvous port of torch.distributed's env://"),
 )}

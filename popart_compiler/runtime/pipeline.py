@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from popart_compiler.errors import backend_error
-from popart_compiler.runtime import collectives, pipeline_service
+from popart_compiler.runtime import collectives, pinning, pipeline_service
 from popart_compiler.runtime.device import IpuModel
 from popart_compiler.runtime.device_state import DeviceRng
 from popart_compiler.runtime.lowering import Runners, lower
@@ -175,6 +175,9 @@ class _PipelineSession:
         self.rng = DeviceRng(self.options.random_seed, self.torch_device,
                              stream=self.layout.group.rank)
         self.runner = PipelineRunner(self, self.layout, training)
+        #: the cores this process was pinned to (``POPTORCH_PIPELINE_PIN_CORES``), or None
+        self.pinned_cores = pinning.pin_stage_process(self.layout.group.rank,
+                                                      self.layout.group.size)
         layout = self.layout
         g = layout.executable.graph
         self.provider = StateProvider(layout.key, owned_state(layout.program, g,

@@ -319,6 +319,11 @@ def main(argv):
     if scenario == "train":
         result = _scenario_configs(rank, world, CONFIGS)
         result["host"] = _scenario_host(rank, world, out_dir)
+    elif scenario == "pinned":  # POPTORCH_PIPELINE_PIN_CORES=1 in the environment
+        result = _scenario_configs(rank, world, {"sgd_bn": CONFIGS["sgd_bn"]})
+        result["affinity"] = sorted(os.sched_getaffinity(0))
+        result["thread_affinities"] = sorted(
+            {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
     elif scenario == "train4":
         result = _scenario_configs(rank, world, CONFIGS_4)
     elif scenario == "inference_in_process_0":

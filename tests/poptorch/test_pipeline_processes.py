@@ -87,6 +87,23 @@ def test_two_stages_on_two_processes_train_like_one_process(tmp_path):
         assert reference["inference"]["Sum"][0].shape == (2, 10)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 cores to pin 2 processes")
+def test_pinned_stage_processes_train_like_one_process(tmp_path):
+    """POPTORCH_PIPELINE_PIN_CORES=1: each of the 2 stage processes runs, all its
+    threads, on one core of its own (the first and second allowed), and trains as the
+    single process does."""
+    codes, logs = processes.launch(WORKER, "pinned", tmp_path, world=2,
+                                   POPTORCH_PIPELINE_PIN_CORES="1")
+    assert codes == [0, 0], logs
+    cfg = _worker().CONFIGS["sgd_bn"]
+    results = _check_configs(tmp_path, {"sgd_bn": cfg}, 2)
+    allowed = sorted(os.sched_getaffinity(0))
+    for rank in range(2):
+        assert results[rank]["affinity"] == [allowed[rank]]
+        assert results[rank]["thread_affinities"] == [(allowed[rank],)]
+
+
 def test_four_processes_four_stages_and_two_pipelines(tmp_path):
     """4 processes: a 4-stage pipeline with a weight tied across stages 0 and 3
     (Adam), then 2 data-parallel pipelines of 2 stages (a 2-D mesh) compared with one
