@@ -56,6 +56,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable(JOIN_TIMEOUT_ENV, "",
              "seconds the processes of a run may take to join it (default: the "
              "collective timeout)"),
+    Variable("POPTORCH_RETAIN_HOST_MEMORY", "1",
+             "1: freed host memory is kept by the allocator for the next call (glibc's "
+             "mallopt), 0: the allocator's own defaults"),
     Variable("POPTORCH_PIPELINE_PIN_CORES", "0",
              "1: pin each process of a pipeline across processes to cores of its own"),
     Variable("TORCHELASTIC_RUN_ID", "", "set by torchrun: the process was launched"),

@@ -18,6 +18,9 @@ can be lowered again (another session, another process).
   inductor lowering (uncompiled) for :mod:`popart_compiler.backends.auto` to compile
   once the program is hot; none for programs that stay eager (checked floating-point
   exceptions, several stages, host side effects).
+
+On the CPU, the first lowering also tells the allocator to keep freed host memory for
+the next call (:mod:`popart_compiler.runtime.host_memory`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from popart_compiler.backends import conv_fusion, inductor, prepack
 from popart_compiler.backends.auto import Lowering
 from popart_compiler.backends.eager import FloatingPointChecker
 from popart_compiler.logging import logger
+from popart_compiler.runtime import host_memory
 from popart_compiler.passes.vectorize import vectorizable_slots, vectorize_program
 from popart_compiler.stages import Executable
 
@@ -65,6 +69,8 @@ def lower(exe: Executable) -> Runners:
     ``exe`` changes: Inductor compiles copies of its graphs, lazily (at their first
     call, or :func:`~popart_compiler.runtime.warm_up.warm_up`)."""
     o, graph = exe.options, exe.graph
+    if o.device == "cpu":
+        host_memory.retain_freed_memory()
     slots = exe.vectorized_slots if exe.vectorized is not None else 1
     if o.fp_exceptions:
         if o.backend == "inductor":
