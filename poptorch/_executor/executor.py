@@ -324,14 +324,19 @@ class PoplarExecutor(InspectionMethods):
             raise AssertionError(
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
                 "model.compile(inputs) instead of model(inputs).")
-        bound, tensors, spec = call_io.bind(st, args, kwargs)
-        first = not self.isCompiled()
-        if first:
-            self._compile(bound, tensors, spec)
+        compiled = st.compiled
+        first = compiled is None
+        steady = None if first else call_io.steady_inputs(compiled, args, kwargs)
+        if steady is not None:
+            bound, tensors, spec = steady
         else:
-            call_io.validate_inputs(st.compiled, bound, spec)
-            if not st.attached:
-                self.attachToDevice()
+            bound, tensors, spec = call_io.bind(st, args, kwargs)
+            if first:
+                self._compile(bound, tensors, spec)
+            else:
+                call_io.validate_inputs(compiled, bound, spec)
+        if not first and not st.attached:
+            self.attachToDevice()
         compiled = st.compiled
         try:
             lifecycle.prepare_run(st)
@@ -342,6 +347,8 @@ class PoplarExecutor(InspectionMethods):
                 lifecycle.discard(st)
             raise
         st.ran = True
+        if steady is None:
+            call_io.remember_inputs(compiled, args, kwargs, bound, spec)
         call_io.write_back_inputs(compiled, tensors, inputs)
         anchors = compiled.session.anchors
         st.anchor_values = {a.key: anchors[a.key] for a in compiled.executable.options.anchors
