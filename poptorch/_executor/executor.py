@@ -85,6 +85,8 @@ class PoplarExecutor(InspectionMethods):
         #: One call at a time per executor (re-entrant: a call may copy weights).
         self._lock = threading.RLock()
         opts = executor_options(options, training)
+        #: ``ConnectionType.Never`` (the options are frozen): calls are refused.
+        self._offline = int(opts.connection_type) == int(enums.ConnectionType.Never)
         user_model = user_model if user_model is not None else model
         link = optim.DeviceLink(self._syncOptimizerStateToHost,
                                 self._checkOptimizerStateFits)
@@ -320,7 +322,7 @@ class PoplarExecutor(InspectionMethods):
             raise py_error(
                 "A PopTorch model cannot be called inside the forward of another wrapped "
                 "model: call the underlying module (executor.model) there instead.")
-        if int(st.options.connection_type) == int(enums.ConnectionType.Never):
+        if self._offline:
             raise AssertionError(
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
                 "model.compile(inputs) instead of model(inputs).")
