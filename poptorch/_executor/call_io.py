@@ -70,7 +70,7 @@ def steady_inputs(compiled: Compiled, args, kwargs
                   ) -> Optional[Tuple[BoundArgs, List[torch.Tensor], Spec]]:
     """:func:`bind` for a steady-state call: when ``args`` are plain tensors of the
     same dtypes, shapes, devices and layouts as those of the last call that ran on
-    ``compiled`` (:func:`remember_inputs`), and no keyword is passed, they bind, pass
+    ``compiled`` (:func:`remember_inputs`), and no keyword is given, they bind, satisfy
     :func:`check_input_storage`, the batch check and :func:`validate_inputs` as those
     did: the binding is rebuilt from the stored one without checking again.
 
