@@ -70,8 +70,7 @@ def _packed(weight: torch.Tensor, key: tuple, pack: Callable[[], torch.Tensor]):
     if weight.is_inference():
         return None
     wid = id(weight)
-    with _lock:
-        entry = _cache.get(wid)
+    entry = _cache.get(wid)  # one dict read is atomic: the lock guards the writes
     if entry is not None:
         ref, ptr, version, old_key, packed = entry
         if ref() is weight and ptr == weight.data_ptr() and \

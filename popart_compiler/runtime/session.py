@@ -13,7 +13,6 @@ weights and the device RNG are in :mod:`.device_state`.
 from __future__ import annotations
 
 import abc
-import contextlib
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -288,13 +287,15 @@ class Session(abc.ABC):
 
     def _run_all_or_nothing(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         self.clock = IterationClock(self.options.device_iterations)
-        ctx = self.rng.active() if self.uses_rng else contextlib.nullcontext()
         # All or nothing (docs/semantics.md S-73): whatever ends a run early (an error, a
         # KeyboardInterrupt) leaves the device as it was before the run.
         mutable = self._mutable_tensors(inputs) if self.all_or_nothing else []
         snap = self._snapshot(mutable) if self.all_or_nothing else None
         try:
-            with ctx:
+            if self.uses_rng:
+                with self.rng.active():
+                    outs = self._run(inputs)
+            else:
                 outs = self._run(inputs)
         except BaseException:
             if snap is not None:

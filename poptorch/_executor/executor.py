@@ -85,6 +85,8 @@ class PoplarExecutor(InspectionMethods):
         #: One call at a time per executor (re-entrant: a call may copy weights).
         self._lock = threading.RLock()
         opts = executor_options(options, training)
+        #: ``ConnectionType.Never`` (the options are frozen): calls are refused.
+        self._offline = int(opts.connection_type) == int(enums.ConnectionType.Never)
         user_model = user_model if user_model is not None else model
         link = optim.DeviceLink(self._syncOptimizerStateToHost,
                                 self._checkOptimizerStateFits)
@@ -320,18 +322,23 @@ class PoplarExecutor(InspectionMethods):
             raise py_error(
                 "A PopTorch model cannot be called inside the forward of another wrapped "
                 "model: call the underlying module (executor.model) there instead.")
-        if int(st.options.connection_type) == int(enums.ConnectionType.Never):
+        if self._offline:
             raise AssertionError(
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
                 "model.compile(inputs) instead of model(inputs).")
-        bound, tensors, spec = call_io.bind(st, args, kwargs)
-        first = not self.isCompiled()
-        if first:
-            self._compile(bound, tensors, spec)
+        compiled = st.compiled
+        first = compiled is None
+        steady = None if first else call_io.steady_inputs(compiled, args, kwargs)
+        if steady is not None:
+            bound, tensors, spec = steady
         else:
-            call_io.validate_inputs(st.compiled, bound, spec)
-            if not st.attached:
-                self.attachToDevice()
+            bound, tensors, spec = call_io.bind(st, args, kwargs)
+            if first:
+                self._compile(bound, tensors, spec)
+            else:
+                call_io.validate_inputs(compiled, bound, spec)
+        if not first and not st.attached:
+            self.attachToDevice()
         compiled = st.compiled
         try:
             lifecycle.prepare_run(st)
@@ -342,6 +349,8 @@ class PoplarExecutor(InspectionMethods):
                 lifecycle.discard(st)
             raise
         st.ran = True
+        if steady is None:
+            call_io.remember_inputs(compiled, args, kwargs, bound, spec)
         call_io.write_back_inputs(compiled, tensors, inputs)
         anchors = compiled.session.anchors
         st.anchor_values = {a.key: anchors[a.key] for a in compiled.executable.options.anchors

@@ -43,12 +43,15 @@ class Compiled:
         recapture: captures the program again, uncompiled (``save()`` of a program
             that was not serialized before compiling rewrote it); ``None`` for a
             loaded program, which keeps its blobs.
+        steady: the inputs of the last call that ran (see
+            :func:`poptorch._executor.call_io.steady_inputs`), ``None`` before one.
     """
     program: Program
     executable: Executable
     device: Optional[IpuModel]
     session: Any
     recapture: Optional[Callable[[], Program]] = None
+    steady: Optional[tuple] = None
 
     @property
     def captured(self) -> Captured:
