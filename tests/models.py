@@ -132,3 +132,26 @@ def assert_same_weights(a: nn.Module, b: nn.Module, **tol) -> None:
     (``torch.testing.assert_close`` with ``tol``; the message names the parameter)."""
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), msg=name, **tol)
+
+
+def assert_uploads_used_without_recompiling(module: nn.Module, model, x: torch.Tensor,
+                                            compiles) -> None:
+    """``model`` (a poptorch wrapper of ``module``) gives ``module``'s results for ``x``
+    (rtol and atol 1e-5), and again after new weights are written into ``module`` in
+    place and uploaded with ``copyWeightsToDevice``, with ``compiles()`` (a compilation
+    counter) unchanged by the upload."""
+    torch.testing.assert_close(model(x), module(x).detach(), rtol=1e-5, atol=1e-5)
+    count = compiles()
+    upload_new_weights(module, model)
+    torch.testing.assert_close(model(x), module(x).detach(), rtol=1e-5, atol=1e-5)
+    assert compiles() == count
+
+
+def upload_new_weights(module: nn.Module, model, scale: float = 0.5,
+                       shift: float = -0.1) -> None:
+    """Write ``p * scale + shift`` into every parameter of ``module`` in place, then
+    upload them with ``model.copyWeightsToDevice()`` (``model``: its poptorch wrapper)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(scale).add_(shift)
+    model.copyWeightsToDevice()

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import poptorch
+from models import assert_uploads_used_without_recompiling, upload_new_weights
 from popart_compiler.backends import inductor as inductor_backend
 from popart_compiler.backends import prepack
 
@@ -72,10 +73,7 @@ def test_uploaded_weights_are_repacked_without_recompiling(stand_in):
     x = torch.randn(6, 3, 8, 8)
     before = model(x)
     compiled = len(stand_in)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(-1.5).add_(0.25)
-    model.copyWeightsToDevice()
+    upload_new_weights(m, model, -1.5, 0.25)
     after = model(x)
     torch.testing.assert_close(after, m(x).detach(), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(after, before)
@@ -124,15 +122,8 @@ def test_prepacked_conv_kernel_matches_conv2d_and_follows_in_place_writes():
 @pytest.mark.timeout(1200)
 def test_real_inductor_compilation_uses_uploaded_weights():
     m, model = _model()
-    x = torch.randn(6, 3, 8, 8)
-    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
-    count = inductor_backend.compile_count()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(0.5).add_(-0.1)
-    model.copyWeightsToDevice()
-    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
-    assert inductor_backend.compile_count() == count
+    assert_uploads_used_without_recompiling(m, model, torch.randn(6, 3, 8, 8),
+                                            inductor_backend.compile_count)
 
 
 def test_a_convolution_as_the_output_keeps_its_values(stand_in):

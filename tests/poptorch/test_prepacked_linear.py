@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import poptorch
+from models import assert_uploads_used_without_recompiling, upload_new_weights
 from popart_compiler.backends import inductor as inductor_backend
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -67,10 +68,7 @@ def test_uploaded_weights_are_packed_again_without_recompiling(stand_in, kernels
     x = torch.randn(4 * 8, 10, 16)
     before = model(x)
     compiled = len(stand_in)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(-1.5).add_(0.25)
-    model.copyWeightsToDevice()
+    upload_new_weights(m, model, -1.5, 0.25)
     kernels.clear()
     after = model(x)
     torch.testing.assert_close(after, m(x).detach(), rtol=1e-5, atol=1e-5)
@@ -92,12 +90,5 @@ def test_real_inductor_compilation_of_the_packed_linears():
     """Inductor calls the packed linear (a dispatcher op with a Python CPU kernel and a
     string argument) as an external kernel: eager's values, new weights used."""
     m, model = _model()
-    x = torch.randn(4 * 8, 10, 16)
-    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
-    count = inductor_backend.compile_count()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(0.5).add_(-0.1)
-    model.copyWeightsToDevice()
-    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
-    assert inductor_backend.compile_count() == count
+    assert_uploads_used_without_recompiling(m, model, torch.randn(4 * 8, 10, 16),
+                                            inductor_backend.compile_count)

@@ -40,13 +40,16 @@ def _block(**kwargs):
     return block
 
 
-def _lifted(block, x):
-    """The exported graph with weights and statistics as placeholders, and its args."""
+def _fused(block, x):
+    """The exported graph, weights and statistics as graph inputs, after
+    ``fold_batch_norms``, and its args."""
     ep = torch.export.export(block, (x,))
     sig = ep.graph_signature
     state = {**ep.state_dict, **dict(ep.named_buffers())}
     args = [state[n] for n in sig.parameters + sig.buffers] + [x]
-    return ep.graph_module, args
+    gm = ep.graph_module
+    conv_fusion.fold_batch_norms(gm)
+    return gm, args
 
 
 def _targets(gm):
@@ -57,8 +60,7 @@ def _targets(gm):
 def test_a_residual_block_becomes_two_fused_convolutions_and_matches_eager(bias, affine):
     block = _block(bias=bias, affine=affine)
     x = torch.randn(4, 8, 10, 10)
-    gm, args = _lifted(block, x)
-    conv_fusion.fold_batch_norms(gm)
+    gm, args = _fused(block, x)
     assert conv_fusion.folded_count(gm) == 2
     targets = _targets(gm)
     for gone in (torch.ops.aten.batch_norm.default, torch.ops.aten.relu.default,
@@ -75,8 +77,7 @@ def test_a_residual_block_becomes_two_fused_convolutions_and_matches_eager(bias,
 def test_in_place_writes_to_the_statistics_or_weights_fold_again():
     block = _block()
     x = torch.randn(2, 8, 6, 6)
-    gm, args = _lifted(block, x)
-    conv_fusion.fold_batch_norms(gm)
+    gm, args = _fused(block, x)
     with torch.no_grad():
         before = gm(*args)[0]
         block.bn2.running_var.mul_(3.0)  # as copyWeightsToDevice writes: in place
@@ -88,8 +89,7 @@ def test_in_place_writes_to_the_statistics_or_weights_fold_again():
 
 def test_a_normalization_in_training_mode_or_a_shared_result_is_left_alone():
     block = _block().train()
-    gm, _ = _lifted(block, torch.randn(2, 8, 6, 6))
-    conv_fusion.fold_batch_norms(gm)
+    gm, _ = _fused(block, torch.randn(2, 8, 6, 6))
     assert conv_fusion.folded_count(gm) == 0
 
     class TwoUsers(nn.Module):  # the convolution's result is read twice
@@ -101,16 +101,14 @@ def test_a_normalization_in_training_mode_or_a_shared_result_is_left_alone():
         def forward(self, x):
             y = self.conv(x)
             return self.bn(y) + y
-    gm, _ = _lifted(TwoUsers().eval(), torch.randn(2, 3, 4, 4))
-    conv_fusion.fold_batch_norms(gm)
+    gm, _ = _fused(TwoUsers().eval(), torch.randn(2, 3, 4, 4))
     assert conv_fusion.folded_count(gm) == 0
 
 
 def test_inference_tensors_run_the_plain_kernels():
     block = _block()
     x = torch.randn(2, 8, 6, 6)
-    gm, _ = _lifted(block, x)
-    conv_fusion.fold_batch_norms(gm)
+    gm, _ = _fused(block, x)
     with torch.inference_mode():
         state = {k: v.clone() for k, v in block.state_dict().items()}
         ep_args = [state[k] for k in ("conv1.weight", "bn1.weight", "bn1.bias",
