@@ -126,6 +126,7 @@ def _epilogue(bn: fx.Node):
         x_val, bn_val = (x.meta.get("val") if isinstance(x, fx.Node) else None,
                          bn.meta.get("val"))
         if x is not bn and isinstance(x_val, torch.Tensor) and \
+                isinstance(bn_val, torch.Tensor) and \
                 x_val.shape == bn_val.shape and x_val.dtype == bn_val.dtype:
             last, other = add, x
     relu = _only_user(last, aten.relu.default)
