@@ -185,3 +185,27 @@ def test_inference_batch_norms_fold_the_micro_batches_into_the_batch():
     with torch.no_grad():
         expected = torch.stack([model(x) for x in xs])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+class _InputStatistics(nn.Module):
+    def forward(self, x, mean, var):
+        return nn.functional.batch_norm(x, mean, var, training=False)
+
+
+def test_batch_norm_statistics_from_the_inputs_stay_per_micro_batch():
+    """Statistics that are user inputs differ between micro-batches: the folding rule
+    refuses them (its vmap rule takes shared statistics only), the session runs the
+    micro-batches one by one, with the per-micro-batch results."""
+    g = export(_InputStatistics(), torch.randn(2, 3, 2, 2), torch.randn(3), torch.ones(3))
+    assert vectorize_graph(g.module, [], [torch.randn(2, 3, 2, 2), torch.randn(3),
+                                          torch.ones(3)], 4) is None
+    exe = compiler.compile(export(_InputStatistics(), torch.randn(2, 3, 2, 2),
+                                  torch.randn(3), torch.ones(3)),
+                           SessionOptions(device_iterations=4), False)
+    assert exe.vectorized is None
+    xs, means, vars_ = torch.randn(8, 3, 2, 2), torch.randn(12), torch.rand(12) + 0.5
+    (out,) = InferenceSession(exe).run([xs, means, vars_])
+    expected = torch.cat([nn.functional.batch_norm(xs[2 * i:2 * i + 2],
+                                                   means[3 * i:3 * i + 3],
+                                                   vars_[3 * i:3 * i + 3]) for i in range(4)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
