@@ -17,6 +17,8 @@ it evaluates two kinds of nodes differently, every other node as the graph does:
   ``popart_compiler::batch_norm_inference``, which :func:`restore_batch_norms` turns back
   into ``aten.batch_norm`` once traced: the vectorized graph holds the same
   ``conv → batch_norm → relu`` as the per-micro-batch one, over the folded batch.
+  Statistics (or weight, bias) that differ between micro-batches, graph inputs the user
+  passes, are applied per micro-batch instead, written out as pointwise ops.
 
 The results are the per-micro-batch graph's: a normalization in inference is per
 sample.
@@ -48,15 +50,29 @@ def _(x, weight, bias, mean, var, eps):  # pylint: disable=unused-argument
 
 
 @_batch_norm_inference.register_vmap
-def _(info, in_dims, x, weight, bias, mean, var, eps):  # pylint: disable=unused-argument
-    """Micro-batches folded into the batch dimension; only ``x`` may be batched (the
-    rule is used for shared weights and statistics only)."""
-    if any(d is not None for d in in_dims[1:5]):
-        raise NotImplementedError("batch_norm_inference: batched statistics")
-    x = x.movedim(in_dims[0], 0)
-    folded = x.reshape((-1,) + tuple(x.shape[2:]))
-    out = _batch_norm_inference(folded, weight, bias, mean, var, eps)
-    return out.reshape(x.shape), 0
+def _(info, in_dims, x, weight, bias, mean, var, eps):
+    """Micro-batches folded into the batch dimension where only ``x`` is batched (shared
+    weights and statistics); else the normalization written out per micro-batch, each
+    operand with its own (or the shared) per-channel values."""
+    if all(d is None for d in in_dims[1:5]):
+        x = x.movedim(in_dims[0], 0)
+        folded = x.reshape((-1,) + tuple(x.shape[2:]))
+        out = _batch_norm_inference(folded, weight, bias, mean, var, eps)
+        return out.reshape(x.shape), 0
+    x = x.movedim(in_dims[0], 0) if in_dims[0] is not None else \
+        x.expand((info.batch_size,) + tuple(x.shape))
+    shape = (x.shape[0], 1, x.shape[2]) + (1,) * (x.dim() - 3)  # [D, 1, C, 1, ...]
+
+    def per_channel(t, dim):
+        t = t.movedim(dim, 0) if dim is not None else t.unsqueeze(0)
+        return t.expand(x.shape[0], -1).reshape(shape)
+    out = (x - per_channel(mean, in_dims[3])) * \
+        torch.rsqrt(per_channel(var, in_dims[4]) + eps)
+    if weight is not None:
+        out = out * per_channel(weight, in_dims[1])
+    if bias is not None:
+        out = out + per_channel(bias, in_dims[2])
+    return out, 0
 
 
 def _is_shared_batch_norm(node: fx.Node) -> bool:
