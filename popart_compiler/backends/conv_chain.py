@@ -117,7 +117,7 @@ def _onednn_conv_chain(x: torch.Tensor, weights: List[torch.Tensor],
 _LIB = prepack._LIB
 _LIB.define("onednn_conv_chain(Tensor x, Tensor[] weights, Tensor?[] biases, "
             "int[] steps) -> Tensor")
-_LIB.impl("onednn_conv_chain", _onednn_conv_chain, "CPU")
+prepack.register_kernel("onednn_conv_chain", _onednn_conv_chain)
 
 
 @torch.library.register_fake("popart_compiler::onednn_conv_chain", lib=_LIB)

@@ -93,7 +93,7 @@ def _conv2d_bn(x, weight, bias, bn_weight, bn_bias, mean, var, eps: float, other
         unary if relu else None, [], "")
 
 
-_LIB.impl("onednn_conv2d_bn", _conv2d_bn, "CPU")
+prepack.register_kernel("onednn_conv2d_bn", _conv2d_bn, _LIB)
 
 
 @torch.library.register_fake("popart_compiler::onednn_conv2d_bn", lib=_LIB)

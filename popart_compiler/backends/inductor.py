@@ -178,13 +178,19 @@ class _Compiled:
     specializations Inductor's code asserts, and what AOTAutograd decides from). Not
     through ``torch.compile``: Dynamo's frame evaluation failed ("found no compiled
     frames") while another thread captured, and its guards cost ~13 µs a call.
-    Compiling holds :data:`tracing.TRACE_LOCK`; running compiled code does not."""
+    Compiling holds :data:`tracing.TRACE_LOCK`; running compiled code does not.
+
+    A graph of prepacked oneDNN kernels and views only is not compiled: it runs as it
+    is (:mod:`~popart_compiler.backends.direct`; Inductor would generate no code)."""
 
     def __init__(self, gm: fx.GraphModule, random: bool, compile_on_miss: bool = True):
         self._gm = gm
         self._random = random
         self._compile_on_miss = compile_on_miss
         self._by_signature: dict = {}
+        # pylint: disable=import-outside-toplevel
+        from popart_compiler.backends import direct  # imports prepack, which imports us
+        self._direct = direct.runner(gm)
 
     def precompile(self, args, grad: bool) -> None:
         """Compile for calls with arguments like ``args`` (only their shapes, strides,
@@ -196,6 +202,8 @@ class _Compiled:
         """
         # pylint: disable=import-outside-toplevel
         from torch._functorch import config as functorch_config
+        if self._direct is not None:
+            return
         key = _signature(grad, args)
         with TRACE_LOCK, torch.set_grad_enabled(grad), \
                 functorch_config.patch(force_non_lazy_backward_lowering=True):
@@ -204,6 +212,8 @@ class _Compiled:
                                                     random=self._random)
 
     def __call__(self, *args):
+        if self._direct is not None:
+            return self._direct(*args)
         key = _signature(torch.is_grad_enabled(), args)
         fn = self._by_signature.get(key)
         if fn is None:

@@ -49,7 +49,7 @@ import torch.fx as fx
 # defines ``popart_compiler::onednn_linear``, which prepack_inference rewrites
 from popart_compiler.backends import inductor as _inductor  # noqa: F401
 
-__all__ = ["prepack_inference", "packed_weights"]
+__all__ = ["prepack_inference", "packed_weights", "register_kernel", "KERNELS"]
 
 _lock = threading.Lock()
 # id(weight) -> (weakref to the weight, its data_ptr, its version, key, packed copy)
@@ -116,9 +116,21 @@ def _onednn_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 # torch.library.custom_op, whose Python dispatch costs more per call (measured, one
 # thread: ~26 µs against ~10 µs); inference only, so they need no autograd formula.
 _LIB = torch.library.Library("popart_compiler", "FRAGMENT")  # pylint: disable=no-member
+#: Each kernel's op → its Python implementation (the CPU kernel), for graphs that call
+#: the implementations directly (:mod:`~popart_compiler.backends.direct`).
+KERNELS: Dict[object, Callable] = {}
+
+
+def register_kernel(name: str, fn: Callable, lib: torch.library.Library = _LIB) -> None:
+    """Register ``fn`` as the CPU kernel of ``popart_compiler::name`` (already defined in
+    ``lib``) and in :data:`KERNELS`."""
+    lib.impl(name, fn, "CPU")
+    KERNELS[getattr(torch.ops.popart_compiler, name).default] = fn
+
+
 _LIB.define("onednn_conv2d(Tensor x, Tensor weight, Tensor? bias, int[] stride, "
             "int[] padding, int[] dilation, int groups) -> Tensor")
-_LIB.impl("onednn_conv2d", _onednn_conv2d, "CPU")
+register_kernel("onednn_conv2d", _onednn_conv2d)
 
 
 @torch.library.register_fake("popart_compiler::onednn_conv2d", lib=_LIB)
@@ -190,7 +202,7 @@ def _onednn_linear_packed(x: torch.Tensor, weight: torch.Tensor,
                                               bias, post, [], "")
 
 
-_LIB.impl("onednn_linear_packed", _onednn_linear_packed, "CPU")
+register_kernel("onednn_linear_packed", _onednn_linear_packed)
 
 
 @torch.library.register_fake("popart_compiler::onednn_linear_packed", lib=_LIB)

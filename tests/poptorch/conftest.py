@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from popart_compiler.backends import direct
 from popart_compiler.backends import inductor as inductor_backend
 
 
@@ -29,9 +30,17 @@ def clean_options_env(monkeypatch):
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
-    """TorchInductor's compilation replaced by the graph itself (no compile); yields the
-    list of graph modules handed to it."""
+def compiled_always(monkeypatch):
+    """Graphs of prepacked kernels only are compiled by TorchInductor like any other,
+    instead of run as they are (:mod:`popart_compiler.backends.direct`)."""
+    monkeypatch.setattr(direct, "runner", lambda gm: None)
+
+
+@pytest.fixture
+def stand_in(monkeypatch, compiled_always):  # pylint: disable=unused-argument
+    """TorchInductor's compilation replaced by the graph itself (no compile), every
+    graph handed to it (:func:`compiled_always`); yields the list of graph modules
+    handed to it."""
     compiled = []
 
     def fake(gm, example_inputs, *, random):  # pylint: disable=unused-argument

@@ -34,9 +34,10 @@ class _StandIn:
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
-    """TorchInductor's compilation replaced by :class:`_StandIn`; yields the list of
-    compiled graph modules."""
+def stand_in(monkeypatch, compiled_always):  # pylint: disable=unused-argument
+    """TorchInductor's compilation replaced by :class:`_StandIn` (graphs of prepacked
+    kernels only compiled too: ``compiled_always``); yields the list of compiled graph
+    modules."""
     compiled = []
 
     def fake(gm, example_inputs, *, random):  # pylint: disable=unused-argument
@@ -185,6 +186,7 @@ def test_auto_default_hot_rule_is_3_calls_and_1_second():
 
 @pytest.mark.parametrize("where, message", [("compile", "no C++ compiler"),
                                             ("call", "kernel crashed")])
+@pytest.mark.usefixtures("compiled_always")
 def test_auto_falls_back_to_eager_when_inductor_fails(where, message, monkeypatch, caplog):
     """A compilation that raises, or a compiled call that raises (that call is run
     again on eager): one warning, correct results, eager for good."""
@@ -265,6 +267,7 @@ def test_auto_stays_eager_for_checked_floating_point_exceptions_and_pipelines():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+@pytest.mark.usefixtures("compiled_always")
 def test_auto_on_inductor_matches_eager_inference_and_training():
     """Real compilations: inference (vectorized over 4 device iterations) and SGD
     training (forward and backward compiled) on the chosen Inductor agree with the

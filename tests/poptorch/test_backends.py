@@ -91,6 +91,7 @@ def test_cuda_without_gpu_raises():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+@pytest.mark.usefixtures("compiled_always")
 def test_inductor_inference_compiles_once_and_follows_weight_writes():
     m = MLP((8, 16, 4))
     opts = poptorch.Options().deviceIterations(4)
@@ -261,6 +262,7 @@ def test_perf_counters_have_one_measured_timestamp_per_device_iteration(stateful
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+@pytest.mark.usefixtures("compiled_always")
 def test_inductor_compilations_are_counted_per_thread():
     """The warm-up tells a failed compilation from a failed trial run by the compile
     count of its own thread: a compilation in another thread must not move it."""
