@@ -13,6 +13,7 @@ weights and the device RNG are in :mod:`.device_state`.
 from __future__ import annotations
 
 import abc
+import functools
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -347,20 +348,9 @@ class InferenceSession(Session):
                 outs = self._fresh(gm(*state, *x), [*state, *x])
             self.clock.mark(0, 1, since)
             return self._finish([t.detach()[None, None, None] for t in outs])
-        split = self._split(inputs)
         if self._vectorized is not None:
-            xs = [t.reshape(d * r, *t.shape[3:]) for t in split]
-            c = self._vectorized_slots
-            state = self.weights.state(0)
-            chunks = []
-            with torch.no_grad():
-                for k in range(0, d * r, c):
-                    since = time.perf_counter()
-                    chunks.append(self._vectorized(*state, *[x[k:k + c] for x in xs]))
-                    self.clock.mark(k // r, (k + c - 1) // r - k // r + 1, since)
-            outs = self._fresh([torch.cat(parts) if len(parts) > 1 else parts[0]
-                                for parts in zip(*chunks)], [*state, *xs])
-            return self._finish([t.reshape(d, 1, r, *t.shape[1:]) for t in outs])
+            return self._run_vectorized(inputs)
+        split = self._split(inputs)
         results: List[List[torch.Tensor]] = []
         with torch.no_grad():
             if self._staged is not None:
@@ -381,3 +371,47 @@ class InferenceSession(Session):
         stacked = [torch.stack([res[j] for res in results]).reshape(d, 1, r, *results[0][j].shape)
                    for j in range(len(results[0]))] if results else []
         return self._finish(stacked)
+
+    def _run_vectorized(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The ``D × R`` micro-batches of a call through the vectorized graph,
+        ``vectorized_slots`` at a time (all at once where they fit: the inputs viewed as
+        ``[D·R, B, ...]`` directly, the results returned as ``OutputMode.All`` folds them
+        when every output has that mode; the general split and output modes otherwise)."""
+        o = self.options
+        d, r = o.device_iterations, o.replication_factor
+        n, c = d * r, self._vectorized_slots
+        state = self.weights.state(0)
+        if c >= n and o.input_groups == r:
+            xs = [x.to(self.torch_device, non_blocking=True) for x in inputs]
+            xs = [x.reshape(n, x.shape[0] // n, *x.shape[1:]) if x.dim() else x.expand(n)
+                  for x in xs]
+            since = time.perf_counter()
+            with torch.no_grad():
+                outs = self._vectorized(*state, *xs)
+            self.clock.mark(0, d, since)
+        else:
+            xs = [t.reshape(n, *t.shape[3:]) for t in self._split(inputs)]
+            chunks = []
+            with torch.no_grad():
+                for k in range(0, n, c):
+                    since = time.perf_counter()
+                    chunks.append(self._vectorized(*state, *[x[k:k + c] for x in xs]))
+                    self.clock.mark(k // r, (k + c - 1) // r - k // r + 1, since)
+            outs = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*chunks)]
+        outs = self._fresh(outs, [*state, *xs])
+        if self._folds_all:
+            return [t.flatten(0, 1) if t.dim() > 1 else t for t in outs]
+        return self._finish([t.reshape(d, 1, r, *t.shape[1:]) for t in outs])
+
+    @functools.cached_property
+    def _folds_all(self) -> bool:
+        """Whether :meth:`_finish` of results ``[D, 1, R, B, ...]`` only folds them into
+        ``[D·R·B, ...]`` (``[D·R]`` for 0-d ones): every output in ``OutputMode.All``,
+        none of a 64-bit dtype, no synthetic data, no activation anchors, host results."""
+        o, exe = self.options, self.executable
+        outs = exe.graph.module.graph.find_nodes(op="output")[0].args[0]
+        vals = [v.meta.get("val") if hasattr(v, "meta") else v
+                for v in outs[:exe.num_user_outputs]]
+        return o.output_mode is OutputMode.All and not o.synthetic_data and \
+            not exe.activation_anchors and torch.device(self.torch_device).type == "cpu" and \
+            all(isinstance(v, torch.Tensor) and v.dtype not in DEVICE_DTYPES for v in vals)

@@ -44,6 +44,34 @@ def test_replicas_and_input_groups():
     assert out.flatten().tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
+class _Outputs(nn.Module):
+    """A tensor per sample, a 0-d one per micro-batch, and the input itself."""
+
+    def forward(self, x):
+        return x * 2, x.sum(), x
+
+
+@pytest.mark.parametrize("replicas, slots", [(1, None), (2, None), (1, 2)])
+def test_vectorized_outputs_fold_as_output_mode_all(replicas, slots):
+    """All of a call's micro-batches at once (the folded path) or a few at a time
+    (``slots``) give OutputMode.All's results: per-sample ones as ``[D·R·B, ...]``,
+    0-d ones as ``[D·R]``; an output that is the input is a tensor of its own."""
+    d, b = 4, 3
+    x = torch.randn(d * replicas * b, 5)
+    opts = SessionOptions(device_iterations=d, replication_factor=replicas)
+    session = InferenceSession(compiler.compile(export(_Outputs(), x[:b]), opts,
+                                                training=False))
+    assert session._vectorized is not None  # pylint: disable=protected-access
+    if slots is not None:
+        session._vectorized_slots = slots  # pylint: disable=protected-access
+    doubled, sums, same = session.run([x])
+    torch.testing.assert_close(doubled, x * 2)
+    torch.testing.assert_close(sums, x.reshape(d * replicas, b, 5).sum((1, 2)))
+    assert torch.equal(same, x) and same.data_ptr() != x.data_ptr()
+    folded = session._folds_all  # pylint: disable=protected-access
+    assert folded is True
+
+
 def test_reduce_output_scalar_rules():
     t = torch.arange(6.).reshape(3, 1, 2)  # D=3, A=1, R=2, scalar outputs
     assert reduce_output(t, OutputMode.All).tolist() == [0, 1, 2, 3, 4, 5]
