@@ -1,17 +1,15 @@
 """Inference graphs of prepacked oneDNN kernels and views only run as they are, without
 a TorchInductor compilation (issue 30, ``popart_compiler/backends/direct.py``): the same
 results as eager PyTorch, weights uploaded with ``copyWeightsToDevice`` used at the next
-call; graphs with any other op are compiled."""
-import operator
-
+call; graphs with any other op are compiled. Which graphs qualify:
+tests/popart_compiler/backends/test_direct.py."""
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
 import poptorch
 from models import assert_uploads_used_without_recompiling
-from popart_compiler.backends import direct, prepack
+from popart_compiler.backends import prepack
 from popart_compiler.backends import inductor as inductor_backend
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -71,27 +69,3 @@ def test_a_graph_with_another_op_is_compiled(stand_in):
     torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
     assert _direct_runner(model) is None
     assert stand_in  # handed to the compilation
-
-
-def _graph(*ops) -> fx.GraphModule:
-    """``(x, w) → ops[0] → ops[1] → …``, each op a ``(target, extra args)`` pair; ``"w"``
-    in the extra args stands for the placeholder ``w``."""
-    g = fx.Graph()
-    v, w = g.placeholder("x"), g.placeholder("w")
-    for target, args in ops:
-        v = g.call_function(target, (v, *[w if a == "w" else a for a in args]))
-    g.output(v)
-    return fx.GraphModule(nn.Module(), g)
-
-
-def test_runs_as_is_needs_a_kernel_and_only_views_besides():
-    aten = torch.ops.aten
-    linear = (torch.ops.popart_compiler.onednn_linear_packed.default, ("w", None))
-    assert direct.runs_as_is(_graph(linear, (aten.view.default, ([-1],))))
-    assert not direct.runs_as_is(_graph((aten.view.default, ([-1],))))  # no kernel
-    assert not direct.runs_as_is(_graph(linear, (aten.relu.default, ())))
-    assert not direct.runs_as_is(_graph(linear, (operator.add, (1.0,))))
-    assert direct.runner(_graph(linear, (aten.relu.default, ()))) is None
-    x, w = torch.randn(3, 8), torch.randn(4, 8)
-    run = direct.runner(_graph(linear, (aten.t.default, ())))
-    torch.testing.assert_close(run(x, w), (x @ w.t()).t(), rtol=1e-5, atol=1e-6)
