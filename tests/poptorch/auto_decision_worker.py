@@ -4,7 +4,8 @@ JSON line: the backend chosen, the stand-in compilations, the calls run and the 
 output.
 
 TorchInductor's compilation is replaced by a stand-in that runs the graph as it is
-(counted), so nothing here depends on the machine. ``decide``: the policy is
+(counted; graphs of prepacked kernels only are handed to it too instead of running
+directly), so nothing here depends on the machine. ``decide``: the policy is
 synchronous, hot after one call, and the timings say Inductor is twice as fast, so the
 program is decided (and recorded) within a few calls. ``reuse``: the default policy
 (which would not compile within the 2 calls run): only a recorded decision makes it
@@ -18,7 +19,7 @@ import sys
 import torch
 
 import poptorch
-from popart_compiler.backends import auto
+from popart_compiler.backends import auto, direct
 from popart_compiler.backends import inductor as inductor_backend
 
 COMPILED = []
@@ -31,6 +32,7 @@ def _stand_in(gm, example_inputs, *, random):  # pylint: disable=unused-argument
 
 def main(mode: str) -> None:
     inductor_backend._inductor = _stand_in  # pylint: disable=protected-access
+    direct.runner = lambda gm: None
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
                                 torch.nn.Linear(16, 4))
