@@ -224,8 +224,9 @@ def sum_in_place(graph: fx.Graph) -> bool:
     """Rewrite each ``onednn_conv2d_bn`` with a residual ``other`` into
     ``onednn_conv2d_bn_sum_``, which accumulates into ``other`` in place, where that is
     invisible: ``other`` is the result of another ``onednn_conv2d_bn`` (a fresh
-    channels-last tensor, no view of a graph input) and nothing after the convolution
-    reads it (its other readers, such as the block's first convolution, come before).
+    channels-last tensor, no view of a graph input), not the convolution's input too,
+    and nothing after the convolution reads it (its other readers, such as the block's
+    first convolution, come before).
     The convolution's users then read ``other``. Returns whether ``graph`` changed
     (rewritten in place; the caller recompiles). Inductor's functionalization sees the
     mutation in the op's schema (``Tensor(a!) other``) and, as nothing reads ``other``
@@ -236,8 +237,9 @@ def sum_in_place(graph: fx.Graph) -> bool:
         if node.op != "call_function" or node.target is not fused:
             continue
         other = node.args[8]
-        if not isinstance(other, fx.Node) or other.target is not fused:
-            continue
+        if not isinstance(other, fx.Node) or other.target is not fused or \
+                any(a is other for i, a in enumerate(node.args) if i != 8):
+            continue  # (the convolution reading ``other`` would read what it writes)
         order = {n: i for i, n in enumerate(graph.nodes)}
         if any(order[u] > order[node] for u in other.users if u is not node):
             continue
