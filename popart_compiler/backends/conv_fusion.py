@@ -19,6 +19,12 @@ whose weight is a graph input and whose only user is an inference ``aten.batch_n
 with weight, bias and statistics graph inputs; the sum and ReLU are taken when each is
 the only user of what comes before it. Activations are channels-last.
 
+A residual sum into another fused convolution's result that nothing reads afterwards
+(a bottleneck's down-sampling, then each block's output) is accumulated into it in
+place by oneDNN's sum post-op (``popart_compiler::onednn_conv2d_bn_sum_``,
+:func:`sum_in_place`): ResNet-50, micro-batch 8, deviceIterations 2, one thread: the
+16 summing convolutions took 300 ms of a 983 ms call out of place, 218 ms in place.
+
 Results: those of eager PyTorch to float rounding (the folded weight is rounded once,
 oneDNN sums in another order; about 1e-6 relative).
 """
