@@ -207,3 +207,62 @@ def test_a_cnn_runs_its_features_as_one_onednn_chain_and_follows_uploads(stand_i
     model.copyWeightsToDevice()
     torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
     assert len(stand_in) == compiled
+
+
+class _Residual(nn.Module):
+    """Two bottleneck-like blocks: a down-sampled one, then an identity one."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                  nn.ReLU())
+        self.a = nn.Sequential(nn.Conv2d(8, 16, 1), nn.BatchNorm2d(16))
+        self.down = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2), nn.BatchNorm2d(16))
+        self.b = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16))
+        self.c = nn.Sequential(nn.Conv2d(16, 16, 1), nn.BatchNorm2d(16), nn.ReLU(),
+                               nn.Conv2d(16, 16, 1), nn.BatchNorm2d(16))
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = torch.relu(self.a(x[:, :, ::2, ::2]) + self.down(x))
+        y = torch.relu(self.b(y) + y)  # reads the residual: out of place
+        y = torch.relu(self.c(y) + y)
+        return self.fc(y.mean((2, 3)))
+
+
+def _residual():
+    torch.manual_seed(0)
+    m = _Residual().eval()
+    with torch.no_grad():
+        for bn in (mod for mod in m.modules() if isinstance(mod, nn.BatchNorm2d)):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Backend.compiler("inductor")
+    return m, poptorch.inferenceModel(m, opts)
+
+
+def test_residual_sums_run_in_place_and_follow_uploads(stand_in):
+    """The first and last residual sums accumulate into their residual in place
+    (``onednn_conv2d_bn_sum_``); the middle one, whose convolution reads the residual
+    too, runs out of place: eager's results, before and after an upload, without a
+    recompilation."""
+    m, model = _residual()
+    x = torch.randn(4, 3, 8, 8)
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    targets = [t for gm in stand_in for t in _targets(gm)]
+    assert targets.count("popart_compiler.onednn_conv2d_bn_sum_.default") == \
+        2 * len(stand_in)
+    compiled = len(stand_in)
+    upload_new_weights(m, model, -1.5, 0.25)
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    assert len(stand_in) == compiled
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_real_inductor_compilation_of_in_place_residual_sums_matches_eager():
+    m, model = _residual()
+    assert_uploads_used_without_recompiling(m, model, torch.randn(4, 3, 8, 8),
+                                            inductor_backend.compile_count)

@@ -119,3 +119,40 @@ def test_inference_tensors_run_the_plain_kernels():
         out = gm(*ep_args, x.clone())[0]
     with torch.no_grad():
         torch.testing.assert_close(out, block(x), rtol=1e-5, atol=1e-5)
+
+
+class Bottleneck(nn.Module):
+    """A down-sampling block then an identity block (1×1 convolutions): the residuals
+    are the down-sampling's result, then the first block's result."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.down = nn.Conv2d(4, c, 1, bias=False)
+        self.down_bn = nn.BatchNorm2d(c)
+        self.convs = nn.ModuleList([nn.Conv2d(4, c, 1), nn.Conv2d(c, c, 3, padding=1)])
+        self.bns = nn.ModuleList([nn.BatchNorm2d(c), nn.BatchNorm2d(c)])
+
+    def forward(self, x):
+        y = torch.relu(self.bns[0](self.convs[0](x)) + self.down_bn(self.down(x)))
+        return torch.relu(self.bns[1](self.convs[1](y)) + y), y
+
+
+def test_a_residual_from_a_fused_convolution_is_summed_into_in_place():
+    torch.manual_seed(0)
+    model = Bottleneck().eval()
+    for bn in (model.down_bn, *model.bns):
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 4, 6, 6)
+    gm, args = _fused(model, x)
+    targets = _targets(gm)
+    # the first sum writes into the down-sampling's result; the second reads the
+    # first block's result, also a graph output, after it: out of place
+    assert targets.count(torch.ops.popart_compiler.onednn_conv2d_bn_sum_.default) == 1
+    assert targets.count(FUSED) == 2
+    with torch.no_grad():
+        expected = model(x)
+        for _ in range(2):  # the second call: packed weights reused
+            out = gm(*args)
+            for got, want in zip(out, expected):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
