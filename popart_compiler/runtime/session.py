@@ -288,6 +288,8 @@ class Session(abc.ABC):
 
     def _run_all_or_nothing(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         self.clock = IterationClock(self.options.device_iterations)
+        if self._leaves_no_state:
+            return self._run(inputs)
         # All or nothing (docs/semantics.md S-73): whatever ends a run early (an error, a
         # KeyboardInterrupt) leaves the device as it was before the run.
         mutable = self._mutable_tensors(inputs) if self.all_or_nothing else []
@@ -304,6 +306,15 @@ class Session(abc.ABC):
                     self._restore(snap, mutable)
             raise
         return outs
+
+    @functools.cached_property
+    def _leaves_no_state(self) -> bool:
+        """Whether a run changes nothing on the device that outlives it: inference that
+        mutates no buffer or input, draws no random numbers and records no anchor (so an
+        interrupted run has nothing to roll back, and none is snapshotted)."""
+        g, exe = self.executable.graph, self.executable
+        return not self.training and not g.mutated_buffers and not g.mutated_inputs and \
+            not self.uses_rng and not exe.activation_anchors and not exe.state_anchors
 
     def _mutable_tensors(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """The device tensors a run may write in place: buffers the graph mutates (every

@@ -72,6 +72,46 @@ def test_vectorized_outputs_fold_as_output_mode_all(replicas, slots):
     assert folded is True
 
 
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return x * 2
+
+
+class _Noisy(nn.Module):
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+@pytest.mark.parametrize("module, leaves_no_state", [(MLP(), True), (_Counting(), False),
+                                                     (_Noisy(), False)])
+def test_runs_that_change_no_device_state_take_no_snapshot(module, leaves_no_state):
+    """Only a run that mutates a buffer or an input, draws random numbers or records an
+    anchor has something to roll back (docs/semantics.md S-73); the others skip the
+    snapshot. A run that writes the buffers, then raises, leaves them as they were."""
+    x = torch.randn(4 * 2, 4)
+    session = InferenceSession(compiler.compile(export(module, x[:2]),
+                                                SessionOptions(device_iterations=4),
+                                                training=False))
+    assert session._leaves_no_state is leaves_no_state  # pylint: disable=protected-access
+    session.run([x])
+    before = [t.clone() for bufs in session.weights.buffers for t in bufs]
+
+    def failing(*args):  # writes every buffer, then fails
+        for t in before:
+            next(u for bufs in session.weights.buffers for u in bufs if u.shape == t.shape).add_(5)
+        raise RuntimeError("stopped")
+    session._vectorized = session._runner = failing  # pylint: disable=protected-access
+    with pytest.raises(RuntimeError, match="stopped"):
+        session.run([x])
+    after = [t for bufs in session.weights.buffers for t in bufs]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 def test_reduce_output_scalar_rules():
     t = torch.arange(6.).reshape(3, 1, 2)  # D=3, A=1, R=2, scalar outputs
     assert reduce_output(t, OutputMode.All).tolist() == [0, 1, 2, 3, 4, 5]
