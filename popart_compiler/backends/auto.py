@@ -230,20 +230,28 @@ class AutoChooser:
         """Run one call: ``call(lowering)`` on the backend chosen for it, timing it while
         the choice is open. An Inductor failure is logged once, and the call is run
         again on the eager backend."""
+        if self.chosen is not None:  # decided: nothing more to time or count
+            lowering = self._inductor if self.chosen == "inductor" else self.eager
+            return self._call(call, lowering)
         lowering = self._pick()
         # timed for the choice only if Inductor was ready when the call started (a
         # call beside the compilation would count the compilation's load)
         trial = self.chosen is None and self._inductor is not None and not self.compiling
         start = self._clock()
-        try:
-            outs = call(lowering)
-        except Exception as e:  # pylint: disable=broad-except
-            if lowering.name == "eager":
-                raise
-            self._fail(f"a call on the compiled program raised {type(e).__name__}: {e}")
-            return call(self.eager)
+        outs = self._call(call, lowering)
         self._record(lowering.name, self._clock() - start, trial)
         return outs
+
+    def _call(self, call: Callable[[Lowering], List], lowering: Lowering) -> List:
+        """``call(lowering)``; if Inductor's raises, the failure is logged once and the
+        call runs again on the eager backend, for good."""
+        if lowering.name == "eager":
+            return call(lowering)
+        try:
+            return call(lowering)
+        except Exception as e:  # pylint: disable=broad-except
+            self._fail(f"a call on the compiled program raised {type(e).__name__}: {e}")
+            return call(self.eager)
 
     # -- the policy ---------------------------------------------------------------------
 
