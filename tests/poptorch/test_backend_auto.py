@@ -209,6 +209,28 @@ def test_auto_falls_back_to_eager_when_inductor_fails(where, message, monkeypatc
     assert len(warnings) == 1 and message in warnings[0].getMessage()
 
 
+def test_a_decided_inductor_that_fails_later_falls_back_to_eager(stand_in, caplog):
+    """Once Inductor is chosen, calls are no longer timed; one of its calls that raises
+    is run again on eager (correct results), with one warning, and eager is kept."""
+    x = torch.randn(16, 8)
+    with auto.policy(compile_seconds=0, hot_seconds=0, synchronous=True, hot_calls=1,
+                     trials=1, measure=_timings(eager=2.0, inductor=1.0)), \
+            caplog.at_level(logging.WARNING, logger="poptorch"):
+        m, model = _inference()
+        for _ in range(4):
+            model(x)
+        chooser = _chooser(model)
+        assert chooser.chosen == "inductor"
+        calls = _StandIn.calls
+        model(x)
+        assert _StandIn.calls == calls + 1  # the call ran on the chosen Inductor
+        stand_in[-1].forward = None  # its next call raises (TypeError)
+        torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-6)
+    assert chooser.chosen == "eager"
+    warnings = [r for r in caplog.records if "TorchInductor failed" in r.getMessage()]
+    assert len(warnings) == 1
+
+
 def test_auto_compiles_in_a_background_thread(stand_in):
     x = torch.randn(16, 8)
     with auto.policy(compile_seconds=0, hot_seconds=0, hot_calls=1, trials=1,
