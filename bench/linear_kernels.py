@@ -10,7 +10,9 @@ For each shape ``(M, K, N)`` (default: the MLP row of ``bench/peers.py`` vectori
   ReLU as oneDNN's post-op;
 * ``mkl-packed``: MKL's packed GEMM (``mkl._mkl_reorder_linear_weight`` +
   ``mkl._mkl_linear``, what Inductor's ``freezing`` uses), ReLU separately;
-* ``onnxruntime``: a session of ``MatMul`` + ``Add`` (+ ``Relu``) on the same weights.
+* ``onnxruntime``: a session of ``MatMul`` + ``Add`` (+ ``Relu``) on the same weights
+  (its per-run cost included: inside a whole model, ONNX Runtime's profile gives its
+  fused GEMMs 5-10 % less, see docs/backends.md).
 
 Usage::
 

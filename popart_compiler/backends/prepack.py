@@ -30,8 +30,9 @@ Linear layers: oneDNN's prepacked kernel for wide layers (:func:`uses_onednn`: a
 cost per call loses there), and a ReLU of a linear's result is fused into it as
 oneDNN's post-op (:func:`fuse_linear_relu`). ``bench/linear_kernels.py`` compared the
 candidates at 256 rows (one thread, µs, with ReLU): 784→512 ``addmm`` 1354, oneDNN
-packed 1250, MKL packed (Inductor's ``freezing``) 1230, ONNX Runtime 1220; 512→512: 894,
-806, 815, 811; 512→10: 42, 51, 82, 34. MKL's packed GEMM ties oneDNN's on the wide
+packed 1250, MKL packed (Inductor's ``freezing``) 1230, ONNX Runtime 1220 (a one-layer
+session, its per-run cost included); 512→512: 894, 806, 815, 811; 512→10: 42, 51, 82,
+34. MKL's packed GEMM ties oneDNN's on the wide
 layers, needs a separate ReLU and loses on narrow ones: not used.
 
 Results agree with the eager kernels to float rounding (oneDNN sums in another order:
