@@ -364,8 +364,14 @@ class AutoChooser:
         wall, cpu = time.perf_counter() - start, _compile_cpu_seconds() - cpu
         then = (f"timing {self.policy.trials} calls of each backend before choosing"
                 if timing else "running it from now on (the recorded choice)")
-        logger.info("Backend auto: TorchInductor compiled the program in %.3g s (%.3g s of "
-                    "CPU); %s", wall, cpu, then)
+        graph = lowering.vectorized if lowering.vectorized is not None else lowering.runner
+        if getattr(graph, "runs_as_is", False):
+            logger.info("Backend auto: the program is prepacked kernels only: it runs as it "
+                        "is, without a TorchInductor compilation (%.3g s, %.3g s of CPU); %s",
+                        wall, cpu, then)
+        else:
+            logger.info("Backend auto: TorchInductor compiled the program in %.3g s (%.3g s "
+                        "of CPU); %s", wall, cpu, then)
         if self._on_compiled is not None:
             # CPU time: a compilation that waited behind the program's own calls at low
             # priority took long on the clock, not in work, and must not raise the next

@@ -192,6 +192,11 @@ class _Compiled:
         from popart_compiler.backends import direct  # imports prepack, which imports us
         self._direct = direct.runner(gm)
 
+    @property
+    def runs_as_is(self) -> bool:
+        """Whether the graph runs as it is, never compiled (prepacked kernels only)."""
+        return self._direct is not None
+
     def precompile(self, args, grad: bool) -> None:
         """Compile for calls with arguments like ``args`` (only their shapes, strides,
         dtypes, devices and ``requires_grad`` are read) in grad mode ``grad``, without

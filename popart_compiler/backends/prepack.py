@@ -295,21 +295,28 @@ def prepack_inference(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def fuse_linear_relu(graph: fx.Graph) -> bool:
-    """Fold each ``aten.relu`` of a packed linear's result (its only use) into the
-    linear, as oneDNN's post-op (``post="relu"``: the result is written once, instead
-    of an Inductor loop reading and writing it again). Returns whether ``graph``
-    changed (rewritten in place; the caller recompiles)."""
+    """Fold each ``aten.relu`` (or in-place ``relu_``) of a packed linear's result (its
+    only use, possibly through one reshape) into the linear, as oneDNN's post-op (``post="relu"``: the result is
+    written once, instead of an Inductor loop reading and writing it again). Returns
+    whether ``graph`` changed (rewritten in place; the caller recompiles)."""
     packed = torch.ops.popart_compiler.onednn_linear_packed.default
     changed = False
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.relu.default:
+        if node.op != "call_function" or node.target not in (torch.ops.aten.relu.default,
+                                                             torch.ops.aten.relu_.default):
             continue
-        lin = node.args[0]
+        lin = result = node.args[0]
+        if isinstance(lin, fx.Node) and lin.target in _RESHAPES and len(lin.users) == 1:
+            lin = lin.args[0]  # the linear's result reshaped, then the ReLU
         if not isinstance(lin, fx.Node) or lin.target is not packed or lin.kwargs or \
                 len(lin.args) != 3 or len(lin.users) != 1:
             continue
         lin.args = tuple(lin.args) + ("relu",)
-        node.replace_all_uses_with(lin)
+        node.replace_all_uses_with(result)
         graph.erase_node(node)
         changed = True
     return changed
+
+
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.reshape.default)

@@ -213,14 +213,16 @@ class Session(abc.ABC):
     @staticmethod
     def _fresh(outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
                ) -> List[torch.Tensor]:
-        """``outs`` as tensors of their own (docs/semantics.md S-14 "fresh tensors"): an output
-        sharing memory with one of ``sources`` (the device state and the inputs: a returned
-        parameter or buffer, an input returned as is or as a view) is copied, as a device → host
-        transfer would; writing to it must change neither the device weights nor the caller's
-        input."""
+        """``outs`` as tensors of their own (docs/semantics.md S-14 "fresh tensors"), dense and
+        row-major as a device → host transfer writes them: an output sharing memory with one of
+        ``sources`` (the device state and the inputs: a returned parameter or buffer, an input
+        returned as is or as a view) is copied, so that writing to it changes neither the
+        device weights nor the caller's input; an output in another layout (a compiled
+        convolution's channels-last result, a transposed view) is made contiguous."""
         shared = {t.untyped_storage().data_ptr() for t in sources
                   if isinstance(t, torch.Tensor)}
-        return [t.clone() if t.untyped_storage().data_ptr() in shared else t for t in outs]
+        return [t.clone(memory_format=torch.contiguous_format)
+                if t.untyped_storage().data_ptr() in shared else t.contiguous() for t in outs]
 
     def _finish(self, stacked: List[torch.Tensor]) -> List[torch.Tensor]:
         """Apply output modes and the 32-bit output rule to ``[D, A, R, ...]`` results."""

@@ -69,3 +69,26 @@ def test_a_graph_with_another_op_is_compiled(stand_in):
     torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
     assert _direct_runner(model) is None
     assert stand_in  # handed to the compilation
+
+
+def test_in_place_relus_fold_into_the_linears_and_run_directly():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(160, 128), nn.ReLU(inplace=True), nn.Linear(128, 128),
+                      nn.ReLU(inplace=True), nn.Linear(128, 10))
+    model = _wrapped(m)
+    x = torch.randn(4 * 8, 160)
+    torch.testing.assert_close(model(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    assert _direct_runner(model) is not None
+
+
+def test_a_convolution_result_returned_is_row_major(stand_in):
+    """A prepacked convolution computes channels-last; the output, like a device → host
+    transfer's, is dense and row-major (``view`` works on it as on eager's)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+    model = _wrapped(m)
+    x = torch.randn(8, 3, 6, 6)
+    y = model(x)
+    assert stand_in and y.is_contiguous()
+    torch.testing.assert_close(y.view(8, -1), m(x).detach().view(8, -1), rtol=1e-5,
+                               atol=1e-5)

@@ -29,6 +29,8 @@ def test_runs_as_is_needs_a_kernel_and_only_views_besides():
     aten = torch.ops.aten
     linear = (torch.ops.popart_compiler.onednn_linear_packed.default, ("w", None))
     assert direct.runs_as_is(_graph(linear, (aten.view.default, ([-1],))))
+    assert direct.runs_as_is(_graph(linear, (aten.unsqueeze.default, (-1,)),
+                                    (aten.squeeze.dims, ([-1],))))
     assert not direct.runs_as_is(_graph((aten.view.default, ([-1],))))  # no kernel
     assert not direct.runs_as_is(_graph(linear, (aten.relu.default, ())))
     assert not direct.runs_as_is(_graph(linear, (operator.add, (1.0,))))
