@@ -36,7 +36,8 @@ VIEWS: Dict[object, Callable] = {
     _aten._unsafe_view.default: _T.reshape, _aten.t.default: _T.t,
     _aten.transpose.int: _T.transpose, _aten.permute.default: _T.permute,
     _aten.unsqueeze.default: _T.unsqueeze, _aten.squeeze.dim: _T.squeeze,
-    _aten.squeeze.dims: _T.squeeze, _aten.squeeze.default: _T.squeeze, _aten.flatten.using_ints: _T.flatten,
+    _aten.squeeze.dims: _T.squeeze, _aten.squeeze.default: _T.squeeze,
+    _aten.flatten.using_ints: _T.flatten,
     _aten.expand.default: _T.expand, _aten.alias.default: _T.view_as,
     _aten.detach.default: _T.detach, operator.getitem: operator.getitem}
 

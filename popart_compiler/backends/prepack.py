@@ -296,9 +296,10 @@ def prepack_inference(gm: fx.GraphModule) -> fx.GraphModule:
 
 def fuse_linear_relu(graph: fx.Graph) -> bool:
     """Fold each ``aten.relu`` (or in-place ``relu_``) of a packed linear's result (its
-    only use, possibly through one reshape) into the linear, as oneDNN's post-op (``post="relu"``: the result is
-    written once, instead of an Inductor loop reading and writing it again). Returns
-    whether ``graph`` changed (rewritten in place; the caller recompiles)."""
+    only use, possibly through one reshape) into the linear, as oneDNN's post-op
+    (``post="relu"``: the result is written once, instead of an Inductor loop reading and
+    writing it again). Returns whether ``graph`` changed (rewritten in place; the caller
+    recompiles)."""
     packed = torch.ops.popart_compiler.onednn_linear_packed.default
     changed = False
     for node in list(graph.nodes):
