@@ -172,14 +172,17 @@ def _onnx(model: nn.Module, x: torch.Tensor, threads: int) -> Optional[Callable]
     return lambda: sess.run(None, {name: feed})
 
 
-def _interleaved(runners: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
-    """Median seconds per call of each runner over ``repeats`` rounds. Each round runs
-    the runners in a fresh random order (seeded), each with one untimed call before its
-    timed one: the untimed call takes the cache and TLB misses left by the runner
-    before it. Without it, a rotating order kept every runner behind the same
-    predecessor, and whichever followed a memory-heavy eager runner paid for it (CNN
-    inference, ours-inductor: 4.0 ms per call behind ours-eager, 2.7 ms behind
-    itself)."""
+def interleaved_samples(runners: Dict[str, Callable[[], object]], repeats: int,
+                        clock: Optional[Callable[[], float]] = None
+                        ) -> Dict[str, List[float]]:
+    """Seconds of each runner's timed call in each of ``repeats`` rounds (``clock``:
+    default :data:`CLOCK`). Each round runs the runners in a fresh random order
+    (seeded), each with one untimed call before its timed one: the untimed call takes
+    the cache and TLB misses left by the runner before it. Without it, a rotating order
+    kept every runner behind the same predecessor, and whichever followed a memory-heavy
+    eager runner paid for it (CNN inference, ours-inductor: 4.0 ms per call behind
+    ours-eager, 2.7 ms behind itself)."""
+    clock = clock or CLOCK
     times: Dict[str, List[float]] = {k: [] for k in runners}
     order = list(runners)
     rng = random.Random(0)
@@ -187,10 +190,15 @@ def _interleaved(runners: Dict[str, Callable[[], object]], repeats: int) -> Dict
         rng.shuffle(order)
         for k in order:
             runners[k]()  # settle: warm caches for this runner
-            start = CLOCK()
+            start = clock()
             runners[k]()
-            times[k].append(CLOCK() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+            times[k].append(clock() - start)
+    return times
+
+
+def _interleaved(runners: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
+    """Median seconds per call of each runner (:func:`interleaved_samples`)."""
+    return {k: statistics.median(v) for k, v in interleaved_samples(runners, repeats).items()}
 
 
 def _try_first(runners: Dict[str, Callable], first: Dict[str, float], name: str,

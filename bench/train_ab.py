@@ -22,7 +22,6 @@ import argparse
 import cProfile
 import os
 import pstats
-import random
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import poptorch  # noqa: E402  pylint: disable=wrong-import-position
 
 from peer_models import DEVICE_ITERATIONS, ROWS, WithLoss  # noqa: E402
+from peers import interleaved_samples  # noqa: E402
 
 
 def sides(key: str) -> Dict[str, Callable[[], object]]:
@@ -73,17 +73,7 @@ def ab(key: str, rounds: int, no_rollback: bool = False) -> Dict[str, List[float
             f()
     if no_rollback:
         runs["ours-no-rollback"].model._state.session.all_or_nothing = False  # noqa
-    times: Dict[str, List[float]] = {k: [] for k in runs}
-    order = list(runs)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for k in order:
-            runs[k]()
-            start = time.thread_time()
-            runs[k]()
-            times[k].append(time.thread_time() - start)
-    return times
+    return interleaved_samples(runs, rounds, time.thread_time)
 
 
 def main(argv=None) -> None:

@@ -118,14 +118,6 @@ def test_prepacked_conv_kernel_matches_conv2d_and_follows_in_place_writes():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_real_inductor_compilation_uses_uploaded_weights():
-    m, model = _model()
-    assert_uploads_used_without_recompiling(m, model, torch.randn(6, 3, 8, 8),
-                                            inductor_backend.compile_count)
-
-
 def test_a_convolution_as_the_output_keeps_its_values(stand_in):
     """The prepacked convolution returns channels-last results; as a user output they
     are the same values as eager PyTorch's."""
@@ -262,7 +254,10 @@ def test_residual_sums_run_in_place_and_follow_uploads(stand_in):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_real_inductor_compilation_of_in_place_residual_sums_matches_eager():
-    m, model = _residual()
-    assert_uploads_used_without_recompiling(m, model, torch.randn(4, 3, 8, 8),
+@pytest.mark.parametrize("make, batch", [(_model, 6), (_residual, 4)])
+def test_real_inductor_compilation_uses_uploaded_weights(make, batch):
+    """Real compilations (the prepacked convolutions; the in-place residual sums) match
+    eager, before and after an upload, without recompiling."""
+    m, model = make()
+    assert_uploads_used_without_recompiling(m, model, torch.randn(batch, 3, 8, 8),
                                             inductor_backend.compile_count)
