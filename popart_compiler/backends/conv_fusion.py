@@ -239,6 +239,7 @@ def sum_in_place(graph: fx.Graph) -> bool:
     later, keeps it in place (no copy)."""
     fused = torch.ops.popart_compiler.onednn_conv2d_bn.default
     changed = False
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not fused:
             continue
@@ -246,13 +247,13 @@ def sum_in_place(graph: fx.Graph) -> bool:
         if not isinstance(other, fx.Node) or other.target is not fused or \
                 any(a is other for i, a in enumerate(node.args) if i != 8):
             continue  # (the convolution reading ``other`` would read what it writes)
-        order = {n: i for i, n in enumerate(graph.nodes)}
         if any(order[u] > order[node] for u in other.users if u is not node):
             continue
         with graph.inserting_before(node):
             new = graph.call_function(torch.ops.popart_compiler.onednn_conv2d_bn_sum_.default,
                                       node.args)
         new.meta["val"] = None
+        order[new] = order[node]
         node.replace_all_uses_with(other)
         graph.erase_node(node)
         changed = True

@@ -29,6 +29,12 @@ __all__ = ["runner", "runs_as_is"]
 
 _aten = torch.ops.aten
 _T = torch.Tensor
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    return t.view(t.shape)
+
+
 #: Ops that only view their input (no computation for Inductor to fuse) → the
 #: ``Tensor`` method that computes the same (a cheaper call than the op's overload).
 VIEWS: Dict[object, Callable] = {
@@ -38,7 +44,7 @@ VIEWS: Dict[object, Callable] = {
     _aten.unsqueeze.default: _T.unsqueeze, _aten.squeeze.dim: _T.squeeze,
     _aten.squeeze.dims: _T.squeeze, _aten.squeeze.default: _T.squeeze,
     _aten.flatten.using_ints: _T.flatten,
-    _aten.expand.default: _T.expand, _aten.alias.default: _T.view_as,
+    _aten.expand.default: _T.expand, _aten.alias.default: _alias,
     _aten.detach.default: _T.detach, operator.getitem: operator.getitem}
 
 
@@ -71,12 +77,6 @@ def runner(gm: fx.GraphModule) -> Optional[Callable]:
     for node in direct.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in prepack.KERNELS:
-            node.target = prepack.KERNELS[node.target]
-        elif node.target is _aten.alias.default:
-            node.args = (node.args[0], node.args[0])  # x.view_as(x)
-            node.target = _T.view_as
-        else:
-            node.target = VIEWS[node.target]
+        node.target = prepack.KERNELS.get(node.target) or VIEWS[node.target]
     direct.recompile()
     return direct.forward

@@ -412,19 +412,16 @@ class InferenceSession(Session):
                     self.clock.mark(k // r, (k + c - 1) // r - k // r + 1, since)
             outs = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*chunks)]
         outs = self._fresh(outs, [*state, *xs])
-        if self._folds_all:
+        if self._folds_all and not any(t.dtype in DEVICE_DTYPES for t in outs):
             return [t.flatten(0, 1) if t.dim() > 1 else t for t in outs]
         return self._finish([t.reshape(d, 1, r, *t.shape[1:]) for t in outs])
 
     @functools.cached_property
     def _folds_all(self) -> bool:
-        """Whether :meth:`_finish` of results ``[D, 1, R, B, ...]`` only folds them into
-        ``[D·R·B, ...]`` (``[D·R]`` for 0-d ones): every output in ``OutputMode.All``,
-        none of a 64-bit dtype, no synthetic data, no activation anchors, host results."""
-        o, exe = self.options, self.executable
-        outs = exe.graph.module.graph.find_nodes(op="output")[0].args[0]
-        vals = [v.meta.get("val") if hasattr(v, "meta") else v
-                for v in outs[:exe.num_user_outputs]]
+        """Whether :meth:`_finish` of results ``[D, 1, R, B, ...]`` (none of a 64-bit dtype)
+        only folds them into ``[D·R·B, ...]`` (``[D·R]`` for 0-d ones): every output in
+        ``OutputMode.All``, no synthetic data, no activation anchors, host results."""
+        o = self.options
         return o.output_mode is OutputMode.All and not o.synthetic_data and \
-            not exe.activation_anchors and torch.device(self.torch_device).type == "cpu" and \
-            all(isinstance(v, torch.Tensor) and v.dtype not in DEVICE_DTYPES for v in vals)
+            not self.executable.activation_anchors and \
+            torch.device(self.torch_device).type == "cpu"

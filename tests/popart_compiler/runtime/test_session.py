@@ -45,10 +45,11 @@ def test_replicas_and_input_groups():
 
 
 class _Outputs(nn.Module):
-    """A tensor per sample, a 0-d one per micro-batch, and the input itself."""
+    """A tensor per sample, a 0-d one per micro-batch, the input itself and a 64-bit
+    result."""
 
     def forward(self, x):
-        return x * 2, x.sum(), x
+        return x * 2, x.sum(), x, x.argmax(-1)
 
 
 @pytest.mark.parametrize("replicas, slots", [(1, None), (2, None), (1, 2)])
@@ -64,8 +65,9 @@ def test_vectorized_outputs_fold_as_output_mode_all(replicas, slots):
     assert session._vectorized is not None  # pylint: disable=protected-access
     if slots is not None:
         session._vectorized_slots = slots  # pylint: disable=protected-access
-    doubled, sums, same = session.run([x])
+    doubled, sums, same, index = session.run([x])
     torch.testing.assert_close(doubled, x * 2)
+    assert index.dtype == torch.int32 and torch.equal(index, x.argmax(-1).int())
     torch.testing.assert_close(sums, x.reshape(d * replicas, b, 5).sum((1, 2)))
     assert torch.equal(same, x) and same.data_ptr() != x.data_ptr()
     folded = session._folds_all  # pylint: disable=protected-access
