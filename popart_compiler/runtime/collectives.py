@@ -52,7 +52,7 @@ from popart_compiler.config import TIMEOUT_ENV
 from popart_compiler.errors import backend_error
 from popart_compiler.logging import logger
 from popart_compiler.runtime import exit_status, rendezvous
-from popart_compiler.runtime.signature import program_signature
+from popart_compiler.runtime.signature import program_signature, signature_differences
 
 __all__ = ["ProcessGroup", "process_group", "program_signature", "collective_timeout",
            "backend_for", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
@@ -196,11 +196,14 @@ class ProcessGroup:
         fails naming this one (see :meth:`leave`). A process that ends with an error
         (a non-zero exit status, :mod:`.exit_status`) leaves at once, recording it,
         also from a group the script created."""
-        if self.failed is not None or not dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self.failed is not None:  # a broken group, also the script's: close it now
+            _destroy_at_exit()
             return
         end = exit_status.ending()
         if end.failed:  # sys.exit(1) after catching its error: leave as if it raised
-            self.leave(f"{self.name()} {end.describe()}")
+            self.leave(f"{self.name()} {end.describe()}", at_exit=True)
             return
         if not self.owned:  # the script's own group: it leaves the run itself
             return
@@ -321,11 +324,14 @@ class ProcessGroup:
             return
         self.leave(f"{self.name()} ended with {what}")
 
-    def leave(self, record: str) -> None:
+    def leave(self, record: str, at_exit: bool = False) -> None:
         """Record ``record`` ("process 1 of 2 ended with ...") in the rendezvous store
         for the other processes (the first record wins) and close this process's
-        connections (for a group it created) so that their collectives fail now
-        rather than after the collective timeout."""
+        connections (for a group it created, and at exit, ``at_exit``, also for the
+        script's own group) so that their collectives fail now rather than after the
+        collective timeout. A gloo group left to interpreter finalization can abort
+        the process ("terminate called without an active exception", PyTorch issue
+        190489): the exit status the others are told would then be wrong."""
         if self.failed is not None or not dist.is_initialized():
             return
         self.failed = record
@@ -334,7 +340,7 @@ class ProcessGroup:
             store.compare_set(_FAILURE_KEY, "", record)
         except (RuntimeError, ValueError) as e:  # the store's host has gone
             logger.debug("Could not record the failure in the store: %s", e)
-        if not self.owned:
+        if not (self.owned or at_exit):
             return
         self.owned = False
         self._run_hooks("leaving")
@@ -495,22 +501,11 @@ class ProcessGroup:
         gathered: List[Any] = [None] * self.size
         self._collective("comparison of the compiled programs",
                          lambda: dist.all_gather_object(gathered, dict(signature)))
-        reference = gathered[0]
-        differences = []
-        for rank, other in enumerate(gathered[1:], start=1):
-            for key in sorted(set(reference) | set(other)):
-                mine, theirs = reference.get(key, "absent"), other.get(key, "absent")
-                if mine != theirs:
-                    differences.append(f"{key} is {mine} in process 0 but {theirs} in "
-                                       f"process {rank}")
-            if differences:
-                break
+        differences = signature_differences(gathered)
         if differences:
-            shown = differences[:8] + ([f"... {len(differences) - 8} more"]
-                                       if len(differences) > 8 else [])
             raise backend_error(
                 "The processes of this distributed run compiled different programs: "
-                + "; ".join(shown) + ". Every process must run the same model with the "
+                + "; ".join(differences) + ". Every process must run the same model with the "
                 "same options (replicationFactor, deviceIterations, gradientAccumulation, "
                 "optimizer) and the same micro-batch size.")
 
@@ -548,6 +543,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _destroy_at_exit() -> None:
+    """Destroy the default process group while the interpreter is whole (see
+    :meth:`ProcessGroup.leave`); errors are only logged: the process is ending."""
+    try:
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError, AssertionError) as e:
+        logger.debug("Destroying the process group at exit: %s", e)
+
+
 def _install_exit_hooks() -> None:
     """Follow how this process ends (:mod:`.exit_status`): an uncaught exception makes
     it leave the run at once, after the traceback is printed, and ``os._exit`` records
@@ -564,7 +568,7 @@ def _on_end(end: exit_status.Ending) -> None:
         return
     record = f"{group.name()} {end.describe()}"
     if end.via == "exception":
-        group.leave(record)
+        group.leave(record, at_exit=True)
     else:  # os._exit, any status: the connections close with the process
         group.failed = record
         with contextlib.suppress(RuntimeError, ValueError):

@@ -4,7 +4,7 @@ program and options, compared at compile
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from popart_compiler.optim.description import OptimizerDescription
     from popart_compiler.stages import Executable
 
-__all__ = ["program_signature"]
+__all__ = ["program_signature", "signature_differences"]
 
 
 def _describe(value: Any) -> str:
@@ -52,3 +52,20 @@ def program_signature(executable: "Executable",
     if optimizer is not None:
         sig["optimizer"] = " / ".join(optimizer.describe())
     return sig
+
+
+def signature_differences(signatures: List[Dict[str, str]], shown: int = 8) -> List[str]:
+    """What differs between process 0's signature (``signatures[0]``) and the first
+    process whose signature differs: ``["<key> is <value> in process 0 but <value> in
+    process <i>", ...]``, at most ``shown`` entries and a count of the rest; ``[]``
+    when every process compiled the same program."""
+    reference = signatures[0]
+    for rank, other in enumerate(signatures[1:], start=1):
+        differences = [f"{key} is {reference.get(key, 'absent')} in process 0 but "
+                       f"{other.get(key, 'absent')} in process {rank}"
+                       for key in sorted(set(reference) | set(other))
+                       if reference.get(key, "absent") != other.get(key, "absent")]
+        if differences:
+            more = len(differences) - shown
+            return differences[:shown] + ([f"... {more} more"] if more > 0 else [])
+    return []

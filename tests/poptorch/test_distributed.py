@@ -124,6 +124,39 @@ def test_failed_process_makes_the_other_fail_naming_it(tmp_path, fault, failed,
     assert float(message.split("s ", 1)[0]) < collectives.DEFAULT_TIMEOUT_S, message
 
 
+
+_OWN_GROUP_END = """
+import atexit, sys
+import torch.distributed as dist
+from popart_compiler.runtime import collectives
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs last
+collectives.process_group(0, 1)
+try:
+    raise RuntimeError("failed on purpose")
+except RuntimeError:
+    if sys.argv[2] == "exit":
+        sys.exit(1)
+    if sys.argv[2] == "raise":
+        raise
+"""
+
+
+@pytest.mark.parametrize("end, code, destroyed", [("exit", 1, True), ("raise", 1, True),
+                                                  ("normal", 0, False)])
+def test_a_failing_process_destroys_the_scripts_own_group_at_exit(tmp_path, end, code,
+                                                                   destroyed):
+    """CI failure (fc952a8, exit_own_group above): a process that called sys.exit(1)
+    with the script's own gloo group alive ended by SIGABRT ("terminate called without
+    an active exception" at interpreter finalization), not with its status 1. A process
+    that ends with an error now destroys the group at exit, also the script's own; one
+    that ends normally leaves the script's group to the script (others may still use
+    it)."""
+    codes, logs = _run([[sys.executable, "-c", _OWN_GROUP_END, str(tmp_path / "store"), end]],
+                       [_env()])
+    assert codes == [code], logs
+    assert f"initialized at exit: {not destroyed}" in logs[0], logs
+
 @pytest.mark.slow
 def test_hung_process_times_out(tmp_path):
     """Process 1 never reaches the weight update: process 0 fails after the collective

@@ -5,7 +5,7 @@ import torch.nn as nn
 from popart_compiler import compiler
 from popart_compiler.ir import Graph
 from popart_compiler.optim.description import OptimizerDescription
-from popart_compiler.runtime.signature import program_signature
+from popart_compiler.runtime.signature import program_signature, signature_differences
 from popart_compiler.session_options import SessionOptions
 
 
@@ -36,3 +36,16 @@ def test_a_different_program_or_optimizer_changes_the_signature():
     with_optimizer = program_signature(_exe(), sgd)
     assert with_optimizer["optimizer"] == " / ".join(sgd.describe())
     assert "optimizer" not in a
+
+
+def test_signature_differences_name_the_first_process_that_differs():
+    same = {"options": "a", "inputs": "x"}
+    assert signature_differences([same, dict(same), dict(same)]) == []
+    other = {"options": "b", "parameters": "w"}
+    assert signature_differences([same, dict(same), other]) == [
+        "inputs is x in process 0 but absent in process 2",
+        "options is a in process 0 but b in process 2",
+        "parameters is absent in process 0 but w in process 2"]
+    many = {f"k{i}": str(i) for i in range(10)}
+    out = signature_differences([many, {}], shown=8)
+    assert len(out) == 9 and out[-1] == "... 2 more"
