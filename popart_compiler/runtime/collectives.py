@@ -195,7 +195,8 @@ class ProcessGroup:
         this process then leaves at once, recording why, and that process's call
         fails naming this one (see :meth:`leave`). A process that ends with an error
         (a non-zero exit status, :mod:`.exit_status`) leaves at once, recording it,
-        also from a group the script created."""
+        also from a group the script created, and destroys that group, as one whose
+        group failed does (see :meth:`leave`)."""
         if not dist.is_initialized():
             return
         if self.failed is not None:  # a broken group, also the script's: close it now
